@@ -1,0 +1,171 @@
+"""Fused linear GRPO loss: hidden states + lm_head weight -> GRPO loss, without [N, V] logits.
+
+Token-level importance sampling on the Triton backend runs the GRPO epilogue inside the forward
+kernel (per-token loss and dℓ/dlogp in one pass); backward is one recompute-and-accumulate kernel
+driven by that saved coefficient. Sequence-level (GSPO) ratios need every token of a sequence
+first, so that case, and the chunked PyTorch backend, use the differentiable selective log-prob
+plus `grpo_math` on [B, T].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import linear_logprobs as triton_impl
+from .epilogue import loss_kind
+from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
+from .params import GRPOParams
+from .selective_logprobs import backend_for, linear_logprobs_2d
+from .validation import LossInputs, check_linear_head, check_loss_inputs, check_token_ids
+
+
+def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) -> dict:
+    """Flattened [N] float32 inputs, fresh [N] outputs and flags for `grpo_token_outputs`."""
+    B, T = inputs.mask.shape
+    N = B * T
+
+    def flat(x):  # [B, T] or [B, 1] -> contiguous [N]
+        return torch.broadcast_to(x, (B, T)).reshape(N).contiguous()
+
+    adv = flat(inputs.advantages)
+    outs = [torch.empty(N, device=adv.device, dtype=torch.float32) for _ in range(4)]
+    tensors = [
+        adv if inputs.old_logps is None else flat(inputs.old_logps),
+        adv if inputs.ref_logps is None else flat(inputs.ref_logps),
+        adv,
+        adv if inputs.importance_sampling_ratio is None else flat(inputs.importance_sampling_ratio),
+        flat(weight),
+        *outs,  # weight·ℓ, weight·dℓ/dlogp, kl, ratio
+    ]
+    return dict(
+        tensors=tensors,
+        scalars=[params.epsilon_low, params.eps_high,
+                 params.delta if params.delta is not None else 0.0, params.beta,
+                 params.sapo_temperature_pos, params.sapo_temperature_neg],
+        LOSS_KIND=loss_kind(params.loss_type),
+        HAS_OLD=inputs.old_logps is not None,
+        HAS_DELTA=params.delta is not None,
+        HAS_KL=params.beta != 0.0,
+        BIAS_CORRECT_KL=params.use_bias_correction_kl,
+        HAS_ISR=inputs.importance_sampling_ratio is not None,
+    )
+
+
+class FusedLinearGRPOFunction(torch.autograd.Function):
+    """(hidden [N, D], weight [V, D], bias, targets [N], epilogue) ->
+    (Σ weight·ℓ: 0-dim, entropy [N], logp [N], kl [N], ratio [N]); the last three are detached."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, epilogue):
+        logp, ent, lse = triton_impl.linear_logprob_forward(
+            hidden, weight, bias, targets, temperature, epilogue=epilogue
+        )
+        lossw, glogp, kl, ratio = epilogue["tensors"][5:]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, glogp)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(logp, kl, ratio)
+        return lossw.sum(), ent, logp, kl, ratio
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_loss, g_ent, *_):
+        hidden, weight, bias, targets, lse, ent, glogp = ctx.saved_tensors
+        g_logp = glogp * g_loss.float()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        dh, dw, db = triton_impl.linear_logprob_backward(
+            hidden, weight, bias, targets, lse, ent, g_logp, g_ent, ctx.temperature
+        )
+        return dh, dw, db, None, None, None
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    temperature: float = 1.0,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+    entropy_coef: float = 0.0,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss (GRPO_SPEC.md, TRL semantics) straight from hidden states and the lm_head weight.
+
+    Args:
+        hidden: [B, T, D] hidden states; hidden[b, t] predicts completion_ids[b, t].
+        weight: [V, D] lm_head weight (same dtype/device as hidden); bias: optional [V].
+        completion_ids: [B, T] token ids in [0, V).
+        advantages: [B], [B, 1] or [B, T], finite.
+        completion_mask: [B, T], 1 for real completion tokens (default: all ones).
+        old_logps: [B, T] log-probs under the sampling policy (default: logp.detach()).
+        ref_logps: [B, T] log-probs under the reference policy; required when beta != 0.
+        importance_sampling_ratio: [B], [B, 1] or [B, T] rollout-engine correction.
+        The remaining keywords are GRPOParams' (TRL names and defaults).
+
+    Returns:
+        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
+    """
+    params = GRPOParams(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+    )
+    return fused_linear_grpo_loss_with_params(
+        hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
+        params, num_items_in_batch, importance_sampling_ratio,
+    )
+
+
+def fused_linear_grpo_loss_with_params(
+    hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
+    params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
+):
+    """`fused_linear_grpo_loss` with a prebuilt GRPOParams (what the nn.Module calls)."""
+    check_linear_head(hidden, weight, bias)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
+    B, T, D = hidden.shape
+    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], (B, T), hidden.device)
+    inputs = check_loss_inputs(
+        B, T, hidden.device, params, completion_mask, advantages, old_logps, ref_logps,
+        importance_sampling_ratio, num_items_in_batch,
+    )
+    backend = backend_for(hidden)
+    h2 = hidden.reshape(B * T, D)
+    if backend == "triton" and params.importance_sampling_level == "token":
+        weights, ent_norm = token_weights(inputs.mask, params, inputs.num_items_in_batch)
+        loss, ent, _, kl, ratio = FusedLinearGRPOFunction.apply(
+            h2.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+            ids.reshape(-1), params.temperature, epilogue_args(params, inputs, weights),
+        )
+        ent = ent.reshape(B, T)
+        if params.entropy_coef != 0.0:
+            loss = loss - params.entropy_coef * (ent * inputs.mask).sum() / ent_norm
+        metrics = grpo_metrics(
+            ent.detach(), ratio.reshape(B, T), kl.reshape(B, T) if params.beta != 0.0 else None,
+            inputs.advantages, inputs.mask, params,
+        )
+        return loss, metrics
+    logp, ent = linear_logprobs_2d(h2, weight, bias, ids.reshape(-1), params.temperature, backend)
+    return grpo_loss_from_logps(
+        logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages, inputs.old_logps,
+        inputs.ref_logps, params, inputs.num_items_in_batch, inputs.importance_sampling_ratio,
+    )

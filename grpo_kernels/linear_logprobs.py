@@ -1,0 +1,386 @@
+"""Triton kernels: selective log-prob (and entropy) of a linear head with temperature.
+
+    z = (hidden @ weight.T + bias) / τ       [N, V], never materialized
+    lse = logsumexp(z), logp = z[target] - lse, H = lse - Σ softmax(z)·z
+
+Forward streams vocabulary tiles through an online log-sum-exp; an optional GRPO epilogue turns
+logp into the per-token loss and its gradient coefficient in the same kernel. Backward recomputes
+each logit tile from hidden and weight and accumulates d hidden and d weight with `tl.dot`.
+
+Layout: kernel, launcher; backward kernel, launcher. The autograd classes live in
+`selective_logprobs.py` and `fused_linear_grpo.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .epilogue import grpo_token_outputs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NEG_BIG = -1.0e38  # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite
+
+
+@triton.jit
+def _store_token_results(
+    offs_n, n_mask, lse, ent, z_target,
+    lse_ptr, ent_ptr, logp_ptr,
+    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
+    HAS_ISR: tl.constexpr,
+):
+    logp = z_target - lse
+    tl.store(lse_ptr + offs_n, lse, mask=n_mask)
+    tl.store(ent_ptr + offs_n, ent, mask=n_mask)
+    tl.store(logp_ptr + offs_n, logp, mask=n_mask)
+    if EPILOGUE:
+        grpo_token_outputs(
+            offs_n, n_mask, logp, old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr,
+            lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+            eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+            LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
+        )
+
+
+@triton.jit
+def _linear_logprob_fwd_kernel(
+    h_ptr, w_ptr, b_ptr, tgt_ptr,
+    part_ptr,  # [4, S, N] float32: running max m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
+    lse_ptr, ent_ptr, logp_ptr,  # [N] float32
+    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, tiles_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
+    HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Programs of one split run over the same vocabulary range at the same time, so a weight tile
+    # is fetched from DRAM once and served to the other token blocks from L2.
+    pid = tl.program_id(0)
+    pid_n = pid % n_blocks
+    pid_s = pid // n_blocks
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows_h = offs_n.to(tl.int64) * stride_hn
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+
+    m = tl.full([BLOCK_N], NEG_BIG, tl.float32)  # running max of z
+    s = tl.zeros([BLOCK_N], tl.float32)  # Σ e^(z - m)
+    t = tl.zeros([BLOCK_N], tl.float32)  # Σ e^(z - m)·(z - m); entropy H = log s - t / s
+    z_tgt = tl.zeros([BLOCK_N], tl.float32)
+    n_tiles = tl.cdiv(V, BLOCK_V)
+    tile_lo = pid_s * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+    for tile in range(tile_lo, tile_hi):
+        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < V
+        rows_w = offs_v.to(tl.int64) * stride_wv
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
+                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+        z = acc * inv_temp  # [BLOCK_N, BLOCK_V]
+        z_tgt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+        z = tl.where(v_mask[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp(m - m_new)
+        zc = tl.where(v_mask[None, :], z - m_new[:, None], 0.0)
+        p = tl.exp(z - m_new[:, None])
+        # re-centre the running sums on the new max: Σ e^(z-m_new)(z-m_new) =
+        #   alpha·(t + (m - m_new)·s) over the old tiles, plus this tile's terms
+        t = alpha * (t + (m - m_new) * s) + tl.sum(p * zc, axis=1)
+        s = alpha * s + tl.sum(p, axis=1)
+        m = m_new
+
+    if SPLIT:
+        base = pid_s * N + offs_n
+        plane = tl.num_programs(0) // n_blocks * N
+        tl.store(part_ptr + base, m, mask=n_mask)
+        tl.store(part_ptr + plane + base, s, mask=n_mask)
+        tl.store(part_ptr + 2 * plane + base, t, mask=n_mask)
+        tl.store(part_ptr + 3 * plane + base, z_tgt, mask=n_mask)
+    else:
+        log_s = tl.log(s)
+        _store_token_results(
+            offs_n, n_mask, m + log_s, log_s - t / s, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+            old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+            eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+            EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr, lse_ptr, ent_ptr, logp_ptr,
+    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    N, S,
+    EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
+    HAS_ISR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # Merge S vocabulary-split partials [S, N] into lse, entropy and logp, then the epilogue.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_s = tl.arange(0, BLOCK_S)
+    msk = n_mask[:, None] & (offs_s[None, :] < S)
+    idx = offs_s[None, :] * N + offs_n[:, None]
+    plane = S * N
+    m_i = tl.load(part_ptr + idx, mask=msk, other=NEG_BIG)
+    s_i = tl.load(part_ptr + plane + idx, mask=msk, other=0.0)
+    t_i = tl.load(part_ptr + 2 * plane + idx, mask=msk, other=0.0)
+    z_tgt = tl.sum(tl.load(part_ptr + 3 * plane + idx, mask=msk, other=0.0), axis=1)
+    m = tl.max(m_i, axis=1)
+    scale = tl.exp(m_i - m[:, None])
+    s = tl.sum(s_i * scale, axis=1)
+    t = tl.sum(scale * (t_i + (m_i - m[:, None]) * s_i), axis=1)
+    log_s = tl.log(s)
+    _store_token_results(
+        offs_n, n_mask, m + log_s, log_s - t / s, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+        old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+        eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+        EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
+    )
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 follows PyTorch's own matmul setting (full precision unless tf32 was allowed)
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _fwd_config(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device) -> dict:
+    if INTERPRET or device.type != "cuda":
+        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3)
+
+
+def _num_splits(n_blocks: int, n_tiles: int, device: torch.device) -> int:
+    """Split the vocabulary when there are too few token blocks to fill the GPU (small N)."""
+    if INTERPRET or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * sms, n_blocks)
+    return max(1, min(want, n_tiles // 4 if n_tiles >= 8 else 1, 64))
+
+
+def linear_logprob_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    epilogue: dict | None = None,
+    splits: int | None = None,
+    config: dict | None = None,
+):
+    """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (all contiguous).
+
+    Returns float32 [N] tensors (logp, entropy, lse); with `epilogue` (see
+    `fused_linear_grpo.epilogue_args`) it also fills the epilogue's output tensors in place.
+    """
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    logp = torch.empty(N, **f32)
+    ent = torch.empty(N, **f32)
+    lse = torch.empty(N, **f32)
+    if N == 0:
+        return logp, ent, lse
+    cfg = dict(config or _fwd_config(N, V, D, hidden.dtype, dev))
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    n_tiles = triton.cdiv(V, cfg["BLOCK_V"])
+    S = splits or _num_splits(n_blocks, n_tiles, dev)
+    tiles_per_split = triton.cdiv(n_tiles, S)
+    S = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
+    part = torch.empty((4, S, N), **f32) if S > 1 else logp
+    ep = epilogue or _NO_EPILOGUE(logp)
+    flags = dict(
+        EPILOGUE=epilogue is not None, LOSS_KIND=ep["LOSS_KIND"], HAS_OLD=ep["HAS_OLD"],
+        HAS_DELTA=ep["HAS_DELTA"], HAS_KL=ep["HAS_KL"], BIAS_CORRECT_KL=ep["BIAS_CORRECT_KL"],
+        HAS_ISR=ep["HAS_ISR"],
+    )
+    _linear_logprob_fwd_kernel[(n_blocks * S,)](
+        hidden, weight, bias if bias is not None else hidden, targets,
+        part, lse, ent, logp, *ep["tensors"], *ep["scalars"],
+        N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_blocks, tiles_per_split,
+        HAS_BIAS=bias is not None, SPLIT=S > 1, DOT_PREC=_dot_precision(hidden.dtype),
+        **flags, **cfg,
+    )
+    if S > 1:
+        block = 64
+        _combine_splits_kernel[(triton.cdiv(N, block),)](
+            part, lse, ent, logp, *ep["tensors"], *ep["scalars"], N, S,
+            BLOCK_N=block, BLOCK_S=triton.next_power_of_2(S), **flags,
+        )
+    return logp, ent, lse
+
+
+def _NO_EPILOGUE(dummy: torch.Tensor) -> dict:
+    return dict(
+        tensors=[dummy] * 9, scalars=[0.0] * 6, LOSS_KIND=0, HAS_OLD=False, HAS_DELTA=False,
+        HAS_KL=False, BIAS_CORRECT_KL=False, HAS_ISR=False,
+    )
+
+
+@triton.jit
+def _linear_logprob_bwd_kernel(
+    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    dh_ptr, dw_ptr, db_ptr,  # float32 accumulators: dh [N, D], dw [v_count, D], db [V]
+    N, V, D, v_begin, v_count, stride_hn, stride_wv, stride_dh, stride_dw, inv_temp,
+    n_blocks, v_blocks,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # d logits / dz:  dlogp/dz_j = onehot_j - p_j,   dH/dz_j = -p_j·(log p_j + H)
+    #   dz = g_logp·(onehot - p) - g_H·p·(log p + H);  d logits = dz / τ
+    #   d hidden = d logits @ weight, d weight = d logits^T @ hidden, d bias = Σ_n d logits
+    pid = tl.program_id(0)
+    # grouped order: GROUP_N token blocks sweep the vocabulary together (weight tiles hit in L2)
+    per_group = GROUP_N * v_blocks
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_v = (pid % per_group) // group_size
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
+    busy = tl.max(tl.abs(g), axis=0)
+    if HAS_GENT:
+        gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
+        busy += tl.max(tl.abs(gh), axis=0)
+    # token blocks with no gradient (masked tokens) cost nothing
+    if busy != 0.0:
+        offs_vl = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # row in this vocabulary chunk
+        v_mask = offs_vl < v_count
+        offs_v = v_begin + offs_vl
+        rows_h = offs_n.to(tl.int64) * stride_hn
+        rows_w = offs_v.to(tl.int64) * stride_wv
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
+                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+        lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+        tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
+        log_p = acc * inv_temp - lse[:, None]
+        p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
+        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+        dz = g[:, None] * (onehot - p)
+        if HAS_GENT:
+            ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
+            dz -= gh[:, None] * p * (log_p + ent[:, None])
+        dz = tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
+        if HAS_BIAS:
+            tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask)
+        dzc = dz.to(h_ptr.dtype.element_ty)
+        rows_dh = offs_n.to(tl.int64) * stride_dh
+        rows_dw = offs_vl.to(tl.int64) * stride_dw
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
+                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+            tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
+                          tl.dot(dzc, w, input_precision=DOT_PREC),
+                          mask=n_mask[:, None] & d_mask[None, :])
+            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
+                          tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
+                          mask=v_mask[:, None] & d_mask[None, :])
+
+
+def _bwd_config(dtype: torch.dtype, device: torch.device) -> dict:
+    if INTERPRET or device.type != "cuda":
+        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=4, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, GROUP_N=8, num_warps=8, num_stages=2)
+
+
+# float32 scratch for d weight when the weight is 16-bit: the vocabulary is processed in chunks
+# whose scratch stays under this many bytes (the weight gradient itself is in the weight's dtype).
+WEIGHT_SCRATCH_BYTES = 256 * 2**20
+
+
+def linear_logprob_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    temperature: float,
+    config: dict | None = None,
+    scratch_bytes: int = WEIGHT_SCRATCH_BYTES,
+):
+    """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
+
+    lse, ent, g_logp, g_ent: [N] float32. Returns (d hidden, d weight, d bias | None) in the
+    inputs' dtypes; accumulation is float32 (atomics into float32 buffers).
+    """
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    cfg = dict(config or _bwd_config(hidden.dtype, dev))
+    dh32 = torch.zeros((N, D), **f32)
+    db32 = torch.zeros(V, **f32) if bias is not None else None
+    direct = weight.dtype == torch.float32
+    dw = torch.zeros_like(weight) if direct else torch.empty_like(weight)
+    BV = cfg["BLOCK_V"]
+    if direct:
+        v_chunk = V
+    else:
+        v_chunk = max(BV, scratch_bytes // (4 * D) // BV * BV)
+        v_chunk = min(v_chunk, triton.cdiv(V, BV) * BV)
+        scratch = torch.empty((v_chunk, D), **f32)
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"]) if N else 0
+    for v0 in range(0, V, v_chunk):
+        vc = min(v_chunk, V - v0)
+        acc = dw[v0:v0 + vc] if direct else scratch[:vc].zero_()
+        v_blocks = triton.cdiv(vc, BV)
+        if n_blocks:
+            _linear_logprob_bwd_kernel[(n_blocks * v_blocks,)](
+                hidden, weight, bias if bias is not None else hidden, targets, lse, ent,
+                g_logp, g_ent if g_ent is not None else g_logp,
+                dh32, acc, db32 if db32 is not None else dh32,
+                N, V, D, v0, vc, hidden.stride(0), weight.stride(0), dh32.stride(0), D,
+                1.0 / temperature, n_blocks, v_blocks,
+                HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
+                DOT_PREC=_dot_precision(hidden.dtype), **cfg,
+            )
+        if not direct:
+            dw[v0:v0 + vc].copy_(acc)
+    dh = dh32 if hidden.dtype == torch.float32 else dh32.to(hidden.dtype)
+    db = None if bias is None else db32.to(bias.dtype)
+    return dh, dw, db

@@ -1,0 +1,59 @@
+"""nn.Module wrappers: they hold the hyperparameters and call the functional API."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .fused_linear_grpo import fused_linear_grpo_loss_with_params
+from .params import GRPOParams
+
+
+class FusedLinearGRPOLoss(nn.Module):
+    """GRPO loss from hidden states and the lm_head weight; see `fused_linear_grpo_loss`."""
+
+    def __init__(
+        self,
+        beta: float = 0.0,
+        epsilon_low: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        temperature: float = 1.0,
+        loss_type: str = "dapo",
+        importance_sampling_level: str = "token",
+        max_completion_length: int | None = None,
+        use_bias_correction_kl: bool = False,
+        entropy_coef: float = 0.0,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+    ):
+        super().__init__()
+        self.params = GRPOParams(
+            beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+            temperature=temperature, loss_type=loss_type,
+            importance_sampling_level=importance_sampling_level,
+            max_completion_length=max_completion_length,
+            use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in vars(self.params).items())
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        completion_ids: torch.Tensor,
+        advantages: torch.Tensor,
+        completion_mask: torch.Tensor | None = None,
+        old_logps: torch.Tensor | None = None,
+        ref_logps: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        num_items_in_batch=None,
+        importance_sampling_ratio: torch.Tensor | None = None,
+    ):
+        return fused_linear_grpo_loss_with_params(
+            hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
+            bias, self.params, num_items_in_batch, importance_sampling_ratio,
+        )

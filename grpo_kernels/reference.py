@@ -1,0 +1,98 @@
+"""Pure-PyTorch reference: the same functions as the package, by materializing the logits.
+
+This is what the kernels are tested against (run in float64 it is the "truth") and what the
+benchmarks compare with. It holds [N, V] logits in float32, so it is only for moderate N·V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .grpo_math import grpo_loss_from_logps
+from .params import GRPOParams
+from .validation import (
+    check_linear_head,
+    check_loss_inputs,
+    check_temperature,
+    check_token_ids,
+)
+
+
+def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=False):
+    """logits [..., V] -> logp [...] (and entropy [...]), float32 (float64 for float64 input)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    log_p = F.log_softmax(z, dim=-1)
+    logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logp
+    return logp, -(log_p.exp() * log_p).sum(-1)
+
+
+def _head_logits(hidden, weight, bias):
+    logits = hidden @ weight.T  # [..., V] in the inputs' dtype, as an eager model computes them
+    return logits if bias is None else logits + bias
+
+
+def selective_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0,
+                       return_entropy=False):
+    """Reference for `grpo_kernels.selective_logprobs` (materializes [..., V] logits)."""
+    check_linear_head(hidden, weight, bias)
+    temperature = check_temperature(temperature)
+    ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1], hidden.device)
+    return logprobs_from_logits(_head_logits(hidden, weight, bias), ids,
+                                temperature=temperature, return_entropy=return_entropy)
+
+
+def grpo_loss(
+    logits, completion_ids, advantages, completion_mask=None, old_logps=None, ref_logps=None,
+    *, beta=0.0, epsilon_low=0.2, epsilon_high=None, delta=None, temperature=1.0,
+    loss_type="dapo", importance_sampling_level="token", max_completion_length=None,
+    num_items_in_batch=None, importance_sampling_ratio=None, use_bias_correction_kl=False,
+    entropy_coef=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+):
+    """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] -> (loss, metrics)."""
+    params = GRPOParams(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+    )
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise ValueError("logits must be a [B, T, V] tensor")
+    B, T, V = logits.shape
+    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device)
+    inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
+                               old_logps, ref_logps, importance_sampling_ratio,
+                               num_items_in_batch)
+    logp, ent = logprobs_from_logits(logits, ids, temperature=params.temperature,
+                                     return_entropy=True)
+    return grpo_loss_from_logps(logp, ent, inputs.mask, inputs.advantages, inputs.old_logps,
+                                inputs.ref_logps, params, inputs.num_items_in_batch,
+                                inputs.importance_sampling_ratio)
+
+
+def fused_linear_grpo_loss(
+    hidden, weight, completion_ids, advantages, completion_mask=None, old_logps=None,
+    ref_logps=None, bias=None, *, beta=0.0, epsilon_low=0.2, epsilon_high=None, delta=None,
+    temperature=1.0, loss_type="dapo", importance_sampling_level="token",
+    max_completion_length=None, num_items_in_batch=None, importance_sampling_ratio=None,
+    use_bias_correction_kl=False, entropy_coef=0.0, sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+):
+    """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits)."""
+    check_linear_head(hidden, weight, bias)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
+    return grpo_loss(
+        _head_logits(hidden, weight, bias), completion_ids, advantages, completion_mask,
+        old_logps, ref_logps, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        delta=delta, temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+        importance_sampling_ratio=importance_sampling_ratio,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+    )

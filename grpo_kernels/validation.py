@@ -1,0 +1,159 @@
+"""Input validation: every public function checks its inputs here and fails with an error that
+names the argument and what was expected. Kernels never see an out-of-range index."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _tensor(name: str, x, *, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else ndim
+        if x.dim() not in allowed:
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dimensions, "
+                f"got shape {tuple(x.shape)}"
+            )
+    return x
+
+
+def _same_device(name: str, x: torch.Tensor, device: torch.device, ref_name: str) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {device}; "
+                         "move them to the same device")
+
+
+def _float(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor "
+                        f"(float16/bfloat16/float32/float64), got {x.dtype}")
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device) -> torch.Tensor:
+    """Integer ids of `shape` in [0, vocab_size); returns them as contiguous int64."""
+    _tensor(name, ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (int64), got {ids.dtype}")
+    if tuple(ids.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(ids.shape)}")
+    _same_device(name, ids, device, "hidden")
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        lo, hi = int(lo), int(hi)  # one host sync: an out-of-range id would read out of bounds
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{name} has token id {bad} outside [0, {vocab_size}) (vocabulary size = "
+                "weight.shape[0]); padded positions need a valid id such as the pad token, "
+                "not -100"
+            )
+    return ids.to(torch.int64).contiguous()
+
+
+def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
+    """hidden [..., D], weight [V, D], bias [V] | None: same dtype and device."""
+    _tensor(hidden_name, hidden)
+    _tensor("weight", weight, ndim=2)
+    _float(hidden_name, hidden)
+    _float("weight", weight)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{hidden_name} must end in the hidden size D = weight.shape[1] = {weight.shape[1]}, "
+            f"got shape {tuple(hidden.shape)} (weight is [V, D] = {tuple(weight.shape)})"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one vocabulary row, got shape "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{hidden_name} ({hidden.dtype}) and weight ({weight.dtype}) must have the "
+                        "same dtype; cast one of them (e.g. weight.to(hidden.dtype))")
+    _same_device("weight", weight, hidden.device, hidden_name)
+    if bias is not None:
+        _tensor("bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}], "
+                             f"got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias ({bias.dtype}) must have weight's dtype ({weight.dtype})")
+        _same_device("bias", bias, hidden.device, hidden_name)
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not temperature > 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return float(temperature)
+
+
+@dataclass
+class LossInputs:
+    """Validated per-token GRPO inputs, float32 on hidden's device."""
+
+    mask: torch.Tensor  # [B, T]
+    advantages: torch.Tensor  # [B, 1] or [B, T]
+    old_logps: torch.Tensor | None  # [B, T]
+    ref_logps: torch.Tensor | None  # [B, T]
+    importance_sampling_ratio: torch.Tensor | None  # [B, 1] or [B, T]
+    num_items_in_batch: torch.Tensor | float | None
+
+
+def _per_token(name, x, B, T, device, allow_seq: bool) -> torch.Tensor:
+    _tensor(name, x)
+    _float(name, x)
+    _same_device(name, x, device, "hidden")
+    shape = tuple(x.shape)
+    if shape == (B, T):
+        return x.float()
+    if allow_seq and shape in ((B,), (B, 1)):
+        return x.float().reshape(B, 1)
+    want = f"[B, T] = [{B}, {T}]" + (f", [B] = [{B}] or [B, 1]" if allow_seq else "")
+    raise ValueError(f"{name} must have shape {want}, got {shape}")
+
+
+def check_loss_inputs(
+    B: int, T: int, device, params, completion_mask, advantages, old_logps, ref_logps,
+    importance_sampling_ratio, num_items_in_batch,
+) -> LossInputs:
+    if completion_mask is None:
+        mask = torch.ones((B, T), device=device, dtype=torch.float32)
+    else:
+        _tensor("completion_mask", completion_mask)
+        if tuple(completion_mask.shape) != (B, T):
+            raise ValueError(f"completion_mask must have shape [B, T] = [{B}, {T}], "
+                             f"got {tuple(completion_mask.shape)}")
+        _same_device("completion_mask", completion_mask, device, "hidden")
+        mask = completion_mask.float()
+    adv = _per_token("advantages", advantages, B, T, device, allow_seq=True)
+    if not bool(torch.isfinite(adv).all()):
+        raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
+                         "scored (GRPO_SPEC.md: nan_to_num)")
+    old = None if old_logps is None else _per_token("old_logps", old_logps, B, T, device, False)
+    ref = None
+    if params.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError(f"ref_logps is required when beta != 0 (beta = {params.beta})")
+        ref = _per_token("ref_logps", ref_logps, B, T, device, False)
+    isr = None
+    if importance_sampling_ratio is not None:
+        isr = _per_token("importance_sampling_ratio", importance_sampling_ratio, B, T, device, True)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.numel() != 1:
+                raise ValueError("num_items_in_batch must be a number or a one-element tensor, "
+                                 f"got shape {tuple(num_items_in_batch.shape)}")
+            num_items_in_batch = num_items_in_batch.reshape(()).to(device=device,
+                                                                   dtype=torch.float32)
+        elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch,
+                                                                   (int, float)):
+            raise TypeError("num_items_in_batch must be a number or a tensor, got "
+                            f"{type(num_items_in_batch).__name__}")
+        elif not num_items_in_batch >= 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
+    return LossInputs(mask, adv, old, ref, isr, num_items_in_batch)
