@@ -48,7 +48,8 @@ def _store_token_results(
         )
 
 
-@triton.jit
+# Sizes that vary with the batch are not specialized on: one compile serves every sequence length.
+@triton.jit(do_not_specialize=["N", "n_blocks", "tiles_per_split"])
 def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
     part_ptr,  # [4, S, N] float32: running max m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
@@ -123,7 +124,7 @@ def _linear_logprob_fwd_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _combine_splits_kernel(
     part_ptr, lse_ptr, ent_ptr, logp_ptr,
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
@@ -148,7 +149,7 @@ def _combine_splits_kernel(
     scale = tl.exp(m_i - m[:, None])
     s = tl.sum(s_i * scale, axis=1)
     t = tl.sum(scale * (t_i + (m_i - m[:, None]) * s_i), axis=1)
-    log_s = tl.log(s)
+    log_s = tl.log(tl.where(n_mask, s, 1.0))  # rows past N have no partials
     _store_token_results(
         offs_n, n_mask, m + log_s, log_s - t / s, z_tgt, lse_ptr, ent_ptr, logp_ptr,
         old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
@@ -241,7 +242,7 @@ def _NO_EPILOGUE(dummy: torch.Tensor) -> dict:
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "n_blocks", "v_blocks"])
 def _linear_logprob_bwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
     dh_ptr, dw_ptr, db_ptr,  # float32 accumulators: dh [N, D], dw [v_count, D], db [V]

@@ -1,0 +1,60 @@
+"""Shared test inputs and error bounds (imported by the kernel tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_kernels import reference
+
+
+def make_head(B, T, D, V, dtype, device, seed=0, bias=False, scale=1.0):
+    """Random hidden [B, T, D], weight [V, D], bias [V] | None, ids [B, T] (never zeros).
+
+    `scale` sets the logit spread: ~N(0, scale²) logits with these magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * (scale / max(D, 1) ** 0.5)
+    b = torch.randn(V, generator=g) * 0.5 if bias else None
+    ids = torch.randint(0, V, (B, T), generator=g)
+    cast = lambda x: None if x is None else x.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(hidden), cast(weight), cast(b), ids.to(device)
+
+
+def make_grpo_batch(hidden, weight, bias, ids, seed=0, masked_row=True, temperature=1.0,
+                    token_adv=False):
+    """Mask with padding (and optionally a fully masked row), advantages, and old/ref log-probs
+    near the current policy's so ratios straddle the clip range."""
+    B, T = ids.shape
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = (torch.rand(B, T, generator=g) > 0.25).float()
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask *= (torch.arange(T)[None, :] < lengths[:, None]).float()
+    if masked_row and B > 1:
+        mask[1] = 0.0
+    adv = torch.randn(B, T, generator=g) if token_adv else torch.randn(B, generator=g)
+    with torch.no_grad():
+        logp = reference.selective_logprobs(hidden.double().cpu(), weight.double().cpu(),
+                                            ids.cpu(),
+                                            None if bias is None else bias.double().cpu(),
+                                            temperature=temperature).float()
+    old = logp + 0.25 * torch.randn(B, T, generator=g)
+    ref = logp + 0.25 * torch.randn(B, T, generator=g)
+    dev = hidden.device
+    return mask.to(dev), adv.to(dev), old.to(dev), ref.to(dev)
+
+
+def leaf(x, dtype=None):
+    if x is None:
+        return None
+    return x.detach().to(dtype or x.dtype).clone().requires_grad_(True)
+
+
+def max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def scaled_err(a, b) -> float:
+    """Max abs error relative to the truth's max magnitude (∞-norm relative error)."""
+    if not a.numel():
+        return 0.0
+    return max_err(a, b) / max(b.double().abs().max().item(), 1e-30)

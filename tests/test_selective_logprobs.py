@@ -1,0 +1,131 @@
+"""selective_logprobs: Triton (interpreter on CPU) and chunked paths against a float64 truth.
+
+Error bound in the CCE style: our error against float64 must not exceed PyTorch's own error in the
+same dtype (the reference evaluated in that dtype) by more than a small tolerance."""
+
+import pytest
+import torch
+from helpers import leaf, make_head, max_err
+
+import grpo_kernels as gk
+from grpo_kernels import chunked, linear_logprobs, reference
+
+BACKENDS = ["triton", "torch"]
+# (B, T, D, V): an odd shape, and one spanning 10 vocabulary tiles (BLOCK_V=32) and 2 D tiles
+SHAPES = [(3, 47, 31, 123), (2, 9, 40, 300)]
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _run(fn, hidden, weight, bias, ids, temperature, coef):
+    """logp, entropy and the gradients of Σ c0·logp + Σ c1·H."""
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+    logp, ent = fn(h, w, ids, b, temperature=temperature, return_entropy=True)
+    ((coef[0] * logp).sum() + (coef[1] * ent).sum()).backward()
+    grads = [h.grad, w.grad] + ([] if b is None else [b.grad])
+    return [logp.detach(), ent.detach()] + grads
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_float64_truth(backend, dtype, shape, bias, temperature):
+    B, T, D, V = shape
+    hidden, weight, b, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=7, bias=bias,
+                                       scale=4.0)
+    coef = torch.randn(2, B, T, generator=torch.Generator().manual_seed(3))
+    cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
+    truth = _run(reference.selective_logprobs, hidden.double(), weight.double(),
+                 cast(b, torch.float64), ids, temperature, coef.double())
+    same = _run(reference.selective_logprobs, hidden.to(dtype), weight.to(dtype), cast(b, dtype),
+                ids, temperature, coef)
+    with gk.force_backend(backend):
+        ours = _run(gk.selective_logprobs, hidden.to(dtype), weight.to(dtype), cast(b, dtype),
+                    ids, temperature, coef)
+    names = ["logp", "entropy", "d hidden", "d weight", "d bias"]
+    for name, o, s, t in zip(names, ours, same, truth):
+        assert o.dtype == (torch.float32 if name in ("logp", "entropy") else dtype), name
+        scale = max(1.0, t.abs().max().item())
+        assert max_err(o, t) <= 2 * max_err(s, t) + TOL[dtype] * scale, (
+            f"{name}: ours {max_err(o, t):.3g} vs torch {max_err(s, t):.3g}")
+
+
+def test_vocabulary_splits_match_single_pass():
+    """The split-vocabulary forward (small N on a big GPU) combines partials exactly."""
+    hidden, weight, b, ids = make_head(1, 21, 24, 250, torch.float32, "cpu", seed=1, bias=True)
+    h2, ids2 = hidden.reshape(-1, 24), ids.reshape(-1)
+    one = linear_logprobs.linear_logprob_forward(h2, weight, b, ids2, 0.8, splits=1)
+    for splits in (2, 3, 8):
+        many = linear_logprobs.linear_logprob_forward(h2, weight, b, ids2, 0.8, splits=splits)
+        for x, y in zip(one, many):
+            assert max_err(x, y) < 1e-5
+
+
+def test_backward_vocab_chunks_match_single_chunk():
+    """16-bit weights accumulate d weight in float32 scratch chunks of the vocabulary."""
+    hidden, weight, b, ids = make_head(2, 13, 20, 200, torch.float16, "cpu", seed=2, bias=True)
+    h2, ids2 = hidden.reshape(-1, 20), ids.reshape(-1)
+    logp, ent, lse = linear_logprobs.linear_logprob_forward(h2, weight, b, ids2, 1.0)
+    g = torch.randn(26)
+    gh = torch.randn(26)
+    whole = linear_logprobs.linear_logprob_backward(h2, weight, b, ids2, lse, ent, g, gh, 1.0)
+    bytes_for_two_tiles = 2 * 32 * 20 * 4
+    parts = linear_logprobs.linear_logprob_backward(h2, weight, b, ids2, lse, ent, g, gh, 1.0,
+                                                    scratch_bytes=bytes_for_two_tiles)
+    for x, y in zip(whole, parts):
+        assert max_err(x, y) < 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_gradient_tokens_do_no_work_and_give_zero(backend):
+    hidden, weight, _, ids = make_head(2, 5, 8, 40, torch.float32, "cpu")
+    h, w = leaf(hidden), leaf(weight)
+    with gk.force_backend(backend):
+        logp = gk.selective_logprobs(h, w, ids)
+    (logp * 0).sum().backward()
+    assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_empty_input(backend):
+    hidden, weight, _, ids = make_head(2, 3, 8, 17, torch.float32, "cpu")
+    with gk.force_backend(backend):
+        out = gk.selective_logprobs(hidden.reshape(2, 3, 1, 8), weight, ids.reshape(2, 3, 1))
+        assert out.shape == (2, 3, 1)
+        h0 = leaf(hidden[:0])
+        empty = gk.selective_logprobs(h0, weight, ids[:0])
+        empty.sum().backward()
+    assert empty.shape == (0, 3) and h0.grad.shape == (0, 3, 8)
+    ref = reference.selective_logprobs(hidden, weight, ids)
+    assert max_err(out.reshape(2, 3), ref) < 1e-5
+
+
+def test_chunked_path_bounds_its_temporaries():
+    """Chunk rows are chosen from the element budget, so [chunk, V] never grows with N."""
+    assert chunked._chunk_rows(151936, 2**24) == 110
+    hidden, weight, _, ids = make_head(4, 50, 8, 64, torch.float32, "cpu")
+    h2, ids2 = hidden.reshape(-1, 8), ids.reshape(-1)
+    small = chunked.linear_logprob_forward(h2, weight, None, ids2, 1.0, chunk_elements=64 * 7)
+    whole = chunked.linear_logprob_forward(h2, weight, None, ids2, 1.0)
+    for x, y in zip(small, whole):
+        assert max_err(x, y) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_on_gpu(bias):
+    B, T, D, V = 4, 257, 896, 151936
+    hidden, weight, b, ids = make_head(B, T, D, V, torch.float32, "cuda", seed=5, bias=bias,
+                                       scale=4.0)
+    coef = torch.randn(2, B, T, device="cuda")
+    cast = lambda x, dt: None if x is None else x.to(dt)  # noqa: E731
+    truth = _run(reference.selective_logprobs, hidden.double(), weight.double(),
+                 cast(b, torch.float64), ids, 1.0, coef.double())
+    same = _run(reference.selective_logprobs, hidden.bfloat16(), weight.bfloat16(),
+                cast(b, torch.bfloat16), ids, 1.0, coef)
+    ours = _run(gk.selective_logprobs, hidden.bfloat16(), weight.bfloat16(),
+                cast(b, torch.bfloat16), ids, 1.0, coef)
+    for o, s, t in zip(ours, same, truth):
+        scale = max(1.0, t.abs().max().item())
+        assert max_err(o, t) <= 2 * max_err(s, t) + 1e-2 * scale

@@ -1,0 +1,110 @@
+"""Bad input gets a clear error naming the argument; never a silent wrong answer."""
+
+import pytest
+import torch
+from helpers import make_head
+
+import grpo_kernels as gk
+from grpo_kernels import reference
+
+B, T, D, V = 2, 5, 8, 21
+
+
+@pytest.fixture
+def inputs():
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu")
+    return hidden, weight, ids, torch.randn(B)
+
+
+CASES = [
+    # (description, mutate(kwargs) -> None, exception, message fragment)
+    ("ids out of range", lambda k: k.update(completion_ids=k["completion_ids"] + V), ValueError,
+     "completion_ids has token id"),
+    ("negative ids", lambda k: k["completion_ids"].__setitem__((0, 0), -100), ValueError,
+     "not -100"),
+    ("float ids", lambda k: k.update(completion_ids=k["completion_ids"].float()), TypeError,
+     "completion_ids must be an integer"),
+    ("ids shape", lambda k: k.update(completion_ids=k["completion_ids"][:, :3]), ValueError,
+     "completion_ids must have shape"),
+    ("hidden 2-d", lambda k: k.update(hidden=k["hidden"][0]), ValueError, "[B, T, D]"),
+    ("hidden width", lambda k: k.update(hidden=k["hidden"][..., :3]), ValueError,
+     "hidden size D"),
+    ("dtype mismatch", lambda k: k.update(weight=k["weight"].double()), TypeError,
+     "same dtype"),
+    ("int hidden", lambda k: k.update(hidden=k["hidden"].long()), TypeError,
+     "hidden must be a floating-point"),
+    ("weight 1-d", lambda k: k.update(weight=k["weight"][0]), ValueError, "weight must have 2"),
+    ("bias shape", lambda k: k.update(bias=torch.zeros(V + 1)), ValueError,
+     "bias must have shape [V]"),
+    ("advantages shape", lambda k: k.update(advantages=torch.randn(B + 1)), ValueError,
+     "advantages must have shape"),
+    ("advantages nan", lambda k: k["advantages"].__setitem__(0, float("nan")), ValueError,
+     "advantages contain NaN"),
+    ("advantages inf", lambda k: k["advantages"].__setitem__(1, float("inf")), ValueError,
+     "advantages contain NaN or inf"),
+    ("mask shape", lambda k: k.update(completion_mask=torch.ones(B, T + 1)), ValueError,
+     "completion_mask must have shape"),
+    ("old shape", lambda k: k.update(old_logps=torch.zeros(B)), ValueError,
+     "old_logps must have shape"),
+    ("unknown loss", lambda k: k.update(loss_type="ppo"), ValueError, "loss_type must be one of"),
+    ("unknown level", lambda k: k.update(importance_sampling_level="seq"), ValueError,
+     "importance_sampling_level must be one of"),
+    ("beta without ref", lambda k: k.update(beta=0.04), ValueError,
+     "ref_logps is required when beta != 0"),
+    ("dr_grpo without length", lambda k: k.update(loss_type="dr_grpo"), ValueError,
+     "needs max_completion_length"),
+    ("bad temperature", lambda k: k.update(temperature=0.0), ValueError, "temperature"),
+    ("nan epsilon", lambda k: k.update(epsilon_low=float("nan")), ValueError, "epsilon_low"),
+    ("bad delta", lambda k: k.update(delta=-1.0), ValueError, "delta must be > 0"),
+    ("isr shape", lambda k: k.update(importance_sampling_ratio=torch.ones(T)), ValueError,
+     "importance_sampling_ratio must have shape"),
+    ("num items type", lambda k: k.update(num_items_in_batch="12"), TypeError,
+     "num_items_in_batch"),
+    ("num items tensor", lambda k: k.update(num_items_in_batch=torch.ones(3)), ValueError,
+     "num_items_in_batch"),
+    ("not a tensor", lambda k: k.update(hidden=[[1.0]]), TypeError, "hidden must be a torch"),
+]
+
+
+@pytest.mark.parametrize("impl", ["ours", "reference"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(inputs, case, impl):
+    hidden, weight, ids, adv = inputs
+    kwargs = dict(hidden=hidden, weight=weight, completion_ids=ids.clone(), advantages=adv.clone())
+    _, mutate, exc, fragment = case
+    mutate(kwargs)
+    fn = gk.fused_linear_grpo_loss if impl == "ours" else reference.fused_linear_grpo_loss
+    with pytest.raises(exc) as info:
+        fn(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_selective_logprobs_errors():
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="targets has token id 21 outside"):
+        gk.selective_logprobs(hidden, weight, torch.full((B, T), V))
+    with pytest.raises(ValueError, match=r"targets must have shape \(2, 5\)"):
+        gk.selective_logprobs(hidden, weight, ids[:1])
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        gk.selective_logprobs(hidden, weight, ids, temperature=-1.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with gk.force_backend("cuda"):
+            pass
+
+
+def test_forcing_triton_on_float64_is_refused():
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float64, "cpu")
+    with gk.force_backend("triton"), pytest.raises(RuntimeError, match="cannot run"):
+        gk.selective_logprobs(hidden, weight, ids)
+    # without forcing, float64 is served by the chunked PyTorch path
+    assert gk.selective_logprobs(hidden, weight, ids).dtype == torch.float32
+
+
+def test_mask_values_are_respected_not_required_binary(inputs):
+    """Fractional masks (e.g. tool masks multiplied in) weigh tokens, as in TRL."""
+    hidden, weight, ids, adv = inputs
+    mask = torch.rand(B, T)
+    a, _ = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, loss_type="bnpo")
+    b, _ = reference.fused_linear_grpo_loss(hidden.double(), weight.double(), ids, adv, mask,
+                                            loss_type="bnpo")
+    assert abs(a.item() - b.item()) < 1e-5
