@@ -10,13 +10,12 @@ plus `grpo_math` on [B, T].
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import linear_logprobs as triton_impl
+from .autograd import LinearHeadOp, SelectiveLogprob
 from .epilogue import loss_kind
 from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
 from .params import GRPOParams
-from .selective_logprobs import backend_for, linear_logprobs_2d
+from .selective_logprobs import IMPLS, backend_for, linear_inputs
 from .validation import LossInputs, check_linear_head, check_loss_inputs, check_token_ids
 
 
@@ -52,31 +51,32 @@ def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) 
     )
 
 
-class FusedLinearGRPOFunction(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], bias, targets [N], epilogue) ->
-    (Σ weight·ℓ: 0-dim, entropy [N], logp [N], kl [N], ratio [N]); the last three are detached."""
+def grpo_loss_on_op(op, targets, tensors, inputs: LossInputs, params: GRPOParams, fused: bool):
+    """The GRPO loss on top of a selective log-prob op (linear head or logits).
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, epilogue):
-        logp, ent, lse = triton_impl.linear_logprob_forward(
-            hidden, weight, bias, targets, temperature, epilogue=epilogue
+    fused: token-level ratios on the Triton backend, where the epilogue runs inside the forward
+    kernel; otherwise the differentiable log-probs go through `grpo_math` on [B, T].
+    """
+    B, T = inputs.mask.shape
+    if not fused:
+        logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *tensors)
+        return grpo_loss_from_logps(
+            logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages,
+            inputs.old_logps, inputs.ref_logps, params, inputs.num_items_in_batch,
+            inputs.importance_sampling_ratio,
         )
-        lossw, glogp, kl, ratio = epilogue["tensors"][5:]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, glogp)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(logp, kl, ratio)
-        return lossw.sum(), ent, logp, kl, ratio
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_loss, g_ent, *_):
-        hidden, weight, bias, targets, lse, ent, glogp = ctx.saved_tensors
-        g_logp = glogp * g_loss.float()
-        g_ent = None if g_ent is None else g_ent.float().contiguous()
-        dh, dw, db = triton_impl.linear_logprob_backward(
-            hidden, weight, bias, targets, lse, ent, g_logp, g_ent, ctx.temperature
-        )
-        return dh, dw, db, None, None, None
+    weights, ent_norm = token_weights(inputs.mask, params, inputs.num_items_in_batch)
+    epilogue = epilogue_args(params, inputs, weights)
+    _, ent, loss = SelectiveLogprob.apply(op, targets, epilogue, *tensors)
+    kl, ratio = epilogue["tensors"][7:9]  # filled by the kernel, [N]
+    ent = ent.reshape(B, T)
+    if params.entropy_coef != 0.0:
+        loss = loss - params.entropy_coef * (ent * inputs.mask).sum() / ent_norm
+    metrics = grpo_metrics(
+        ent.detach(), ratio.reshape(B, T), kl.reshape(B, T) if params.beta != 0.0 else None,
+        inputs.advantages, inputs.mask, params,
+    )
+    return loss, metrics
 
 
 def fused_linear_grpo_loss(
@@ -120,14 +120,7 @@ def fused_linear_grpo_loss(
     Returns:
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
     """
-    params = GRPOParams(
-        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        temperature=temperature, loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length,
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-    )
+    params = GRPOParams.pick(locals())
     return fused_linear_grpo_loss_with_params(
         hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
         params, num_items_in_batch, importance_sampling_ratio,
@@ -149,23 +142,7 @@ def fused_linear_grpo_loss_with_params(
         importance_sampling_ratio, num_items_in_batch,
     )
     backend = backend_for(hidden)
-    h2 = hidden.reshape(B * T, D)
-    if backend == "triton" and params.importance_sampling_level == "token":
-        weights, ent_norm = token_weights(inputs.mask, params, inputs.num_items_in_batch)
-        loss, ent, _, kl, ratio = FusedLinearGRPOFunction.apply(
-            h2.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            ids.reshape(-1), params.temperature, epilogue_args(params, inputs, weights),
-        )
-        ent = ent.reshape(B, T)
-        if params.entropy_coef != 0.0:
-            loss = loss - params.entropy_coef * (ent * inputs.mask).sum() / ent_norm
-        metrics = grpo_metrics(
-            ent.detach(), ratio.reshape(B, T), kl.reshape(B, T) if params.beta != 0.0 else None,
-            inputs.advantages, inputs.mask, params,
-        )
-        return loss, metrics
-    logp, ent = linear_logprobs_2d(h2, weight, bias, ids.reshape(-1), params.temperature, backend)
-    return grpo_loss_from_logps(
-        logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages, inputs.old_logps,
-        inputs.ref_logps, params, inputs.num_items_in_batch, inputs.importance_sampling_ratio,
-    )
+    fused = backend == "triton" and params.importance_sampling_level == "token"
+    op = LinearHeadOp(IMPLS[backend], params.temperature)
+    tensors = linear_inputs(hidden.reshape(B * T, D), weight, bias)
+    return grpo_loss_on_op(op, ids.reshape(-1), tensors, inputs, params, fused)

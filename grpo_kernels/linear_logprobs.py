@@ -35,7 +35,7 @@ def _store_token_results(
     HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
     HAS_ISR: tl.constexpr,
 ):
-    logp = z_target - lse
+    logp = tl.where(n_mask, z_target - lse, 0.0)  # rows past N stay finite in the epilogue
     tl.store(lse_ptr + offs_n, lse, mask=n_mask)
     tl.store(ent_ptr + offs_n, ent, mask=n_mask)
     tl.store(logp_ptr + offs_n, logp, mask=n_mask)

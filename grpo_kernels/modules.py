@@ -28,14 +28,7 @@ class FusedLinearGRPOLoss(nn.Module):
         sapo_temperature_neg: float = 1.05,
     ):
         super().__init__()
-        self.params = GRPOParams(
-            beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-            temperature=temperature, loss_type=loss_type,
-            importance_sampling_level=importance_sampling_level,
-            max_completion_length=max_completion_length,
-            use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        )
+        self.params = GRPOParams.pick(locals())
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in vars(self.params).items())

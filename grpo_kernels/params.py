@@ -8,7 +8,7 @@ defaults are TRL's (see GRPO_SPEC.md).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 # Loss types whose per-token loss is the PPO-style clipped surrogate.
@@ -71,6 +71,11 @@ class GRPOParams:
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
                 raise ValueError(f"max_completion_length must be a positive int, got {m!r}")
+
+    @classmethod
+    def pick(cls, namespace: dict) -> GRPOParams:
+        """Build from the hyperparameters found in `namespace` (e.g. a function's locals())."""
+        return cls(**{f.name: namespace[f.name] for f in fields(cls) if f.name in namespace})
 
     @property
     def eps_high(self) -> float:

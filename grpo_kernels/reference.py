@@ -13,6 +13,7 @@ from .grpo_math import grpo_loss_from_logps
 from .params import GRPOParams
 from .validation import (
     check_linear_head,
+    check_logits,
     check_loss_inputs,
     check_temperature,
     check_token_ids,
@@ -52,18 +53,17 @@ def grpo_loss(
     entropy_coef=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
 ):
     """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] -> (loss, metrics)."""
-    params = GRPOParams(
-        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        temperature=temperature, loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length,
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-    )
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        raise ValueError("logits must be a [B, T, V] tensor")
+    return _loss_from_logits(logits, completion_ids, advantages, completion_mask, old_logps,
+                             ref_logps, GRPOParams.pick(locals()), num_items_in_batch,
+                             importance_sampling_ratio)
+
+
+def _loss_from_logits(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
+                      params, num_items_in_batch, importance_sampling_ratio):
+    check_logits(logits, ndim=3)
     B, T, V = logits.shape
-    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device)
+    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device,
+                          "logits.shape[-1]")
     inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
                                num_items_in_batch)
@@ -83,16 +83,10 @@ def fused_linear_grpo_loss(
     sapo_temperature_neg=1.05,
 ):
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits)."""
+    params = GRPOParams.pick(locals())
     check_linear_head(hidden, weight, bias)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
-    return grpo_loss(
-        _head_logits(hidden, weight, bias), completion_ids, advantages, completion_mask,
-        old_logps, ref_logps, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        delta=delta, temperature=temperature, loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-        importance_sampling_ratio=importance_sampling_ratio,
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-    )
+    return _loss_from_logits(_head_logits(hidden, weight, bias), completion_ids, advantages,
+                             completion_mask, old_logps, ref_logps, params, num_items_in_batch,
+                             importance_sampling_ratio)

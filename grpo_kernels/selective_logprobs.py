@@ -2,23 +2,34 @@
 
 Backends: "triton" (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before triton was
 imported) and "torch" (the chunked PyTorch path in `chunked.py`). Both save only per-token
-statistics (lse, entropy) for backward, never logits.
+statistics (lse, entropy) for backward, never logits (see `autograd.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import chunked
 from . import linear_logprobs as triton_impl
+from . import logits_logprobs as logits_impl
+from .autograd import LinearHeadOp, SelectiveLogprob
 from .validation import check_linear_head, check_temperature, check_token_ids
 
 BACKENDS = ("triton", "torch")
-_IMPLS = {"triton": triton_impl, "torch": chunked}
+# The launchers of both ops per backend, under the same four names.
+IMPLS = {
+    "triton": SimpleNamespace(
+        linear_logprob_forward=triton_impl.linear_logprob_forward,
+        linear_logprob_backward=triton_impl.linear_logprob_backward,
+        logits_logprob_forward=logits_impl.logits_logprob_forward,
+        logits_logprob_backward=logits_impl.logits_logprob_backward,
+    ),
+    "torch": chunked,
+}
 _forced: str | None = None
 
 
@@ -50,38 +61,16 @@ def backend_for(x: torch.Tensor) -> str:
     return "triton" if triton_ok else "torch"
 
 
-class LinearLogprobFunction(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], bias [V] | None, targets [N]) -> (logp [N], entropy [N])."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, backend):
-        impl = _IMPLS[backend]
-        logp, ent, lse = impl.linear_logprob_forward(hidden, weight, bias, targets, temperature)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.temperature = temperature
-        ctx.backend = backend
-        return logp, ent
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        g_ent = None if g_ent is None else g_ent.float().contiguous()
-        dh, dw, db = _IMPLS[ctx.backend].linear_logprob_backward(
-            hidden, weight, bias, targets, lse, ent, g_logp.float().contiguous(), g_ent,
-            ctx.temperature,
-        )
-        return dh, dw, db, None, None, None
-
-
 def linear_logprobs_2d(hidden, weight, bias, targets, temperature, backend):
-    """Unchecked core: contiguous [N, D] hidden and int64 [N] targets -> (logp, entropy) [N]."""
-    return LinearLogprobFunction.apply(
-        hidden.contiguous(), weight.contiguous(),
-        None if bias is None else bias.contiguous(), targets, temperature, backend,
-    )
+    """Unchecked core: [N, D] hidden and int64 [N] targets -> (logp, entropy), each [N]."""
+    op = LinearHeadOp(IMPLS[backend], temperature)
+    logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *linear_inputs(hidden, weight, bias))
+    return logp, ent
+
+
+def linear_inputs(hidden, weight, bias):
+    """The tensors the linear-head kernels take: contiguous hidden [N, D], weight, bias."""
+    return hidden.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous()
 
 
 def selective_logprobs(

@@ -35,7 +35,8 @@ def _float(name: str, x: torch.Tensor) -> None:
                         f"(float16/bfloat16/float32/float64), got {x.dtype}")
 
 
-def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device) -> torch.Tensor:
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device,
+                    vocab_from: str = "weight.shape[0]") -> torch.Tensor:
     """Integer ids of `shape` in [0, vocab_size); returns them as contiguous int64."""
     _tensor(name, ids)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -50,7 +51,7 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device
             bad = lo if lo < 0 else hi
             raise ValueError(
                 f"{name} has token id {bad} outside [0, {vocab_size}) (vocabulary size = "
-                "weight.shape[0]); padded positions need a valid id such as the pad token, "
+                f"{vocab_from}); padded positions need a valid id such as the pad token, "
                 "not -100"
             )
     return ids.to(torch.int64).contiguous()
@@ -82,6 +83,15 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
         if bias.dtype != weight.dtype:
             raise TypeError(f"bias ({bias.dtype}) must have weight's dtype ({weight.dtype})")
         _same_device("bias", bias, hidden.device, hidden_name)
+
+
+def check_logits(logits, ndim: int | None = None) -> None:
+    """Floating-point logits [..., V] (exactly `ndim` dimensions if given), V >= 1."""
+    _tensor("logits", logits, ndim=ndim)
+    _float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must end in a vocabulary dimension V >= 1, "
+                         f"got shape {tuple(logits.shape)}")
 
 
 def check_temperature(temperature) -> float:

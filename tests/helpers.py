@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from grpo_kernels import reference
+from grpo_kernels import LOSS_TYPES, reference
+
+# loss type × importance-sampling level × beta × temperature × delta × bias
+MATRIX = list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04], [1.0, 0.7],
+                                [None, 1.5], [False, True]))
+
+
+def hyper(loss_type, level, beta, temperature, delta, **extra):
+    """Keyword hyperparameters of one matrix cell (cispo takes its raw cap as epsilon_high)."""
+    kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta,
+              temperature=temperature, delta=delta, max_completion_length=64,
+              epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+    kw.update(extra)
+    return kw
 
 
 def make_head(B, T, D, V, dtype, device, seed=0, bias=False, scale=1.0):

@@ -3,27 +3,15 @@ kernels (interpreter on CPU) and the chunked PyTorch path: loss, metrics and gra
 weight and bias, over loss type × importance-sampling level × beta × temperature × delta × bias,
 with a fully masked row in every batch."""
 
-import itertools
-
 import pytest
 import torch
-from helpers import leaf, make_grpo_batch, make_head, max_err
+from helpers import MATRIX, hyper, leaf, make_grpo_batch, make_head, max_err
 
 import grpo_kernels as gk
 from grpo_kernels import reference
 
 BACKENDS = ["triton", "torch"]
-MATRIX = list(itertools.product(gk.LOSS_TYPES, ["token", "sequence"], [0.0, 0.04], [1.0, 0.7],
-                                [None, 1.5], [False, True]))
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
-
-
-def hyper(loss_type, level, beta, temperature, delta, **extra):
-    kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta,
-              temperature=temperature, delta=delta, max_completion_length=64,
-              epsilon_high=5.0 if loss_type == "cispo" else 0.28)
-    kw.update(extra)
-    return kw
 
 
 def run(fn, hidden, weight, bias, ids, batch, kw, dtype):

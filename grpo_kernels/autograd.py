@@ -1,0 +1,85 @@
+"""One autograd Function for every selective log-prob: linear head or logits, Triton or chunked
+PyTorch, with or without the fused GRPO epilogue.
+
+Forward returns (logp [N], entropy [N], Σ weight·ℓ: 0-dim). Backward needs only per-token
+statistics, so only those and the inputs are saved (never logits):
+
+    g_logp_total = g_logp + g_loss · (weight · dℓ/dlogp)      (the epilogue's saved coefficient)
+    then the op's backward turns (g_logp_total, g_entropy) into input gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+class LinearHeadOp:
+    """z = (hidden [N, D] @ weight [V, D]^T + bias [V]) / τ, on one backend's launchers."""
+
+    def __init__(self, impl, temperature: float):
+        self.impl, self.temperature = impl, temperature
+
+    def forward(self, targets, epilogue, hidden, weight, bias):
+        kw = {} if epilogue is None else {"epilogue": epilogue}
+        return self.impl.linear_logprob_forward(hidden, weight, bias, targets, self.temperature,
+                                                **kw)
+
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
+        hidden, weight, bias = inputs
+        return self.impl.linear_logprob_backward(hidden, weight, bias, targets, lse, ent, g_logp,
+                                                 g_ent, self.temperature)
+
+
+class LogitsOp:
+    """z = logits [B, T, V] / τ. With `inplace`, d logits overwrites the logits buffer."""
+
+    def __init__(self, impl, temperature: float, inplace: bool = False):
+        self.impl, self.temperature, self.inplace = impl, temperature, inplace
+
+    def forward(self, targets, epilogue, logits):
+        kw = {} if epilogue is None else {"epilogue": epilogue}
+        return self.impl.logits_logprob_forward(logits, targets, self.temperature, **kw)
+
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
+        (logits,) = inputs
+        if not needs[0]:
+            return (None,)
+        dx = self.impl.logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent,
+                                               self.temperature,
+                                               out=logits if self.inplace else None)
+        if self.inplace:
+            # the kernel wrote through a raw pointer: bump the version so that any other
+            # autograd node that saved these logits fails loudly instead of using gradients
+            increment = getattr(torch.autograd.graph, "increment_version", None)
+            if increment is not None:
+                increment(logits)
+        return (dx,)
+
+
+class SelectiveLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, targets, epilogue, *inputs):
+        ctx.set_materialize_grads(False)  # unused outputs give None: no entropy-gradient work
+        logp, ent, lse = op.forward(targets, epilogue, *inputs)
+        if epilogue is not None:
+            lossw, glogp = epilogue["tensors"][5:7]
+            loss = lossw.sum()
+        else:
+            glogp, loss = None, lse.new_zeros(())
+            ctx.mark_non_differentiable(loss)
+        ctx.op = op
+        ctx.save_for_backward(targets, lse, ent, glogp, *inputs)
+        return logp, ent, loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp, g_ent, g_loss):
+        targets, lse, ent, glogp, *inputs = ctx.saved_tensors
+        g = torch.zeros_like(lse) if g_logp is None else g_logp.float()
+        if glogp is not None and g_loss is not None:
+            g = g + glogp * g_loss.float()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        grads = ctx.op.backward(inputs, targets, lse, ent, g.contiguous(), g_ent,
+                                ctx.needs_input_grad[3:])
+        return (None, None, None, *grads)

@@ -1,0 +1,155 @@
+"""Triton kernels: selective log-prob (and entropy) from logits that the caller already holds.
+
+    z = logits / τ  [N, V] (any float dtype, read as float32)
+    lse = logsumexp(z), logp = z[target] - lse, H = lse - Σ softmax(z)·z
+
+Memory-bound: forward reads each row once (online log-sum-exp, target pick, entropy, optional
+GRPO epilogue); backward reads it once more and writes d logits once, into a fresh buffer or, with
+`inplace`, over the logits themselves. Nothing of [N, V] float32 is ever allocated.
+
+Layout: kernel, launcher; backward kernel, launcher.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .linear_logprobs import _NO_EPILOGUE, INTERPRET, NEG_BIG, _store_token_results
+
+
+@triton.jit
+def _row_offsets(offs_n, T, stride_b, stride_t):
+    # row n of the flattened [B, T] lives at b·stride_b + t·stride_t: views sliced out of a
+    # model's [B, L, V] logits are read in place
+    offs = offs_n.to(tl.int64)
+    return (offs // T) * stride_b + (offs % T) * stride_t
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def _logits_logprob_fwd_kernel(
+    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
+    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    N, V, T, stride_xb, stride_xt, inv_temp,
+    EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
+    HAS_ISR: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+    # the target logit is one load per row, not a search through the tiles
+    z_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32) * inv_temp
+    m = tl.full([ROWS], NEG_BIG, tl.float32)  # running max
+    s = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)
+    t = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)·(z - m)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        msk = n_mask[:, None] & (offs_v[None, :] < V)
+        z = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
+                    other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(z - m_new[:, None])
+        zc = tl.where(msk, z - m_new[:, None], 0.0)
+        t = alpha * (t + (m - m_new) * s) + tl.sum(p * zc, axis=1)
+        s = alpha * s + tl.sum(p, axis=1)
+        m = m_new
+    log_s = tl.log(tl.where(n_mask, s, 1.0))
+    _store_token_results(
+        offs_n, n_mask, m + log_s, log_s - t / tl.where(n_mask, s, 1.0), z_tgt,
+        lse_ptr, ent_ptr, logp_ptr,
+        old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
+        eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+        EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
+    )
+
+
+def _config(V: int, device: torch.device) -> dict:
+    if INTERPRET or device.type != "cuda":
+        return dict(ROWS=4, BLOCK_V=64, num_warps=4)
+    # one row per program streams V in 16-byte-per-thread chunks; small V packs rows together
+    block = min(triton.next_power_of_2(V), 8192)
+    rows = max(1, min(16, 8192 // triton.next_power_of_2(V)))
+    return dict(ROWS=rows, BLOCK_V=block, num_warps=8 if block >= 4096 else 4)
+
+
+def logits_logprob_forward(logits, targets, temperature, epilogue=None):
+    """logits [B, T, V] (last dim contiguous), targets [B·T] int64
+    -> float32 (logp, entropy, lse), each [B·T]."""
+    B, T, V = logits.shape
+    N = B * T
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    logp, ent, lse = (torch.empty(N, **f32) for _ in range(3))
+    if N == 0:
+        return logp, ent, lse
+    cfg = _config(V, logits.device)
+    ep = epilogue or _NO_EPILOGUE(logp)
+    _logits_logprob_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+        logits, targets, lse, ent, logp, *ep["tensors"], *ep["scalars"],
+        N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
+        EPILOGUE=epilogue is not None, LOSS_KIND=ep["LOSS_KIND"], HAS_OLD=ep["HAS_OLD"],
+        HAS_DELTA=ep["HAS_DELTA"], HAS_KL=ep["HAS_KL"], BIAS_CORRECT_KL=ep["BIAS_CORRECT_KL"],
+        HAS_ISR=ep["HAS_ISR"], **cfg,
+    )
+    return logp, ent, lse
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def _logits_logprob_bwd_kernel(
+    x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp,
+    HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # d logits_j = [g·(onehot_j - p_j) - g_H·p_j·(log p_j + H)] / τ  (see linear_logprobs.py)
+    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
+    drows = _row_offsets(offs_n, T, stride_db, stride_dt)
+    g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
+    busy = tl.max(tl.abs(g), axis=0)
+    gh = g
+    ent = g
+    if HAS_GENT:
+        gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
+        ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
+        busy += tl.max(tl.abs(gh), axis=0)
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        msk = n_mask[:, None] & (offs_v[None, :] < V)
+        if busy != 0.0:
+            log_p = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
+                            other=0.0).to(tl.float32) * inv_temp - lse[:, None]
+            p = tl.exp(log_p)
+            onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+            dz = g[:, None] * (onehot - p)
+            if HAS_GENT:
+                dz -= gh[:, None] * p * (log_p + ent[:, None])
+            dz = dz * inv_temp
+        else:
+            dz = tl.zeros([ROWS, BLOCK_V], tl.float32)  # rows without gradient: no read
+        tl.store(dx_ptr + drows[:, None] + offs_v[None, :],
+                 dz.to(dx_ptr.dtype.element_ty), mask=msk)
+
+
+def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None):
+    """d logits [B, T, V] in logits' dtype for Σ g_logp·logp + Σ g_ent·H; written into `out`
+    (which may be `logits` itself: each element is read before it is overwritten)."""
+    B, T, V = logits.shape
+    N = B * T
+    dx = torch.empty_like(logits) if out is None else out
+    if N == 0:
+        return dx
+    cfg = _config(V, logits.device)
+    _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+        logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
+        N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
+        1.0 / temperature,
+        HAS_GENT=g_ent is not None, **cfg,
+    )
+    return dx
