@@ -59,8 +59,13 @@ def _compile(kernel, constexprs: dict, elem: str, arch: int, options: dict):
     from triton.compiler import ASTSource
 
     index = {n: i for i, n in enumerate(kernel.arg_names)}
-    src = ASTSource(fn=kernel, signature=_signature(kernel, constexprs, elem),
-                    constexprs={(index[k],): v for k, v in constexprs.items()})
+    sig = _signature(kernel, constexprs, elem)
+    # what the launcher's specialization sees on real heads: 16-byte aligned tensors, and D and
+    # row strides that are multiples of 16 (896, 3584, 4096, 151936 all are)
+    aligned = [n for n, t in sig.items() if t.startswith("*") or n == "D" or n.startswith("stride")]
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(index[k],): v for k, v in constexprs.items()},
+                    attrs={(index[n],): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 

@@ -8,10 +8,22 @@ states, without projecting prompt positions (or anything) to full-vocabulary log
 `input_ids` is prompt + completion, [B, L]; the last T columns are the completion. The hidden state
 at position L-T-1+t predicts completion token t, so the loss uses hidden[:, -T-1:-1].
 Works with tied embeddings (the output embedding is found with `get_output_embeddings()`, whatever
-it is called), lm_head biases, PEFT-wrapped models, and DDP/accelerate wrappers.
+it is called, e.g. BioGPT's `output_projection`), lm_head biases, PEFT-wrapped models,
+torch.compile and DDP/accelerate wrappers. Models the hidden-state path would get wrong raise
+instead (checked once per model, `check_output_head`): logit soft-capping or scaling in the config,
+or a head that transforms the body's output before its output embedding (BERT-style heads).
+
+Old/reference scoring: `causal_lm_logprobs` (no grad); `completion_logprobs` is the same with grad.
+
+Precision of the lm_head projection ("head dtype"): under autocast it runs in the autocast dtype,
+as the model's own `lm_head` would; otherwise in the dtype of the head's weight (hidden states are
+cast to it, as e.g. TRL's `cast_lm_head_to_fp32` does). `head_dtype=` overrides both. The kernels
+accumulate in float32 whatever the head dtype.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -21,14 +33,18 @@ from .modules import FusedLinearGRPOLoss
 from .selective_logprobs import selective_logprobs
 
 # Config attributes that change logits after lm_head; a plain linear head would ignore them.
-_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                                 "output_multiplier", "lm_head_multiplier")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/FSDP-style `.module` wrappers and PEFT wrappers: the `PreTrainedModel` inside."""
+    """Strip DDP/FSDP-style `.module` wrappers, torch.compile's `_orig_mod` and PEFT wrappers:
+    the `PreTrainedModel` inside."""
     while True:
         if hasattr(model, "get_base_model"):  # peft.PeftModel
             model = model.get_base_model()
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         else:
@@ -43,6 +59,11 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() "
                          "returned None): it is not a causal language model")
+    if head.weight.dim() != 2 or head.weight.numel() == 0:
+        # DeepSpeed ZeRO-3 and some FSDP set-ups leave an empty local shard outside the forward
+        raise ValueError(f"the output embedding of {type(inner).__name__} has weight shape "
+                         f"{tuple(head.weight.shape)}, not a full [V, D] matrix (sharded "
+                         "parameters are not supported)")
     config = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in _UNSUPPORTED_LOGIT_TRANSFORMS:
@@ -63,6 +84,83 @@ def _body(inner: nn.Module) -> nn.Module:
     return body
 
 
+def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(f"input_ids must be a [B, L] tensor, got {shape}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        shape = getattr(attention_mask, "shape", type(attention_mask))
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(shape) if isinstance(shape, torch.Size) else shape}")
+    L = input_ids.shape[1]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise TypeError(f"logits_to_keep must be an int (the completion length), got "
+                        f"{type(logits_to_keep).__name__}")
+    if not 0 < logits_to_keep < L:
+        raise ValueError(
+            f"logits_to_keep must be in [1, L-1] = [1, {L - 1}] (the completion length; at "
+            f"least one prompt token must precede it), got {logits_to_keep}"
+        )
+
+
+def _last_hidden(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+# Models whose output embedding was seen to take the body's output unchanged (checked once each).
+_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_head_input(inner: nn.Module, body: nn.Module, input_ids, attention_mask) -> None:
+    """Once per model: run its own forward on one sequence and check that the output embedding
+    is applied to the body's output as is. BERT-style heads (a dense+norm transform first, e.g.
+    RobertaForCausalLM) or a rescaled hidden state would otherwise give silently wrong losses."""
+    if inner in _HEAD_CHECKED:
+        return
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None:
+        return  # output_head() raises the error
+    seen = {}
+    hooks = [body.register_forward_hook(lambda _m, _a, out: seen.setdefault("body", out)),
+             head.register_forward_pre_hook(lambda _m, args: seen.setdefault("head", args[0]))]
+    devices = [input_ids.device] if input_ids.is_cuda else []
+    try:  # no grad, and no RNG draws visible outside (dropout)
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            am = None if attention_mask is None else attention_mask[:1]
+            inner(input_ids=input_ids[:1], attention_mask=am, logits_to_keep=1, use_cache=False)
+    except Exception:
+        # the head itself may fail on its own (e.g. a float32 head on a bf16 body, which we cast
+        # and the model does not); its input was captured before it ran, which is all we need
+        if "head" not in seen:
+            raise
+    finally:
+        for h in hooks:
+            h.remove()
+    body_out = _last_hidden(seen["body"])[:, -1:] if "body" in seen else None
+    head_in = seen.get("head")
+    if (body_out is None or head_in is None or head_in.shape != body_out.shape
+            or not torch.equal(head_in, body_out.to(head_in.device))):
+        raise NotImplementedError(
+            f"{type(inner).__name__} does not apply its output embedding "
+            f"({type(head).__name__}) directly to the output of its body "
+            f"({type(body).__name__}); a head with its own transform is not supported")
+    _HEAD_CHECKED[inner] = True
+
+
+def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -> None:
+    """Raise (ValueError / NotImplementedError) unless the hidden-state path reproduces `model`'s
+    own logits: an output embedding exists, no logit soft-capping/scaling, and the head takes the
+    body's output as is (checked with one short forward of `input_ids` [B, L], default a
+    2-token dummy). Cached per model; `completion_hidden_states` runs the same check."""
+    inner = unwrap_model(model)
+    output_head(inner)
+    if input_ids is None:
+        device = next(inner.parameters()).device
+        input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    _check_head_input(inner, _body(inner), input_ids, None)
+
+
 def completion_hidden_states(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -72,46 +170,57 @@ def completion_hidden_states(
 ) -> torch.Tensor:
     """Final hidden states that predict the last `logits_to_keep` tokens: [B, T, D].
 
-    An unwrapped model runs its body (no lm_head at all). A wrapped model (DDP, accelerate) must be
-    called through its wrapper for gradient synchronization, so it is called with
-    logits_to_keep=1 (a [B, 1, V] projection, discarded) while a hook captures the body's output.
+    An unwrapped model runs its body (no lm_head at all). A wrapped model (DDP, accelerate,
+    torch.compile, PEFT) must be called through its wrapper (gradient synchronization, adapters),
+    so it is called with logits_to_keep=1 (a [B, 1, V] projection, discarded) while a hook
+    captures the body's output.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
-    L = input_ids.shape[1]
-    if not 0 < logits_to_keep < L:
-        raise ValueError(
-            f"logits_to_keep must be in [1, L-1] = [1, {L - 1}] (the completion length; at "
-            f"least one prompt token must precede it), got {logits_to_keep}"
-        )
+    _check_batch(input_ids, attention_mask, logits_to_keep)
     inner = unwrap_model(model)
     body = _body(inner)
+    _check_head_input(inner, body, input_ids, attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                   **model_kwargs)
     if inner is model:
-        out = body(**kwargs)
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        hidden = _last_hidden(body(**kwargs))
     else:
         captured = []
 
         def grab(_module, _args, out):
-            captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+            captured.append(_last_hidden(out))
 
         handle = body.register_forward_hook(grab)
         try:
             model(logits_to_keep=1, **kwargs)
         finally:
             handle.remove()
+        if not captured:
+            raise RuntimeError(f"calling {type(model).__name__} never ran its body "
+                               f"{type(body).__name__}; cannot capture the hidden states")
         hidden = captured[-1]
     return hidden[:, -logits_to_keep - 1:-1, :]
 
 
-def _head_for(hidden: torch.Tensor, model: nn.Module):
+def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):
+    """(hidden, weight, bias) of `model`'s output embedding, all cast to the head dtype (see the
+    module docstring): hidden [B, T, D], weight [V, D], bias [V] | None."""
     weight, bias = output_head(model)
-    if weight.dtype != hidden.dtype:  # e.g. autocast: bf16 activations, fp32 master weights
-        weight = weight.to(hidden.dtype)
-        bias = None if bias is None else bias.to(hidden.dtype)
-    return weight, bias
+    if head_dtype is None:
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):  # the model's own lm_head would run in this dtype
+            head_dtype = torch.get_autocast_dtype(device)
+        else:
+            head_dtype = weight.dtype
+    if weight.device != hidden.device:  # device_map: the body may end on another device
+        hidden = hidden.to(weight.device)
+    cast = lambda x: x if x is None or x.dtype == head_dtype else x.to(head_dtype)
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _no_autocast(x: torch.Tensor):
+    """Autocast off for the head: `head_for` already chose its dtype, and autocast would recast
+    the PyTorch path's matmuls (e.g. undo an explicit float32 head)."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def causal_lm_grpo_loss(
@@ -127,19 +236,66 @@ def causal_lm_grpo_loss(
     loss_fn: FusedLinearGRPOLoss | None = None,
     num_items_in_batch=None,
     importance_sampling_ratio: torch.Tensor | None = None,
+    head_dtype: torch.dtype | None = None,
     **model_kwargs,
 ):
     """GRPO loss of a causal LM on prompt+completion `input_ids` [B, L]; the completion is the
-    last `logits_to_keep` tokens. `loss_fn` holds the hyperparameters (default: TRL's)."""
+    last `logits_to_keep` tokens. `loss_fn` holds the hyperparameters (default: TRL's).
+    `completion_mask`, `old_logps`, `ref_logps`: [B, T]; `advantages`: [B], [B, 1] or [B, T].
+    Returns (loss: 0-dim float32, metrics: dict of detached 0-dim tensors)."""
     loss_fn = loss_fn if loss_fn is not None else FusedLinearGRPOLoss()
+    if not isinstance(loss_fn, FusedLinearGRPOLoss):
+        raise TypeError(f"loss_fn must be a grpo_kernels.FusedLinearGRPOLoss, got "
+                        f"{type(loss_fn).__name__}")
     hidden = completion_hidden_states(model, input_ids, attention_mask, logits_to_keep,
                                       **model_kwargs)
-    weight, bias = _head_for(hidden, model)
-    completion_ids = input_ids[:, -logits_to_keep:]
-    return fused_linear_grpo_loss_with_params(
-        hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
-        loss_fn.params, num_items_in_batch, importance_sampling_ratio,
-    )
+    hidden, weight, bias = head_for(hidden, model, head_dtype)
+    completion_ids = input_ids[:, -logits_to_keep:].to(hidden.device)
+    with _no_autocast(hidden):  # inputs are already in the head dtype; keep it
+        return fused_linear_grpo_loss_with_params(
+            hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
+            bias, loss_fn.params, num_items_in_batch, importance_sampling_ratio,
+        )
+
+
+def completion_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    logits_to_keep: int,
+    *,
+    temperature: float = 1.0,
+    batch_size: int | None = None,
+    return_entropy: bool = False,
+    head_dtype: torch.dtype | None = None,
+    **model_kwargs,
+):
+    """Log-probs [B, T] float32 of the last `logits_to_keep` tokens (and entropies [B, T] if
+    `return_entropy`), in micro-batches of `batch_size` sequences, without logits.
+    Differentiable; see `causal_lm_logprobs` for the no-grad scoring entry point."""
+    _check_batch(input_ids, attention_mask, logits_to_keep)
+    B = input_ids.shape[0]
+    step = max(B, 1) if batch_size is None else batch_size
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    logps, ents = [], []
+    for i in range(0, max(B, 1), step):  # one (empty) chunk for B = 0
+        am = None if attention_mask is None else attention_mask[i:i + step]
+        # per-sequence model inputs (e.g. position_ids [B, L]) follow the chunk; others as given
+        kwargs = {k: v[i:i + step] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B
+                  else v for k, v in model_kwargs.items()}
+        hidden = completion_hidden_states(model, input_ids[i:i + step], am, logits_to_keep,
+                                          **kwargs)
+        hidden, weight, bias = head_for(hidden, model, head_dtype)
+        ids = input_ids[i:i + step, -logits_to_keep:].to(hidden.device)
+        with _no_autocast(hidden):
+            out = selective_logprobs(hidden, weight, ids, bias, temperature=temperature,
+                                     return_entropy=return_entropy)
+        logps.append(out[0] if return_entropy else out)
+        if return_entropy:
+            ents.append(out[1])
+    logp = torch.cat(logps, dim=0)
+    return (logp, torch.cat(ents, dim=0)) if return_entropy else logp
 
 
 @torch.no_grad()
@@ -151,20 +307,14 @@ def causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     batch_size: int | None = None,
+    return_entropy: bool = False,
+    head_dtype: torch.dtype | None = None,
     **model_kwargs,
-) -> torch.Tensor:
+):
     """No-grad log-probs [B, T] float32 of the last `logits_to_keep` tokens (old or reference
     policy scoring), in micro-batches of `batch_size` sequences, without logits."""
-    B = input_ids.shape[0]
-    step = batch_size or B
-    if step <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    out = []
-    for i in range(0, B, step):
-        am = None if attention_mask is None else attention_mask[i:i + step]
-        hidden = completion_hidden_states(model, input_ids[i:i + step], am, logits_to_keep,
-                                          **model_kwargs)
-        weight, bias = _head_for(hidden, model)
-        out.append(selective_logprobs(hidden, weight, input_ids[i:i + step, -logits_to_keep:],
-                                      bias, temperature=temperature))
-    return torch.cat(out, dim=0)
+    return completion_logprobs(
+        model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
+        batch_size=batch_size, return_entropy=return_entropy, head_dtype=head_dtype,
+        **model_kwargs,
+    )

@@ -326,7 +326,7 @@ def _bwd_config(dtype: torch.dtype, device: torch.device) -> dict:
         return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=4, num_warps=4, num_stages=1)
     # No-spill shapes on sm_90 (see _fwd_config); the dz tile and two dot results are live at once.
     if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=2)
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, num_warps=8, num_stages=2)
     return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=2)
 
 

@@ -1,0 +1,289 @@
+"""TRL integration: a `GRPOTrainer` that computes its GRPO loss from hidden states, no logits.
+
+    from grpo_kernels.trl import GRPOTrainer      # instead of: from trl import GRPOTrainer
+
+Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's. What changes:
+
+- The training loss (`_compute_loss`) runs the model body only, takes the hidden states of the
+  completion positions ([B, T, D]) and gets log-probs and entropies from the fused linear kernels
+  (Triton on CUDA, chunked PyTorch on CPU), then ratios, clipping, KL and aggregation from
+  `grpo_math` on [B, T]: prompt positions are never projected to the vocabulary and no
+  [B, T, V] logits exist.
+- Old- and reference-policy scoring (`_get_per_token_logps_and_entropies`) goes through the same
+  hidden-state path (`grpo_kernels.hf.completion_logprobs`), without logits.
+
+Inside this trainer the numbers are TRL's (tested against TRL's own `_compute_loss` to float32
+precision), including two places where GRPO_SPEC.md (the standalone loss) reads differently:
+- luspo: TRL aggregates Σ_bt mask·ℓ / B; the spec takes the mean over [B, T] of ℓ·Σ_t mask. They
+  agree when ℓ is constant along a sequence (sequence-level ratios, beta = 0, no token-level
+  vLLM correction); here luspo always runs TRL's form (as dapo with normalizer B).
+- entropy bonus: TRL subtracts entropy_coef · (masked mean entropy of the micro-batch) /
+  gradient-accumulation steps for every loss type; the spec divides by the dapo/cispo normalizer
+  for those two types. Here it is TRL's.
+Normalization follows TRL: per-micro-batch losses / current_gradient_accumulation_steps; dapo/cispo
+divide by num_items_in_batch / num_processes · accumulation steps / steps_per_generation.
+Metrics are TRL's too (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max and
+its per-sequence averages at importance_sampling_level="sequence", `cispo_clip_ratio`,
+`policy_loss`, `entropy_coef`), reduced across processes as TRL does.
+
+Fallbacks (a one-time warning names the reason):
+- TRL's loss math on our log-probs (still no logits): loss_type "vespo" or any type we lack,
+  top_entropy_quantile < 1, off_policy_mask_threshold, use_adaptive_entropy.
+- TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
+  logit soft-capping/scaling models, output heads with their own transform (BERT-style),
+  sharded heads (DeepSpeed ZeRO-3, FSDP).
+use_liger_kernel needs no fallback: in TRL >= 1.16 it only swaps layer kernels, which the model
+body runs as usual.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+try:
+    import trl as _trl
+    from trl.trainer.utils import nanmax, nanmin
+except ImportError as exc:  # TRL is an optional dependency
+    raise ImportError(
+        "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
+    ) from exc
+
+from .grpo_math import per_token_loss, token_weights
+from .hf import check_output_head, completion_hidden_states, completion_logprobs, head_for
+from .params import CLIPPED_LOSS_TYPES, LOSS_TYPES, GRPOParams
+from .selective_logprobs import selective_logprobs
+from .validation import check_loss_inputs
+
+# `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
+TESTED_TRL = (1, 16)
+_trl_version = tuple(int(x) for x in _trl.__version__.split(".")[:2] if x.isdigit())
+if _trl_version < TESTED_TRL:
+    raise ImportError(f"grpo_kernels.trl needs TRL >= 1.16, found {_trl.__version__}: "
+                      "pip install -U grpo-kernels[trl]")
+if _trl_version > TESTED_TRL:
+    warnings.warn(f"grpo_kernels.trl was checked against TRL 1.16; TRL {_trl.__version__} may "
+                  "normalize or log differently (tests/test_trl.py checks it)", stacklevel=2)
+
+__all__ = ["GRPOTrainer", "policy_terms"]
+
+# Batch keys that only vision-language models produce; the hidden-state path does not take them.
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                   "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                   "mm_token_type_ids", "image_position_ids")
+
+
+def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
+                 params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None):
+    """The GRPO policy loss with the per-token values TRL's metrics need.
+
+    Log-probs and entropies come from the fused linear kernels (`selective_logprobs`: Triton on
+    CUDA, chunked PyTorch on CPU; no [N, V] logits), the per-token loss and aggregation from
+    `grpo_math` on [B, T]; params.entropy_coef is ignored (the trainer adds TRL's bonus).
+    hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
+    Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
+    (detached), kl [B, T] (detached) or None).
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
+    B, T, _ = hidden.shape
+    logp, entropy = selective_logprobs(hidden, weight, completion_ids, bias,
+                                       temperature=params.temperature, return_entropy=True)
+    inputs = check_loss_inputs(B, T, hidden.device, params, mask, advantages, old_logps,
+                               ref_logps, importance_sampling_ratio, num_items_in_batch)
+    loss_tok, ratio, kl = per_token_loss(
+        logp, inputs.old_logps, inputs.ref_logps, inputs.advantages, inputs.mask, params,
+        inputs.importance_sampling_ratio,
+    )
+    weights, _ = token_weights(inputs.mask, params, inputs.num_items_in_batch)
+    return (weights * loss_tok).sum(), entropy, ratio, None if kl is None else kl.detach()
+
+
+class GRPOTrainer(_trl.GRPOTrainer):
+    """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
+
+    Same constructor and config as TRL's; see the module docstring for what changes.
+    """
+
+    _tag_names = ["trl", "grpo", "grpo-kernels"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._warned: set[str] = set()
+        # TRL's cast_lm_head_to_fp32 runs the head in float32 outside autocast; so do we
+        self._head_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
+        self._grpo_params, self._loss_fallback = self._build_params()
+        self._model_fallback = self._model_unsupported()
+
+    def _build_params(self) -> tuple[GRPOParams | None, str | None]:
+        """Our hyperparameters from TRL's, or (None, why the loss must be TRL's)."""
+        if self.loss_type not in LOSS_TYPES:
+            return None, f"loss_type={self.loss_type!r} is not implemented by grpo-kernels"
+        for flag, on in (("top_entropy_quantile < 1", self.top_entropy_quantile < 1.0),
+                         ("off_policy_mask_threshold", self.off_policy_mask_threshold is not None),
+                         ("use_adaptive_entropy", self.use_adaptive_entropy)):
+            if on:
+                return None, f"{flag} is not implemented by grpo-kernels"
+        args = self.args
+        try:
+            params = GRPOParams(
+                beta=float(self.beta), epsilon_low=float(self.epsilon_low),
+                epsilon_high=float(self.epsilon_high), delta=args.delta,
+                temperature=float(self.temperature),
+                # TRL's luspo is Σ mask·ℓ / B: dapo's aggregation with normalizer B
+                loss_type="dapo" if self.loss_type == "luspo" else self.loss_type,
+                importance_sampling_level=self.importance_sampling_level,
+                max_completion_length=self.max_completion_length,
+                use_bias_correction_kl=bool(args.use_bias_correction_kl),
+                sapo_temperature_pos=float(args.sapo_temperature_pos),
+                sapo_temperature_neg=float(args.sapo_temperature_neg),
+            )
+        except (TypeError, ValueError) as exc:
+            return None, f"grpo-kernels rejects this configuration ({exc})"
+        return params, None
+
+    def _model_unsupported(self) -> str | None:
+        """Why the hidden-state path cannot run this model at all (None if it can)."""
+        if self.aux_loss_enabled:
+            return "the MoE auxiliary loss needs the model's own forward"
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled() or self.is_fsdp_enabled:
+            return "the lm_head weight is sharded (DeepSpeed ZeRO-3 / FSDP)"
+        try:  # one short forward: the head must take the body's output as is
+            check_output_head(self.model)
+        except (ValueError, NotImplementedError) as exc:
+            return str(exc)
+        return None
+
+    def _fallback(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"grpo_kernels.trl.GRPOTrainer: {reason}; using TRL's implementation "
+                          "for it", stacklevel=3)
+
+    def _batch_unsupported(self, batch: dict, compute_aux_loss: bool = False) -> str | None:
+        if self._model_fallback is not None:
+            return self._model_fallback
+        if compute_aux_loss:
+            return "the MoE auxiliary loss needs the model's own forward"
+        present = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None]
+        return f"multimodal inputs ({', '.join(present)})" if present else None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        """TRL's old/ref scoring (and the policy's, on loss fallbacks) from hidden states:
+        (logps [B, T], entropies [B, T] or None, None), zero at padded completion positions as
+        TRL returns them. Differentiable when grad is enabled."""
+        reason = self._batch_unsupported(multimodal, compute_aux_loss)
+        if reason is not None:
+            self._fallback(reason)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        with self.accelerator.autocast():
+            out = completion_logprobs(
+                model, input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
+                batch_size=batch_size, return_entropy=compute_entropy, head_dtype=self._head_dtype)
+        logps, ents = out if compute_entropy else (out, None)
+        valid = attention_mask[:, -logits_to_keep:].to(logps.device, logps.dtype)
+        return logps * valid, None if ents is None else ents * valid, None
+
+    def _compute_loss(self, model, inputs):
+        reason = self._batch_unsupported(inputs) or self._loss_fallback
+        if reason is not None:
+            self._fallback(reason)
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, P + T]
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        B, T = completion_ids.shape
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs[
+            "tool_mask"]
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:  # [B] -> [B, 1]; subclasses may pass [B, T]
+            advantages = advantages.unsqueeze(1)
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items, scale = self._normalizer(inputs, mode, B, accumulation)
+        isr = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
+        with self.accelerator.autocast():
+            hidden = completion_hidden_states(model, input_ids, attention_mask, T)
+            hidden, weight, bias = head_for(hidden, model, self._head_dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            policy, entropy, ratio, kl = policy_terms(
+                hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
+                inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
+                self._grpo_params, num_items, isr,
+            )
+        loss = policy * scale
+        maskf = mask.to(entropy.dtype)
+        if self._entropy_bonus_enabled:
+            # TRL: the bonus is the micro-batch's masked mean entropy, scaled only for accumulation
+            bonus = (entropy * maskf).sum() / maskf.sum().clamp(min=1.0) / accumulation
+            loss = loss - self.entropy_coef * bonus
+            policy_loss = policy.detach() * (scale if self.loss_type in ("dapo", "cispo") else 1)
+            self._metrics[mode]["policy_loss"].append(
+                self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        self._log_metrics(mode, maskf, entropy.detach(), ratio, kl, advantages)
+        return loss
+
+    def _normalizer(self, inputs, mode: str, B: int, accumulation: int):
+        """(num_items_in_batch for our loss, factor applied to our loss) reproducing TRL's
+        normalization of self.loss_type."""
+        if self.loss_type in ("dapo", "cispo"):
+            # num_items_in_batch counts the whole generation batch on all processes; TRL rescales
+            # it to one accumulation window of this process
+            n = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32)
+            norm = n.clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                norm = norm * accumulation / self.args.steps_per_generation
+            # our loss clamps its normalizer at 1 and TRL's rescaled one is not; undo our clamp
+            return norm, norm.clamp(min=1.0) / norm
+        if self.loss_type == "luspo":
+            return float(B), 1.0 / accumulation
+        return None, 1.0 / accumulation
+
+    def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages) -> None:
+        """TRL's loss metrics: token-weighted means across processes ([B, 1] sequence-level
+        values are averaged per sequence), per-sequence min/max of the clip fractions."""
+        metrics = self._metrics[mode]
+
+        def global_mean(x):  # x: [B, T] per token or [B, 1] per sequence
+            if x.shape[1] == 1:
+                total, count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            else:
+                total, count = (x * maskf).sum(), maskf.sum()
+            sums = self.accelerator.reduce(torch.stack([total, count]), reduction="sum")
+            return (sums[0] / sums[1].clamp(min=1.0)).item()
+
+        def per_sequence(x):  # [B]: NaN for a sequence without tokens (dropped by nanmin/max)
+            return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
+
+        # TRL's per-token tensors are zero at padded positions; ours are not, so zero them
+        on_tokens = lambda x: x * maskf if x.shape == maskf.shape else x
+        if kl is not None:
+            metrics["kl"].append(global_mean(on_tokens(kl.float())))
+        metrics["entropy"].append(global_mean(on_tokens(entropy.float())))
+        p = self._grpo_params
+        A = advantages.to(ratio.device)
+        if self.loss_type in CLIPPED_LOSS_TYPES:
+            w = ratio if p.delta is None else ratio.clamp(max=p.delta)  # TRL flags the capped w
+            low = on_tokens(((w < 1 - p.epsilon_low) & (A < 0)).float())
+            high = on_tokens(((w > 1 + p.eps_high) & (A > 0)).float())
+            metrics["clip_ratio/low_mean"].append(global_mean(low))
+            metrics["clip_ratio/high_mean"].append(global_mean(high))
+            metrics["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high)))
+            gathered = self.accelerator.gather(per_sequence(low))
+            metrics["clip_ratio/low_min"].append(nanmin(gathered).item())
+            gathered = self.accelerator.gather(per_sequence(high))
+            metrics["clip_ratio/high_max"].append(nanmax(gathered).item())
+        elif self.loss_type == "cispo":
+            capped = on_tokens(((ratio > p.eps_high) & (A > 0)).float())
+            metrics["cispo_clip_ratio"].append(global_mean(capped))
