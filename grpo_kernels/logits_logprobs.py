@@ -74,7 +74,7 @@ def _config(V: int, device: torch.device) -> dict:
     # one row per program streams V in 16-byte-per-thread chunks; small V packs rows together
     block = min(triton.next_power_of_2(V), 8192)
     rows = max(1, min(16, 8192 // triton.next_power_of_2(V)))
-    return dict(ROWS=rows, BLOCK_V=block, num_warps=8 if block >= 4096 else 4)
+    return dict(ROWS=rows, BLOCK_V=block, num_warps=8 if rows * block >= 4096 else 4)
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None):
