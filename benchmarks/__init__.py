@@ -1,0 +1,147 @@
+"""Benchmark harness for grpo-kernels: providers × modes × shapes -> table, CSV and plot.
+
+`python -m benchmarks --help` runs a sweep; `pytest benchmarks/ --benchmark-only` runs the
+pytest-benchmark suite. This module holds what every part shares: the lm heads and token counts
+that make a shape, the work accounting (FLOPs and bytes) that turns milliseconds into rates, and
+the environment description written next to every number (device, versions, commit).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Real lm heads (hidden size D, vocabulary V) from the models' configs, plus two synthetic ones
+# that keep CPU runs short. The synthetic ones are labelled as such everywhere they appear.
+HEADS: dict[str, tuple[int, int]] = {
+    "qwen0.5b": (896, 151936),  # Qwen2.5-0.5B
+    "qwen7b": (3584, 152064),  # Qwen2.5-7B
+    "llama8b": (4096, 128256),  # Llama-3-8B
+    "small": (512, 32768),  # synthetic (CPU runs)
+    "tiny": (128, 4096),  # synthetic (CPU runs, tests)
+}
+KERNELS = ("fused_linear", "logits")
+MODES = ("forward", "backward", "fwd+bwd")
+MAX_SEQ_LEN = 1024  # completions are split into sequences of at most this many positions
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark problem: N = B·T completion tokens on an lm head [V, D]."""
+
+    head: str
+    N: int
+    D: int
+    V: int
+    B: int
+    T: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.head} N={self.N}"
+
+    @property
+    def detail(self) -> str:
+        return f"B={self.B} T={self.T} D={self.D} V={self.V}"
+
+
+def make_shape(head: str, n_tokens: int, dims: tuple[int, int] | None = None) -> Shape:
+    """Split N tokens into B sequences of T positions (T <= MAX_SEQ_LEN, at least 8 sequences
+    when N allows, so that per-sequence advantages and padding vary)."""
+    D, V = dims if dims is not None else HEADS[head]
+    T = min(MAX_SEQ_LEN, max(1, n_tokens // 8))
+    if n_tokens % T:
+        raise ValueError(f"N={n_tokens} is not a multiple of the sequence length {T}")
+    return Shape(head, n_tokens, D, V, n_tokens // T, T)
+
+
+# ---- work accounting ------------------------------------------------------------------------
+# Fused linear loss (hidden [N, D] @ weight[V, D]^T, never stored): forward is one N·V·D matmul
+# (2NVD FLOPs); backward recomputes it and computes d hidden and d weight (3 × 2NVD). The same
+# counts are used for every provider so that TFLOP/s compare like for like (the eager reference
+# does not recompute, so its "useful" rate is slightly flattered by this convention).
+# Logits path (logits [N, V] given): forward reads the logits once, backward reads them again and
+# writes their gradient; three passes over N·V elements in all. Padding tokens are counted: all
+# providers get the same mask.
+
+
+def flops(shape: Shape, mode: str) -> float:
+    nvd = float(shape.N) * shape.V * shape.D
+    return {"forward": 2.0, "backward": 6.0, "fwd+bwd": 8.0}[mode] * nvd
+
+
+def logits_bytes(shape: Shape, mode: str, elem_size: int) -> float:
+    passes = {"forward": 1, "backward": 2, "fwd+bwd": 3}[mode]
+    return float(passes) * shape.N * shape.V * elem_size
+
+
+# ---- environment ----------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_label(device: torch.device) -> str:
+    """Human-readable device name written into every row (never ambiguous about CPU vs GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    threads = torch.get_num_threads()
+    return f"CPU {cpu_model()} ({os.cpu_count()} cores, {threads} thread{'s' * (threads != 1)})"
+
+
+def device_slug(device: torch.device) -> str:
+    """File-name form of the device: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3',
+    'AMD EPYC' with 2 cores -> 'cpu-amd-epyc-2-cores' (thread count not in the name)."""
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"cpu {cpu_model()} {os.cpu_count()} cores")
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+def triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "not installed"
+
+
+def git_commit() -> str:
+    """Short commit of the checkout (+'-dirty' with uncommitted changes); BENCH_COMMIT overrides,
+    for copies of the tree without .git (the device machine)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        run = lambda *a: subprocess.run(  # noqa: E731
+            ["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        sha = run("rev-parse", "--short", "HEAD")
+        dirty = run("status", "--porcelain", "--untracked-files=no")
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    return {
+        "device": device_label(device),
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "commit": git_commit(),
+    }

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One call on a machine with a CUDA device (H100/H200): GPU tests, the benchmark sweep, the plot.
+# Designed to finish inside a 10-minute command limit (worst case 100+40+200+130+50 s = 520 s
+# plus start-up): every step has its own `timeout`, and the
+# sweeps stop starting new (provider, shape) pairs when their --time-budget runs out. Rows are
+# appended as they are measured, so a step cut short still leaves its numbers.
+#
+# Usage (repository root; OUT = where results go, default ./gpu_out):
+#   BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_session.sh
+# BENCH_COMMIT names the commit in every CSV row when the tree copy has no .git.
+# Liger-Kernel is not installed on the device image: put its wheel in .whl/ (for example
+# `pip download liger-kernel==0.8.5 --no-deps -d .whl`) and carry .whl; it is installed here
+# with --no-deps. Without it the Liger rows read "n/a: liger-kernel not installed".
+#
+# Writes under $OUT:
+#   env.txt                  nvidia-smi, versions, commit
+#   pytest_gpu.txt           python -m pytest -m gpu
+#   bench_suite.txt/.json    pytest benchmarks/ --benchmark-only -m gpu
+#   targets.md               table: N=16384, qwen0.5b + llama8b heads, all providers and modes
+#   scaling.md               table: fwd+bwd, N = 4096..65536, three heads
+#   results/<device>.csv     every row of both sweeps (copy into benchmarks/results/)
+#   bench_fwd_bwd.png        time and memory vs N (fwd+bwd), bench_forward.png
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./gpu_out}"
+mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.txt"; }
+
+stamp "environment"
+{
+  nvidia-smi || true
+  python -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__,
+    'cuda', torch.version.cuda, 'triton', triton.__version__,
+    'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  echo "commit ${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if ! python -c "import liger_kernel" 2>/dev/null; then
+  whl=$(ls .whl/liger_kernel-*.whl 2>/dev/null | head -n 1)
+  if [ -n "$whl" ]; then
+    stamp "installing $whl (--no-deps)"
+    python -m pip install -q --no-deps --no-index "$whl" >> "$OUT/env.txt" 2>&1 || true
+  else
+    stamp "liger-kernel wheel not found in .whl/: Liger rows will read n/a"
+  fi
+fi
+python -c "import liger_kernel, importlib.metadata as m; print('liger-kernel',
+  m.version('liger-kernel'))" >> "$OUT/env.txt" 2>&1 || echo "liger-kernel: not installed" \
+  >> "$OUT/env.txt"
+
+stamp "pytest -m gpu"
+timeout 100 python -m pytest -m gpu -q -ra > "$OUT/pytest_gpu.txt" 2>&1
+echo "exit $?" >> "$OUT/pytest_gpu.txt"
+tail -n 5 "$OUT/pytest_gpu.txt"
+
+stamp "pytest-benchmark suite (gpu cases)"
+timeout 40 python -m pytest benchmarks/ --benchmark-only -m gpu -q \
+  --benchmark-json="$OUT/bench_suite.json" > "$OUT/bench_suite.txt" 2>&1
+echo "exit $?" >> "$OUT/bench_suite.txt"
+tail -n 3 "$OUT/bench_suite.txt"
+
+# The targets first (the issue's numbers: N=16384, Qwen2.5-0.5B and Llama-3-8B heads, bf16),
+# all providers and modes; torch.compile of the reference is last inside each shape (compile
+# time is what most often runs a budget out).
+stamp "sweep: targets"
+timeout 200 python -m benchmarks --quick --modes forward,backward,fwd+bwd \
+  --out "$OUT/results" --time-budget 140 --markdown > "$OUT/targets.md" 2> "$OUT/targets.log"
+echo "exit $?" >> "$OUT/targets.log"
+tail -n 4 "$OUT/targets.log"
+
+# Scaling in N (memory must stay linear, no N×V term): fwd+bwd only, eager providers (compiled
+# reference would recompile for every shape); ceilings reused from the targets run.
+stamp "sweep: scaling"
+timeout 130 python -m benchmarks --heads qwen0.5b,llama8b,qwen7b --tokens 4096,16384,65536 \
+  --modes fwd+bwd --providers ours,liger,reference --no-ceilings --out "$OUT/results" \
+  --time-budget 90 --markdown > "$OUT/scaling.md" 2> "$OUT/scaling.log"
+echo "exit $?" >> "$OUT/scaling.log"
+tail -n 4 "$OUT/scaling.log"
+
+stamp "plots"
+for csv in "$OUT"/results/*.csv; do
+  timeout 25 python -m benchmarks.plot "$csv" --out "$OUT/bench_fwd_bwd.png" --mode fwd+bwd
+  timeout 25 python -m benchmarks.plot "$csv" --out "$OUT/bench_forward.png" --mode forward
+done
+stamp "done"

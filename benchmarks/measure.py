@@ -1,0 +1,167 @@
+"""Timing and peak-memory measurement, on CUDA and on CPU.
+
+CUDA: `triton.testing.do_bench` (L2 flushed between calls, CUDA events), quantiles p50/p20/p80;
+peak memory from the caching allocator's statistics around ONE separate call (do_bench itself
+allocates a cache-flush buffer, so memory is never read during timing).
+CPU: `time.perf_counter` around each call, the same quantiles; peak memory from a dispatch-mode
+tracker of live tensor storages (an estimate: scratch inside a single aten op is not seen).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MiB = 2**20
+
+
+@dataclass
+class Timing:
+    p50: float  # milliseconds
+    p20: float
+    p80: float
+    reps: int
+
+
+def _quantiles(samples_ms: Sequence[float]) -> Timing:
+    xs = sorted(samples_ms)
+    if len(xs) == 1:
+        return Timing(xs[0], xs[0], xs[0], 1)
+    q = statistics.quantiles(xs, n=10, method="inclusive")  # deciles: q[1]=p20, q[7]=p80
+    return Timing(statistics.median(xs), q[1], q[7], len(xs))
+
+
+def _reset(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def time_cuda(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (),
+              rep_ms: float = 100.0) -> Timing:
+    """do_bench with at least ~5 timed repetitions even for calls slower than rep_ms / 5."""
+    from triton.testing import do_bench
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _reset(grad_to_none)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep = max(rep_ms, 5.0 * start.elapsed_time(end))
+    p50, p20, p80 = do_bench(fn, warmup=25, rep=rep, grad_to_none=list(grad_to_none),
+                             quantiles=[0.5, 0.2, 0.8])
+    return Timing(p50, p20, p80, -1)  # do_bench does not report its repetition count
+
+
+def time_cpu(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (),
+             min_reps: int = 3, max_reps: int = 15, budget_s: float = 2.0) -> Timing:
+    """Median of per-call wall times after one warm-up call; as many calls as fit in budget_s."""
+    _reset(grad_to_none)
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    reps = int(min(max_reps, max(min_reps, budget_s // max(first, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        _reset(grad_to_none)
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _quantiles(samples)
+
+
+def time_call(fn, device: torch.device, grad_to_none=(), **kw) -> Timing:
+    if device.type == "cuda":
+        return time_cuda(fn, grad_to_none, **kw)
+    return time_cpu(fn, grad_to_none, **kw)
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Tracks bytes of tensor storages created while active and still alive; keeps the maximum.
+
+    An op output whose storage is not one of its inputs' storages is a new allocation; views and
+    in-place results share an input's storage and are not counted again. Storages that existed
+    before the tracker started (the inputs, a saved graph) are never counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[StorageWeakRef, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            StorageWeakRef(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for ref in [r for r in self.live if r.expired()]:
+            self.current -= self.live.pop(ref)
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref in seen or ref in self.live:
+                continue
+            self.live[ref] = storage.nbytes()
+            self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+@dataclass
+class Memory:
+    peak_bytes: float  # absolute peak during the call (inputs included)
+    above_bytes: float  # peak minus what was allocated before the call minus the gradients
+
+
+def memory_cuda(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor],
+                grad_bytes: int) -> Memory:
+    """One call between reset_peak_memory_stats() and max_memory_allocated(); grads are cleared
+    first so the call allocates them, and they are then subtracted (they are outputs)."""
+    _reset(grad_to_none)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return Memory(float(peak), float(peak - base - grad_bytes))
+
+
+def memory_cpu(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor],
+               grad_bytes: int, input_bytes: int) -> Memory:
+    _reset(grad_to_none)
+    gc.collect()
+    with LiveStorageTracker() as tracker:
+        fn()
+    return Memory(float(input_bytes + tracker.peak), float(tracker.peak - grad_bytes))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """CUDA OOM, or an allocator failure reported as RuntimeError (CPU, some CUDA paths)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in msg or "can't allocate memory" in msg
+    )
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

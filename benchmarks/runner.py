@@ -1,0 +1,193 @@
+"""The sweep: shapes × providers × modes -> result rows, appended to a CSV as they are measured.
+
+A provider that runs out of memory gives a row with status "OOM" (memory is released and the
+sweep goes on); any other failure gives "error: ..." rather than ending the run. Rows are written
+one at a time so a run cut short (time limit, crash) keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from . import MODES, Shape, flops, logits_bytes
+from .measure import MiB, is_oom, memory_cpu, memory_cuda, release_memory, time_call
+from .providers import GRADED, Case, LossConfig, Provider
+
+COLUMNS = [
+    "timestamp", "run_id", "kernel", "provider", "mode", "shape", "head", "n_tokens", "batch",
+    "seq_len", "hidden", "vocab", "dtype", "status", "ms_p50", "ms_p20", "ms_p80", "reps",
+    "peak_mib", "peak_above_mib", "input_mib", "tflops", "gbps", "pct_ceiling", "note",
+    "device", "torch", "triton", "commit", "command",
+]
+
+
+class CsvLog:
+    """Appends rows to a CSV (header written once; an existing file must have the same one)."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size:
+            with self.path.open(newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != COLUMNS:
+                raise ValueError(f"{self.path} has other columns than this harness writes; "
+                                 "move it aside or pass another --out")
+        else:
+            with self.path.open("w", newline="") as f:
+                csv.writer(f).writerow(COLUMNS)
+
+    def write(self, row: dict) -> None:
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerow(
+                {k: _cell(row.get(k)) for k in COLUMNS})
+
+
+def _cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def read_csv(path: Path | str) -> list[dict]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def base_row(env: dict, command: str, run_id: str, **fields) -> dict:
+    row = {"timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "run_id": run_id, "command": command, **env}
+    row.update(fields)
+    return row
+
+
+def _shape_fields(shape: Shape, dtype: torch.dtype) -> dict:
+    return dict(shape=shape.label, head=shape.head, n_tokens=shape.N, batch=shape.B,
+                seq_len=shape.T, hidden=shape.D, vocab=shape.V, dtype=str(dtype).split(".")[-1])
+
+
+def _short(exc: BaseException) -> str:
+    msg = " ".join(str(exc).split())
+    return f"error: {type(exc).__name__}: {msg[:160]}"
+
+
+def _rates(kernel: str, shape: Shape, mode: str, ms: float, elem: int, ceilings: dict) -> dict:
+    """TFLOP/s for the fused linear loss, GB/s for the logits path, and % of the ceiling."""
+    sec = ms * 1e-3
+    if kernel == "fused_linear":
+        tflops = flops(shape, mode) / sec / 1e12
+        top = ceilings.get("matmul_tflops")
+        return dict(tflops=tflops, pct_ceiling=100.0 * tflops / top if top else None)
+    gbps = logits_bytes(shape, mode, elem) / sec / 1e9
+    top = ceilings.get("copy_gbps")
+    return dict(gbps=gbps, pct_ceiling=100.0 * gbps / top if top else None)
+
+
+def measure_mode(case: Case, provider: Provider, shape: Shape, mode: str, dtype, device,
+                 ceilings: dict, memory: bool = True, timing: dict | None = None) -> dict:
+    """Timing (+ one separate call for peak memory) of one mode; raises on failure.
+    `timing`: keywords for measure.time_cuda / time_cpu (rep_ms / budget_s, reps)."""
+    step = case.step(mode)
+    grads = case.leaves if mode in GRADED else []
+    t = time_call(step, device, grads, **(timing or {}))
+    out = dict(status="ok", ms_p50=t.p50, ms_p20=t.p20, ms_p80=t.p80,
+               reps=t.reps if t.reps > 0 else None, input_mib=case.input_bytes / MiB)
+    if mode in case.rated_modes:
+        out.update(_rates(provider.kernel, shape, mode, t.p50, dtype.itemsize, ceilings))
+    if memory:
+        gbytes = case.grad_bytes if grads else 0
+        if device.type == "cuda":
+            m = memory_cuda(step, grads, gbytes)
+        elif provider.name == "reference-compile":
+            m = None  # the tracker cannot see allocations inside compiled CPU graphs
+        else:
+            m = memory_cpu(step, grads, gbytes, case.input_bytes)
+        if m is not None:
+            out.update(peak_mib=m.peak_bytes / MiB, peak_above_mib=m.above_bytes / MiB)
+    return out
+
+
+def run_provider(provider: Provider, shape: Shape, modes: Sequence[str], dtype, device,
+                 cfg: LossConfig, ceilings: dict, memory: bool = True,
+                 timing: dict | None = None) -> Iterable[dict]:
+    """Yields one result dict per mode (status ok / OOM / error)."""
+    try:
+        case = provider.build(shape, dtype, device, cfg)
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, the sweep goes on
+        status = "OOM" if is_oom(exc) else _short(exc)
+        del exc
+        release_memory(device)
+        for _ in modes:
+            yield dict(status=status, note="while building inputs")
+        return
+    for mode in modes:
+        try:
+            res = measure_mode(case, provider, shape, mode, dtype, device, ceilings, memory,
+                               timing)
+            res["note"] = "; ".join(x for x in (case.note, res.get("note")) if x)
+        except Exception as exc:  # noqa: BLE001
+            res = dict(status="OOM" if is_oom(exc) else _short(exc), note=case.note)
+            del exc
+        for t in case.leaves:
+            t.grad = None
+        release_memory(device)
+        yield res
+    del case
+    release_memory(device)
+
+
+def sweep(
+    providers: Sequence[Provider], shapes: Sequence[Shape], modes: Sequence[str], dtype,
+    device: torch.device, cfg: LossConfig, ceilings: dict, env: dict, command: str,
+    log: CsvLog | None = None, time_budget_s: float | None = None,
+    on_row: Callable[[dict], None] | None = None, memory: bool = True,
+    timing: dict | None = None, run_id: str | None = None,
+) -> list[dict]:
+    """Runs every (shape, provider, mode); returns the rows (also appended to `log`)."""
+    run_id = run_id or new_run_id()
+    modes = [m for m in MODES if m in modes]
+    rows: list[dict] = []
+    start = time.monotonic()
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if log is not None:
+            log.write(row)
+        if on_row is not None:
+            on_row(row)
+
+    reported: set[str] = set()
+    compiled = [p for p in providers if p.name.endswith("-compile")]
+    eager = [p for p in providers if p not in compiled]
+    order = [(sh, p) for group in (eager, compiled) for sh in shapes for p in group]
+    for shape, p in order:
+        fields = dict(kernel=p.kernel, provider=p.name)
+        reason = p.unavailable(device)
+        if reason is not None:
+            if p.key not in reported:  # one row per provider and run, not per shape
+                reported.add(p.key)
+                emit(base_row(env, command, run_id, mode="-", shape="-",
+                              dtype=str(dtype).split(".")[-1], status=f"n/a: {reason}",
+                              note=p.note, **fields))
+            continue
+        if time_budget_s is not None and time.monotonic() - start > time_budget_s:
+            emit(base_row(env, command, run_id, mode="-", status="skipped: time budget",
+                          **_shape_fields(shape, dtype), **fields))
+            continue
+        results = run_provider(p, shape, modes, dtype, device, cfg, ceilings, memory, timing)
+        for mode, res in zip(modes, results):
+            emit(base_row(env, command, run_id, mode=mode, **_shape_fields(shape, dtype),
+                          **fields, **res))
+    return rows
