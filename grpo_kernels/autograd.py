@@ -28,7 +28,7 @@ class LinearHeadOp:
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
         hidden, weight, bias = inputs
         return self.impl.linear_logprob_backward(hidden, weight, bias, targets, lse, ent, g_logp,
-                                                 g_ent, self.temperature)
+                                                 g_ent, self.temperature, needs=tuple(needs))
 
 
 class LogitsOp:

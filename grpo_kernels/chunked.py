@@ -67,14 +67,15 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
 
 
 def linear_logprob_backward(
-    hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature, chunk_elements=None
+    hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
+    needs=(True, True, True), chunk_elements=None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward)."""
     C = _chunk_rows(weight.shape[0], chunk_elements)
     inv_t = 1.0 / temperature
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    dh = torch.zeros_like(hidden)
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype)
+    dh = torch.zeros_like(hidden) if needs[0] else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs[1] else None
     db = torch.zeros(weight.shape[0], device=weight.device, dtype=acc_dtype)
     with torch.no_grad():
         for i in range(0, hidden.shape[0], C):
@@ -85,10 +86,14 @@ def linear_logprob_backward(
             z = _head_logits(h, weight, bias, inv_t)
             dz = _dz(z, targets[i:i + C], lse[i:i + C], ent[i:i + C], g, gh, inv_t)
             dz = dz.to(hidden.dtype)
-            dh[i:i + C] = dz @ weight
-            dw += (dz.T @ h).to(acc_dtype)
-            db += dz.sum(0).to(acc_dtype)
-    return dh, dw.to(weight.dtype), None if bias is None else db.to(bias.dtype)
+            if needs[0]:
+                dh[i:i + C] = dz @ weight
+            if needs[1]:
+                dw += (dz.T @ h).to(acc_dtype)
+            if bias is not None and needs[2]:
+                db += dz.sum(0).to(acc_dtype)
+    return (dh if needs[0] else None, dw.to(weight.dtype) if needs[1] else None,
+            db.to(bias.dtype) if bias is not None and needs[2] else None)
 
 
 def _row_blocks(B: int, T: int, C: int):

@@ -102,7 +102,8 @@ def variants(quick: bool = False):
         b = lin._bwd_config(dtype, dev)
         opts = dict(num_warps=b.pop("num_warps"), num_stages=b.pop("num_stages"))
         for bias, gent in itertools.product((False, True), (False, True)):
-            c = dict(HAS_BIAS=bias, HAS_GENT=gent, DOT_PREC=prec, **b)
+            c = dict(HAS_BIAS=bias, HAS_GENT=gent, COMPUTE_DH=True, COMPUTE_DW=not gent,
+                     COMPUTE_DB=bias, DOT_PREC=prec, **b)
             yield f"linear_bwd[{elem},bias={bias},gent={gent}]", lin._linear_logprob_bwd_kernel, \
                 c, elem, opts
         for V in (151936,) if quick else (151936, 1000):

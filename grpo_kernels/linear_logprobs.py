@@ -252,6 +252,7 @@ def _linear_logprob_bwd_kernel(
     N, V, D, v_begin, v_count, stride_hn, stride_wv, stride_dh, stride_dw, inv_temp,
     n_blocks, v_blocks,
     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr,
+    COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -301,7 +302,7 @@ def _linear_logprob_bwd_kernel(
             ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
             dz -= gh[:, None] * p * (log_p + ent[:, None])
         dz = tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
-        if HAS_BIAS:
+        if COMPUTE_DB:
             tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask)
         dzc = dz.to(h_ptr.dtype.element_ty)
         rows_dh = offs_n.to(tl.int64) * stride_dh
@@ -309,16 +310,18 @@ def _linear_logprob_bwd_kernel(
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_mask = offs_d < D
-            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
-                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
-            tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
-                          tl.dot(dzc, w, input_precision=DOT_PREC),
-                          mask=n_mask[:, None] & d_mask[None, :])
-            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
-                          tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
-                          mask=v_mask[:, None] & d_mask[None, :])
+            if COMPUTE_DH:  # frozen inputs (e.g. a frozen lm_head) skip their half of the work
+                w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
+                            mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+                tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
+                              tl.dot(dzc, w, input_precision=DOT_PREC),
+                              mask=n_mask[:, None] & d_mask[None, :])
+            if COMPUTE_DW:
+                h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
+                              tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
+                              mask=v_mask[:, None] & d_mask[None, :])
 
 
 def _bwd_config(dtype: torch.dtype, device: torch.device) -> dict:
@@ -345,23 +348,26 @@ def linear_logprob_backward(
     g_logp: torch.Tensor,
     g_ent: torch.Tensor | None,
     temperature: float,
+    needs: tuple = (True, True, True),
     config: dict | None = None,
     scratch_bytes: int = WEIGHT_SCRATCH_BYTES,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
-    lse, ent, g_logp, g_ent: [N] float32. Returns (d hidden, d weight, d bias | None) in the
-    inputs' dtypes; accumulation is float32 (atomics into float32 buffers).
+    lse, ent, g_logp, g_ent: [N] float32; needs: which of (hidden, weight, bias) want a gradient.
+    Returns (d hidden, d weight, d bias), None where not needed, in the inputs' dtypes;
+    accumulation is float32 (atomics into float32 buffers).
     """
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     f32 = dict(device=dev, dtype=torch.float32)
     cfg = dict(config or _bwd_config(hidden.dtype, dev))
-    dh32 = torch.zeros((N, D), **f32)
-    db32 = torch.zeros(V, **f32) if bias is not None else None
-    direct = weight.dtype == torch.float32
-    dw = torch.zeros_like(weight) if direct else torch.empty_like(weight)
+    need_dh, need_dw, need_db = needs[0], needs[1], bias is not None and needs[2]
+    dh32 = torch.zeros((N, D), **f32) if need_dh else lse
+    db32 = torch.zeros(V, **f32) if need_db else lse
+    direct = weight.dtype == torch.float32 or not need_dw
+    dw = torch.zeros_like(weight) if weight.dtype == torch.float32 and need_dw else None
     BV = cfg["BLOCK_V"]
     if direct:
         v_chunk = V
@@ -369,23 +375,24 @@ def linear_logprob_backward(
         v_chunk = max(BV, scratch_bytes // (4 * D) // BV * BV)
         v_chunk = min(v_chunk, triton.cdiv(V, BV) * BV)
         scratch = torch.empty((v_chunk, D), **f32)
+        dw = torch.empty_like(weight)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"]) if N else 0
     for v0 in range(0, V, v_chunk):
         vc = min(v_chunk, V - v0)
-        acc = dw[v0:v0 + vc] if direct else scratch[:vc].zero_()
+        acc = (lse if dw is None else dw[v0:v0 + vc]) if direct else scratch[:vc].zero_()
         v_blocks = triton.cdiv(vc, BV)
         if n_blocks:
             _linear_logprob_bwd_kernel[(n_blocks * v_blocks,)](
                 hidden, weight, bias if bias is not None else hidden, targets, lse, ent,
-                g_logp, g_ent if g_ent is not None else g_logp,
-                dh32, acc, db32 if db32 is not None else dh32,
-                N, V, D, v0, vc, hidden.stride(0), weight.stride(0), dh32.stride(0), D,
+                g_logp, g_ent if g_ent is not None else g_logp, dh32, acc, db32,
+                N, V, D, v0, vc, hidden.stride(0), weight.stride(0), D, D,
                 1.0 / temperature, n_blocks, v_blocks,
                 HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
+                COMPUTE_DH=need_dh, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
                 DOT_PREC=_dot_precision(hidden.dtype), **cfg,
             )
         if not direct:
             dw[v0:v0 + vc].copy_(acc)
-    dh = dh32 if hidden.dtype == torch.float32 else dh32.to(hidden.dtype)
-    db = None if bias is None else db32.to(bias.dtype)
+    dh = None if not need_dh else dh32 if hidden.dtype == torch.float32 else dh32.to(hidden.dtype)
+    db = db32.to(bias.dtype) if need_db else None
     return dh, dw, db

@@ -129,3 +129,20 @@ def test_bf16_on_gpu(bias):
     for o, s, t in zip(ours, same, truth):
         scale = max(1.0, t.abs().max().item())
         assert max_err(o, t) <= 2 * max_err(s, t) + 1e-2 * scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_weight_or_hidden_skip_their_gradient(backend):
+    """A frozen lm_head (or hidden) gets no gradient and the other one is unchanged."""
+    hidden, weight, b, ids = make_head(2, 9, 12, 70, torch.float32, "cpu", seed=11, bias=True)
+    coef = torch.randn(2, 9)
+    full = _run(reference.selective_logprobs, hidden, weight, b, ids, 0.9, (coef, coef))
+    for frozen in ("weight", "hidden"):
+        h = hidden.clone().requires_grad_(frozen != "hidden")
+        w = weight.clone().requires_grad_(frozen != "weight")
+        with gk.force_backend(backend):
+            logp = gk.selective_logprobs(h, w, ids, b, temperature=0.9, return_entropy=True)
+        (coef * logp[0] + coef * logp[1]).sum().backward()
+        live, dead = (h, w) if frozen == "weight" else (w, h)
+        assert dead.grad is None
+        assert max_err(live.grad, full[2] if frozen == "weight" else full[3]) < 1e-5
