@@ -50,24 +50,30 @@ def _store_token_results(
 
 
 # Sizes that vary with the batch are not specialized on: one compile serves every sequence length.
-@triton.jit(do_not_specialize=["N", "n_blocks", "tiles_per_split"])
+@triton.jit(do_not_specialize=["N", "n_blocks", "n_splits", "tiles_per_split"])
 def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
     part_ptr,  # [4, S, N] float32: running max m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
     lse_ptr, ent_ptr, logp_ptr,  # [N] float32
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
     eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
-    N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, tiles_per_split,
+    N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, n_splits, tiles_per_split,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Programs of one split run over the same vocabulary range at the same time, so a weight tile
-    # is fetched from DRAM once and served to the other token blocks from L2.
+    # Programs that run at the same time cover GROUP_N token blocks × all vocabulary splits:
+    # each step reads GROUP_N hidden blocks and n_splits weight tiles from DRAM for
+    # GROUP_N·n_splits logit tiles (as a grouped GEMM does); the rest is served from L2. Without
+    # splits, every running program would re-read its own [BLOCK_N, D] hidden block per tile.
     pid = tl.program_id(0)
-    pid_n = pid % n_blocks
-    pid_s = pid // n_blocks
+    per_group = GROUP_N * n_splits
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_s = (pid % per_group) // group_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows_h = offs_n.to(tl.int64) * stride_hn
@@ -110,7 +116,7 @@ def _linear_logprob_fwd_kernel(
 
     if SPLIT:
         base = pid_s * N + offs_n
-        plane = tl.num_programs(0) // n_blocks * N
+        plane = n_splits * N
         tl.store(part_ptr + base, m, mask=n_mask)
         tl.store(part_ptr + plane + base, s, mask=n_mask)
         tl.store(part_ptr + 2 * plane + base, t, mask=n_mask)
@@ -168,21 +174,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _fwd_config(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device) -> dict:
     if INTERPRET or device.type != "cuda":
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=2, num_warps=4, num_stages=1)
     # Tile shapes chosen from the sm_90 resource report (python -m grpo_kernels.compile_check):
     # the largest tiles whose softmax temporaries fit in registers without spilling.
     if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, num_warps=8, num_stages=3)
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, num_warps=8, num_stages=3)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, num_warps=8, num_stages=3)
 
 
-def _num_splits(n_blocks: int, n_tiles: int, device: torch.device) -> int:
-    """Split the vocabulary when there are too few token blocks to fill the GPU (small N)."""
+def _num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device) -> int:
+    """Vocabulary splits: enough that GROUP_N token blocks × splits fill the GPU (the grouped
+    order above), and more for small N so that there are two programs per SM."""
     if INTERPRET or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * sms, n_blocks)
-    return max(1, min(want, n_tiles // 4 if n_tiles >= 8 else 1, 64))
+    want = max(triton.cdiv(sms, group_n), triton.cdiv(2 * sms, n_blocks))
+    return max(1, min(want, n_tiles // 4, 64))
 
 
 def linear_logprob_forward(
@@ -212,7 +219,7 @@ def linear_logprob_forward(
     cfg = dict(config or _fwd_config(N, V, D, hidden.dtype, dev))
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     n_tiles = triton.cdiv(V, cfg["BLOCK_V"])
-    S = splits or _num_splits(n_blocks, n_tiles, dev)
+    S = splits or _num_splits(n_blocks, n_tiles, cfg["GROUP_N"], dev)
     tiles_per_split = triton.cdiv(n_tiles, S)
     S = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
     part = torch.empty((4, S, N), **f32) if S > 1 else logp
@@ -225,7 +232,8 @@ def linear_logprob_forward(
     _linear_logprob_fwd_kernel[(n_blocks * S,)](
         hidden, weight, bias if bias is not None else hidden, targets,
         part, lse, ent, logp, *ep["tensors"], *ep["scalars"],
-        N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_blocks, tiles_per_split,
+        N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_blocks, S,
+        tiles_per_split,
         HAS_BIAS=bias is not None, SPLIT=S > 1, DOT_PREC=_dot_precision(hidden.dtype),
         **flags, **cfg,
     )

@@ -52,8 +52,9 @@ def test_matches_float64_truth(backend, dtype, shape, bias, temperature):
 
 
 def test_vocabulary_splits_match_single_pass():
-    """The split-vocabulary forward (small N on a big GPU) combines partials exactly."""
-    hidden, weight, b, ids = make_head(1, 21, 24, 250, torch.float32, "cpu", seed=1, bias=True)
+    """The split-vocabulary forward (the grouped order on a GPU) combines partials exactly;
+    N=75 gives 5 token blocks, a group of GROUP_N=2 with a remainder."""
+    hidden, weight, b, ids = make_head(1, 75, 24, 250, torch.float32, "cpu", seed=1, bias=True)
     h2, ids2 = hidden.reshape(-1, 24), ids.reshape(-1)
     one = linear_logprobs.linear_logprob_forward(h2, weight, b, ids2, 0.8, splits=1)
     for splits in (2, 3, 8):
