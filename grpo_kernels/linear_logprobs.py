@@ -311,7 +311,7 @@ def _linear_logprob_bwd_kernel(
             dz -= gh[:, None] * p * (log_p + ent[:, None])
         dz = tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
         if COMPUTE_DB:
-            tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask)
+            tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem="relaxed")
         dzc = dz.to(h_ptr.dtype.element_ty)
         rows_dh = offs_n.to(tl.int64) * stride_dh
         rows_dw = offs_vl.to(tl.int64) * stride_dw
@@ -323,13 +323,13 @@ def _linear_logprob_bwd_kernel(
                             mask=v_mask[:, None] & d_mask[None, :], other=0.0)
                 tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
                               tl.dot(dzc, w, input_precision=DOT_PREC),
-                              mask=n_mask[:, None] & d_mask[None, :])
+                              mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
             if COMPUTE_DW:
                 h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
                 tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
                               tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
-                              mask=v_mask[:, None] & d_mask[None, :])
+                              mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
 
 
 def _bwd_config(dtype: torch.dtype, device: torch.device) -> dict:
