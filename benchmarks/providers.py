@@ -15,6 +15,8 @@ Liger's adapters import liger_kernel lazily; when it is missing the provider is 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -198,7 +200,8 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _fused_ours(shape, dtype, device, cfg):
+def _fused_ours(shape, dtype, device, cfg, backward="atomic"):
+    """backward: the Triton backward variant (grpo_kernels/linear_backward_gemm.py)."""
     import grpo_kernels
     from grpo_kernels.selective_logprobs import backend_for
 
@@ -209,11 +212,14 @@ def _fused_ours(shape, dtype, device, cfg):
         backend = cfg.backend or backend_for(h)
 
     def loss():
+        # read again by the backward that follows (ours-gemm and ours alternate in a sweep)
+        os.environ["GRPO_KERNELS_LINEAR_BACKWARD"] = backward
         with ctx():
             return grpo_kernels.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref,
                                                        **cfg.ours())[0]
 
-    return Case(loss, [h, w], _nbytes(h, w, ids, adv, mask, old, ref), f"backend={backend}",
+    note = f"backend={backend}" + (f"; backward={backward}" if backend == "triton" else "")
+    return Case(loss, [h, w], _nbytes(h, w, ids, adv, mask, old, ref), note,
                 [ids, adv, mask, old, ref])
 
 
@@ -298,6 +304,8 @@ PROVIDERS: dict[str, Provider] = {
     for p in (
         Provider("fused_linear", "ours", _fused_ours, _always,
                  "grpo_kernels.fused_linear_grpo_loss (Triton on CUDA)"),
+        Provider("fused_linear", "ours-gemm", functools.partial(_fused_ours, backward="gemm"),
+                 _needs_cuda, "ours with the d-logits-chunk + GEMM backward (no atomics)"),
         Provider("fused_linear", "reference", _fused_reference(False), _always,
                  "grpo_kernels.reference: [N, V] logits, eager"),
         Provider("fused_linear", "reference-compile", _fused_reference(True), _always,
@@ -313,7 +321,7 @@ PROVIDERS: dict[str, Provider] = {
                  "liger triton_grpo_loss: no entropy; skips masked tokens; logits [B,T+1,V]"),
     )
 }
-NAMES = ("ours", "liger", "reference", "reference-compile")
+NAMES = ("ours", "ours-gemm", "liger", "reference", "reference-compile")
 
 
 def select(kernels, names) -> list[Provider]:

@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 
+from . import linear_backward_gemm as gemm
 from . import linear_logprobs as lin
 from . import logits_logprobs as lgt
 
@@ -42,7 +43,7 @@ def _signature(kernel, constexprs: dict, elem: str) -> dict:
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("h_ptr", "w_ptr", "b_ptr", "x_ptr", "dx_ptr"):
+        elif name in ("h_ptr", "w_ptr", "b_ptr", "x_ptr", "dx_ptr", "dz_ptr"):
             sig[name] = f"*{elem}"
         elif name == "tgt_ptr":
             sig[name] = "*i64"
@@ -106,6 +107,11 @@ def variants(quick: bool = False):
                      COMPUTE_DB=bias, DOT_PREC=prec, **b)
             yield f"linear_bwd[{elem},bias={bias},gent={gent}]", lin._linear_logprob_bwd_kernel, \
                 c, elem, opts
+        z = gemm._config(dtype, dev)
+        opts = dict(num_warps=z.pop("num_warps"), num_stages=z.pop("num_stages"))
+        for bias, gent in ((True, True), (False, False)):
+            yield f"linear_dz[{elem},bias={bias},gent={gent}]", gemm._linear_dz_kernel, \
+                dict(HAS_BIAS=bias, HAS_GENT=gent, DOT_PREC=prec, **z), elem, opts
         for V in (151936,) if quick else (151936, 1000):
             g = lgt._config(V, dev)
             opts = dict(num_warps=g.pop("num_warps"))

@@ -50,6 +50,46 @@ def _store_token_results(
 
 
 # Sizes that vary with the batch are not specialized on: one compile serves every sequence length.
+@triton.jit
+def logit_tile(
+    h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """z = (hidden[rows_h] @ weight[rows_w]^T + bias) / τ: one [BLOCK_N, BLOCK_V] float32 tile,
+    accumulated over D in BLOCK_D steps (the loop the compiler pipelines with cp.async)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
+                    mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_temp
+
+
+@triton.jit
+def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp,
+            HAS_GENT: tl.constexpr):
+    """d logits of Σ g·logp + Σ g_H·H for one tile of z = logits / τ:
+        dlogp/dz_j = onehot_j - p_j,  dH/dz_j = -p_j·(log p_j + H)
+        d logits = [g·(onehot - p) - g_H·p·(log p + H)] / τ     (zero outside the masks)"""
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
+    log_p = z - lse[:, None]
+    p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
+    onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+    dz = g[:, None] * (onehot - p)
+    if HAS_GENT:
+        ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
+        dz -= gh[:, None] * p * (log_p + ent[:, None])
+    return tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
+
+
 @triton.jit(do_not_specialize=["N", "n_blocks", "n_splits", "tiles_per_split"])
 def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
@@ -90,18 +130,8 @@ def _linear_logprob_fwd_kernel(
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
         rows_w = offs_v.to(tl.int64) * stride_wv
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d < D
-            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
-                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
-        z = acc * inv_temp  # [BLOCK_N, BLOCK_V]
+        z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
+                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)  # [BLOCK_N, BLOCK_V]
         z_tgt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
         z = tl.where(v_mask[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -264,9 +294,8 @@ def _linear_logprob_bwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # d logits / dz:  dlogp/dz_j = onehot_j - p_j,   dH/dz_j = -p_j·(log p_j + H)
-    #   dz = g_logp·(onehot - p) - g_H·p·(log p + H);  d logits = dz / τ
-    #   d hidden = d logits @ weight, d weight = d logits^T @ hidden, d bias = Σ_n d logits
+    # d hidden = d logits @ weight, d weight = d logits^T @ hidden, d bias = Σ_n d logits, with
+    # d logits from dz_tile; each [BLOCK_N, BLOCK_V] tile adds its products with atomics
     pid = tl.program_id(0)
     # grouped order: GROUP_N token blocks sweep the vocabulary together (weight tiles hit in L2)
     per_group = GROUP_N * v_blocks
@@ -279,6 +308,7 @@ def _linear_logprob_bwd_kernel(
     n_mask = offs_n < N
     g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
     busy = tl.max(tl.abs(g), axis=0)
+    gh = g
     if HAS_GENT:
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         busy += tl.max(tl.abs(gh), axis=0)
@@ -289,27 +319,10 @@ def _linear_logprob_bwd_kernel(
         offs_v = v_begin + offs_vl
         rows_h = offs_n.to(tl.int64) * stride_hn
         rows_w = offs_v.to(tl.int64) * stride_wv
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d < D
-            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
-                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
-        lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-        tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
-        log_p = acc * inv_temp - lse[:, None]
-        p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
-        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-        dz = g[:, None] * (onehot - p)
-        if HAS_GENT:
-            ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
-            dz -= gh[:, None] * p * (log_p + ent[:, None])
-        dz = tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
+        z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
+                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
+        dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
+                     inv_temp, HAS_GENT)
         if COMPUTE_DB:
             tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem="relaxed")
         dzc = dz.to(h_ptr.dtype.element_ty)

@@ -8,23 +8,38 @@ statistics (lse, entropy) for backward, never logits (see `autograd.py`).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
 
-from . import chunked
+from . import chunked, linear_backward_gemm
 from . import linear_logprobs as triton_impl
 from . import logits_logprobs as logits_impl
 from .autograd import LinearHeadOp, SelectiveLogprob
 from .validation import check_linear_head, check_temperature, check_token_ids
 
 BACKENDS = ("triton", "torch")
+LINEAR_BACKWARDS = {  # GRPO_KERNELS_LINEAR_BACKWARD selects one (benchmarks/NOTES.md)
+    "atomic": triton_impl.linear_logprob_backward,
+    "gemm": linear_backward_gemm.linear_logprob_backward_gemm,
+}
+
+
+def _linear_backward(*args, **kwargs):
+    mode = os.environ.get("GRPO_KERNELS_LINEAR_BACKWARD", "atomic")
+    if mode not in LINEAR_BACKWARDS:
+        raise ValueError(f"GRPO_KERNELS_LINEAR_BACKWARD must be one of {sorted(LINEAR_BACKWARDS)}, "
+                         f"got {mode!r}")
+    return LINEAR_BACKWARDS[mode](*args, **kwargs)
+
+
 # The launchers of both ops per backend, under the same four names.
 IMPLS = {
     "triton": SimpleNamespace(
         linear_logprob_forward=triton_impl.linear_logprob_forward,
-        linear_logprob_backward=triton_impl.linear_logprob_backward,
+        linear_logprob_backward=_linear_backward,
         logits_logprob_forward=logits_impl.logits_logprob_forward,
         logits_logprob_backward=logits_impl.logits_logprob_backward,
     ),

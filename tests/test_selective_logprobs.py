@@ -147,3 +147,40 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
         live, dead = (h, w) if frozen == "weight" else (w, h)
         assert dead.grad is None
         assert max_err(live.grad, full[2] if frozen == "weight" else full[3]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_backward_matches_atomic_backward(dtype):
+    """GRPO_KERNELS_LINEAR_BACKWARD=gemm (d logits per token chunk + GEMMs) gives the atomic
+    kernel's gradients, over several chunks, with bias, entropy gradient and masked tokens."""
+    from grpo_kernels import linear_backward_gemm, linear_logprobs
+
+    hidden, weight, b, ids = make_head(3, 31, 24, 150, dtype, "cpu", seed=12, bias=True)
+    h2, ids2 = hidden.reshape(-1, 24), ids.reshape(-1)
+    logp, ent, lse = linear_logprobs.linear_logprob_forward(h2, weight, b, ids2, 0.8)
+    g, gh = torch.randn(93), torch.randn(93)
+    g[20:52] = 0.0
+    gh[20:52] = 0.0  # two all-masked token blocks of 16
+    atomic = linear_logprobs.linear_logprob_backward(h2, weight, b, ids2, lse, ent, g, gh, 0.8)
+    one_chunk_rows = 16 * 150 * h2.element_size()
+    for buffer in (one_chunk_rows, 3 * one_chunk_rows, 2**30):
+        gemm = linear_backward_gemm.linear_logprob_backward_gemm(
+            h2, weight, b, ids2, lse, ent, g, gh, 0.8, buffer_bytes=buffer)
+        for x, y in zip(gemm, atomic):
+            assert x.dtype == y.dtype
+            assert max_err(x, y) <= TOL[dtype] * max(1.0, y.abs().max().item())
+
+
+def test_backward_mode_is_selected_by_environment(monkeypatch):
+    hidden, weight, _, ids = make_head(2, 5, 8, 40, torch.float32, "cpu")
+    grads = {}
+    for mode in ("atomic", "gemm"):
+        monkeypatch.setenv("GRPO_KERNELS_LINEAR_BACKWARD", mode)
+        h = leaf(hidden)
+        with gk.force_backend("triton"):
+            gk.selective_logprobs(h, weight, ids).sum().backward()
+        grads[mode] = h.grad
+    assert max_err(grads["atomic"], grads["gemm"]) < 1e-5
+    monkeypatch.setenv("GRPO_KERNELS_LINEAR_BACKWARD", "fast")
+    with gk.force_backend("triton"), pytest.raises(ValueError, match="must be one of"):
+        gk.selective_logprobs(leaf(hidden), weight, ids).sum().backward()
