@@ -23,13 +23,22 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(vocab_size: int | None = None):
     """A character-level `PreTrainedTokenizerFast` with pad/eos/bos/unk, tag tokens and a chat
-    template; round-trips through save_pretrained / AutoTokenizer.from_pretrained."""
+    template; round-trips through save_pretrained / AutoTokenizer.from_pretrained.
+
+    `vocab_size` pads the vocabulary with filler tokens "<|t123|>" (never produced by encoding,
+    decodable), so that a model with a real-model vocabulary (benchmarks: 151,936) can sample
+    any id and have it decoded."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + CHARACTERS)}
+    tokens = SPECIAL_TOKENS + TAG_TOKENS + CHARACTERS
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size must be >= {len(tokens)}, got {vocab_size}")
+        tokens = tokens + [f"<|t{i}|>" for i in range(len(tokens), vocab_size)]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # tags are single tokens; everything else splits into characters
     tag_pattern = "|".join(t.replace("/", "\\/") for t in TAG_TOKENS)

@@ -1,0 +1,247 @@
+"""One GRPO trainer step on a Qwen2.5-0.5B-shaped model: peak memory and throughput of
+grpo_train with the fused loss, grpo_train with the reference (materialized-logits) loss, and TRL's
+GRPOTrainer with the same settings.
+
+    python -m benchmarks.trainer_step --provider fused          # GPU, the real size
+    python -m benchmarks.trainer_step --provider reference
+    python -m benchmarks.trainer_step --provider trl            # needs trl (and datasets)
+    python benchmarks/trainer_step.py --provider fused --tiny   # CPU smoke test, tiny sizes
+
+One provider per process, so that peak memory is never shared between providers. Every provider
+gets the same work: Qwen2.5-0.5B's configuration (random weights, float32 master weights), one
+prompt of --prompt_tokens tokens, G = --num_generations completions of exactly
+--completion_tokens tokens (EOS suppressed with min_new_tokens), sampling at temperature 1, one
+optimizer step (AdamW) per generation batch with all G sequences in one micro-batch, beta = 0,
+loss_type "dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults).
+
+Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end),
+tokens/s = G·(prompt + completion tokens) / step time, and peak memory = the allocator's
+max_memory_allocated since a reset at the step's start (CPU: the process' peak RSS, which only
+grows). Reported: medians over the --steps timed steps (peak: their maximum); one row appended to
+benchmarks/results/<device>-trainer.csv with the device, versions, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python benchmarks/trainer_step.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+# Qwen/Qwen2.5-0.5B config.json (the values that shape compute and memory)
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, max_window_layers=24, hidden_act="silu")
+TINY = dict(QWEN25_05B, vocab_size=4096, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def length_reward(prompts, completions, **columns):
+    """A cheap reward with spread (the step's cost does not depend on reward values)."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
+    """Random-weight model + matching tokenizer saved for the Auto classes; a prompts file."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_train.tiny import build_tokenizer
+
+    shape = TINY if args.tiny else QWEN25_05B
+    tokenizer = build_tokenizer(vocab_size=shape["vocab_size"])
+    config = Qwen2Config(**shape, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(args.seed)
+    model = Qwen2ForCausalLM(config)
+    model_dir = workdir / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    # the chat template appends "=", so the prompt text is one token shorter than the prompt
+    text = ("0123456789" * (args.prompt_tokens // 10 + 1))[: args.prompt_tokens - 1]
+    data = workdir / "prompts.jsonl"
+    rows = args.warmup + args.steps + 1
+    data.write_text("".join(json.dumps({"prompt": text, "answer": "0"}) + "\n"
+                            for _ in range(rows)))
+    return model_dir, data, text
+
+
+def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device) -> list[dict]:
+    """Steps of our trainer; per-step numbers from its metrics.jsonl."""
+    from grpo_train.config import TrainConfig
+    from grpo_train.logs import read_metrics
+    from grpo_train.trainer import train
+
+    cuda = device.type == "cuda"
+    cfg = TrainConfig(
+        model=str(model_dir), dataset=str(data), prompt_column="prompt", answer_column="answer",
+        eval_size=0, output_dir=str(workdir / "run"), steps=args.warmup + args.steps,
+        num_prompts=1, num_generations=args.num_generations,
+        max_new_tokens=args.completion_tokens, min_new_tokens=args.completion_tokens,
+        micro_batch_size=args.num_generations, beta=0.0, num_iterations=1, loss_type="dapo",
+        loss=args.provider, learning_rate=1e-6, bf16=cuda and not args.no_bf16,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
+        model_dtype=args.model_dtype, reward=[f"{Path(__file__).resolve()}:length_reward"],
+        eval_every=0, save_every=0, plot=False, save_final_model=False, progress=False,
+        seed=args.seed, device="cuda" if cuda else "cpu", backend=args.backend)
+    train(cfg)
+    return [dict(step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
+                 peak_gib=r["peak_memory_gib"], completion_length=r["completion_length"])
+            for r in read_metrics(workdir / "run" / "metrics.jsonl") if "reward" in r]
+
+
+def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> list[dict]:
+    """Steps of TRL's GRPOTrainer, timed and measured by a callback around each step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_train.logs import peak_memory_bytes
+    from grpo_train.models import DTYPES
+
+    cuda = device.type == "cuda"
+    per_step = []
+    tokens = args.num_generations * (args.prompt_tokens + args.completion_tokens)
+
+    class StepMeter(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - self.t0
+            per_step.append(dict(step_time_s=elapsed, tokens_per_s=tokens / elapsed,
+                                 peak_gib=peak_memory_bytes(device) / 2**30))
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.model_dtype])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    dataset = Dataset.from_list([{"prompt": prompt_text + "="}] * (args.warmup + args.steps + 1))
+    config = GRPOConfig(
+        output_dir=str(workdir / "trl"), per_device_train_batch_size=args.num_generations,
+        num_generations=args.num_generations, max_completion_length=args.completion_tokens,
+        generation_kwargs={"min_new_tokens": args.completion_tokens},
+        gradient_accumulation_steps=1, max_steps=args.warmup + args.steps, learning_rate=1e-6,
+        bf16=cuda and not args.no_bf16,
+        gradient_checkpointing=not args.no_gradient_checkpointing, beta=0.0, loss_type="dapo",
+        temperature=1.0, top_p=1.0, top_k=0, logging_steps=10_000, disable_tqdm=True,
+        report_to="none",
+        save_strategy="no", use_cpu=not cuda, seed=args.seed, shuffle_dataset=False,
+        dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=config,
+                          train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[StepMeter()])
+    trainer.train()
+    return per_step
+
+
+def versions(provider: str) -> dict:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import trl
+
+        out["trl"] = trl.__version__
+    except ImportError:
+        out["trl"] = "not installed" if provider == "trl" else ""
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--provider", choices=("fused", "reference", "trl"), required=True)
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny model and sizes (CPU smoke test; not a Qwen2.5 measurement)")
+    parser.add_argument("--num_generations", type=int, default=None, help="G (default 8; tiny 4)")
+    parser.add_argument("--completion_tokens", type=int, default=None,
+                        help="tokens per completion (default 1024; tiny 16)")
+    parser.add_argument("--prompt_tokens", type=int, default=None, help="default 64; tiny 16")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--model_dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--no_bf16", action="store_true", help="no bf16 autocast on CUDA")
+    parser.add_argument("--no_gradient_checkpointing", action="store_true")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                        help="grpo_train's fused-loss backend (auto: Triton on CUDA)")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--no_record", action="store_true", help="print only, write no CSV")
+    args = parser.parse_args(argv)
+    defaults = dict(num_generations=(8, 4), completion_tokens=(1024, 16), prompt_tokens=(64, 16))
+    for name, (full, tiny) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    if args.prompt_tokens < 2:
+        parser.error("--prompt_tokens must be >= 2")
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    device = torch.device("cuda" if cuda else "cpu")
+
+    from benchmarks import device_label, device_slug, git_commit
+
+    with tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
+        workdir = Path(tmp)
+        model_dir, data, prompt_text = build_assets(workdir, args)
+        if args.provider == "trl":
+            steps = run_trl(args, model_dir, prompt_text, workdir, device)
+        else:
+            steps = run_grpo_train(args, model_dir, data, workdir, device)
+    timed = steps[args.warmup:]
+    if not timed:
+        raise RuntimeError(f"no timed steps ({len(steps)} steps ran, --warmup {args.warmup})")
+    lengths = [s["completion_length"] for s in timed if "completion_length" in s]
+    if lengths and min(lengths) != args.completion_tokens:  # the work must be what we claim
+        raise RuntimeError(f"completions were {lengths} tokens, not {args.completion_tokens}")
+    row = {
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "provider": {"fused": "grpo_train+fused", "reference": "grpo_train+reference",
+                     "trl": "trl GRPOTrainer"}[args.provider],
+        "model": "tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random",
+        "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
+        "completion_tokens": args.completion_tokens,
+        "bf16_autocast": cuda and not args.no_bf16,
+        "gradient_checkpointing": not args.no_gradient_checkpointing,
+        "model_dtype": args.model_dtype, "timed_steps": len(timed),
+        "step_time_s_median": round(statistics.median(s["step_time_s"] for s in timed), 4),
+        "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),
+        "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
+        "peak_memory_kind": "max_memory_allocated" if cuda else "process peak RSS",
+        "device": device_label(device), **versions(args.provider), "commit": git_commit(),
+        "command": "python -m benchmarks.trainer_step " + shlex.join(sys.argv[1:] if argv is None
+                                                                     else argv),
+    }
+    print(json.dumps(row, indent=1))
+    if not args.no_record:
+        path = Path(args.results) / f"{device_slug(device)}-trainer.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with open(path, "a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        print(f"appended to {path}")
+    return row
+
+
+if __name__ == "__main__":
+    main()

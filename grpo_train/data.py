@@ -1,0 +1,217 @@
+"""Prompts and answers: the embedded arithmetic task, dataset loading, and a resumable sampler.
+
+An example is a dict with "prompt" (a string, or a list of chat messages), "answer" (a string;
+None when the dataset has no answers) and the dataset's other columns, which reward functions
+receive as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import random
+import re
+
+import numpy as np
+
+# ---- the embedded task --------------------------------------------------------------------------
+
+
+def arithmetic_task(max_operand: int = 9, eval_fraction: float = 0.25, seed: int = 0,
+                    terms: int = 2):
+    """Every sum of `terms` digits in [0, max_operand] ("3+0+2+1"), split into (train, held_out).
+
+    The split is over distinct problems, so every held-out problem is one the policy never trains
+    on: it has to generalize the addition, not memorize a table. The tiny tokenizer's chat
+    template renders the prompt "3+0+2+1" as "3+0+2+1=", and the expected completion is "6" EOS.
+    """
+    if max_operand < 1 or terms < 2:
+        raise ValueError(f"--task_max_operand must be >= 1 and --task_terms >= 2, got "
+                         f"{max_operand} and {terms}")
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"--task_eval_fraction must be in (0, 1), got {eval_fraction}")
+    if (max_operand + 1) ** terms > 200_000:
+        raise ValueError("the embedded task would have more than 200,000 problems; lower "
+                         "--task_terms or --task_max_operand")
+    problems = list(itertools.product(range(max_operand + 1), repeat=terms))
+    random.Random(seed).shuffle(problems)
+    n_eval = max(1, round(eval_fraction * len(problems)))
+
+    def example(digits):
+        return {"prompt": "+".join(map(str, digits)), "answer": str(sum(digits))}
+
+    held_out = [example(p) for p in problems[:n_eval]]
+    train = [example(p) for p in problems[n_eval:]]
+    return train, held_out
+
+
+def random_answer_texts(examples: list[dict], rng: random.Random) -> list[str]:
+    """Format warm-up targets: answers drawn at random from the task's answer set, independent
+    of the prompt, so supervised training on them teaches the output format but not the task."""
+    pool = sorted({ex["answer"] for ex in examples})
+    return [rng.choice(pool) for _ in examples]
+
+
+# ---- answers ------------------------------------------------------------------------------------
+
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+def parse_gsm8k_answer(text: str) -> str:
+    """GSM8K-style ground truth "reasoning ... #### 1,234" -> "1234"; other text unchanged."""
+    match = _GSM8K_FINAL.search(text)
+    if match is None:
+        return text.strip()
+    return match.group(1).strip().replace(",", "")
+
+
+# ---- datasets -----------------------------------------------------------------------------------
+
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _read_local(path: str) -> list[dict]:
+    """Rows of a local json/jsonl/csv (stdlib) or parquet (via `datasets`) file."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".csv":
+        with open(path, newline="") as fh:
+            return list(csv.DictReader(fh))
+    if ext == ".jsonl":
+        with open(path) as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+    if ext == ".json":
+        with open(path) as fh:
+            text = fh.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:  # JSON lines saved with a .json extension
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        if isinstance(data, dict):  # {"col": [...], ...} or {"data": [...]}
+            if "data" in data and isinstance(data["data"], list):
+                return data["data"]
+            keys = list(data)
+            return [dict(zip(keys, vals)) for vals in zip(*(data[k] for k in keys))]
+        return list(data)
+    import datasets  # parquet; imported only here (the GPU image may not have it)
+
+    return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+
+
+def _read_hub(name: str, config: str | None, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            f"--dataset {name!r} is not a local file, and loading hub datasets needs `datasets` "
+            "(pip install 'grpo-kernels[train]')"
+        ) from err
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+        raise ValueError(
+            f"--dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: "
+            f"{type(err).__name__}: {err}. Expected a local .json/.jsonl/.csv/.parquet file or a "
+            "hub dataset id"
+        ) from err
+
+
+def read_rows(name: str, config: str | None, split: str) -> list[dict]:
+    ext = os.path.splitext(name)[1].lower()
+    if os.path.isfile(name):
+        if ext not in _LOCAL_FORMATS:
+            raise ValueError(f"--dataset {name!r}: unsupported file type {ext!r}; expected one "
+                             f"of {sorted(_LOCAL_FORMATS)}")
+        return _read_local(name)
+    if ext in _LOCAL_FORMATS or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"--dataset {name!r}: no such file")
+    return _read_hub(name, config, split)
+
+
+def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
+                where: str) -> list[dict]:
+    """Rows -> examples; a clear error when the named columns are missing."""
+    if not rows:
+        raise ValueError(f"{where} has no rows")
+    columns = list(rows[0])
+    missing = [(flag, col) for flag, col in (("--prompt_column", prompt_column),
+                                             ("--answer_column", answer_column))
+               if col and col not in columns]
+    if missing:
+        named = ", ".join(f"{flag} {col!r}" for flag, col in missing)
+        raise ValueError(f"{where} has no column {named}; its columns are {columns}")
+    examples = []
+    for row in rows:
+        ex = dict(row)
+        ex["prompt"] = row[prompt_column]
+        answer = row.get(answer_column) if answer_column else None
+        ex["answer"] = None if answer is None else parse_gsm8k_answer(str(answer))
+        examples.append(ex)
+    return examples
+
+
+def load_examples(cfg) -> tuple[list[dict], list[dict]]:
+    """(train, held_out) examples for the configuration: the embedded task or a dataset."""
+    if not cfg.dataset:
+        return arithmetic_task(cfg.task_max_operand, cfg.task_eval_fraction, cfg.seed,
+                               cfg.task_terms)
+    rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.split)
+    train = to_examples(rows, cfg.prompt_column, cfg.answer_column, f"--dataset {cfg.dataset!r}")
+    if cfg.eval_split:
+        eval_rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.eval_split)
+        held_out = to_examples(eval_rows, cfg.prompt_column, cfg.answer_column,
+                               f"--dataset {cfg.dataset!r} split {cfg.eval_split!r}")
+        return train, held_out[: cfg.eval_size] if cfg.eval_size else held_out
+    if cfg.eval_size <= 0:
+        return train, []
+    if cfg.eval_size >= len(train):
+        raise ValueError(f"--eval_size {cfg.eval_size} leaves no training rows out of "
+                         f"{len(train)}; lower it or pass --eval_split")
+    order = list(range(len(train)))
+    random.Random(cfg.seed).shuffle(order)
+    held = set(order[: cfg.eval_size])
+    return ([ex for i, ex in enumerate(train) if i not in held],
+            [ex for i, ex in enumerate(train) if i in held])
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+class PromptSampler:
+    """Endless epochs over the training examples, each in a seeded random order.
+
+    Its position (epoch, index) is all a checkpoint needs to continue with the same prompts; it
+    does not touch the global RNGs, so it is identical on every process.
+    """
+
+    def __init__(self, num_examples: int, seed: int):
+        if num_examples < 1:
+            raise ValueError("the training set is empty")
+        self.n, self.seed = num_examples, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.index == self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(k - len(out), self.n - self.index)
+            out.extend(int(i) for i in self._order[self.index:self.index + take])
+            self.index += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"checkpoint was written for {state['n']} training examples, "
+                             f"this run has {self.n}")
+        self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,122 @@
+"""What a user sees and keeps: one log line per step, metrics.jsonl, and curves.png at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max_memory_allocated since the last reset (this step). CPU: the process' peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_line(m: dict) -> str:
+    """The one line per step, in a fixed order, with the numbers that matter."""
+    parts = [
+        f"step {m['step']}",
+        f"reward {_fmt(m.get('reward'), '.3f')}±{_fmt(m.get('reward_std'), '.3f')}",
+    ]
+    if "accuracy" in m:
+        parts.append(f"acc {_fmt(m['accuracy'], '.3f')}")
+    if "eval_accuracy" in m:
+        parts.append(f"eval_acc {_fmt(m['eval_accuracy'], '.3f')}")
+    if "kl" in m:
+        parts.append(f"kl {_fmt(m['kl'], '.4f')}")
+    if "clip_ratio/region_mean" in m:
+        parts.append(f"clip {_fmt(m['clip_ratio/low_mean'], '.3f')}/"
+                     f"{_fmt(m['clip_ratio/high_mean'], '.3f')}")
+    parts += [
+        f"ent {_fmt(m.get('entropy'), '.3f')}",
+        f"len {_fmt(m.get('completion_length'), '.1f')}",
+        f"loss {_fmt(m.get('loss'), '.4f')}",
+        f"gnorm {_fmt(m.get('grad_norm'), '.3f')}",
+        f"{_fmt(m.get('tokens_per_s'), ',.0f')} tok/s",
+        f"mem {_fmt(m.get('peak_memory_gib'), '.2f')}GiB",
+    ]
+    if m.get("unscored"):
+        parts.append(f"unscored {m['unscored']}")
+    return " | ".join(parts)
+
+
+class MetricsLog:
+    """Appends one JSON object per step to OUTPUT_DIR/metrics.jsonl (main process only).
+
+    On resume, records after the checkpoint's step are dropped, so the file reads as one run.
+    """
+
+    def __init__(self, output_dir, enabled: bool, resume_step: int | None = None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def plot_curves(output_dir) -> str:
+    """curves.png of reward, accuracy (train and held-out) and completion length; returns a
+    message for the log (the path, or how to get matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ("curves.png not written: matplotlib is not installed "
+                "(pip install 'grpo-kernels[plot]'); the numbers are in metrics.jsonl")
+    records = read_metrics(Path(output_dir) / "metrics.jsonl")
+    train = [r for r in records if "reward" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    series = [("reward", "reward (mean)"), ("accuracy", "accuracy"),
+              ("completion_length", "completion length (tokens)")]
+    for ax, (key, title) in zip(axes, series):
+        pts = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), label="train (sampled)", lw=1)
+        if key == "accuracy" and evals:
+            ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
+                    label="held-out (greedy)")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key == "accuracy":
+            ax.legend()
+    fig.tight_layout()
+    out = Path(output_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return f"curves written to {out}"

@@ -1,0 +1,173 @@
+"""Loading the policy, its tokenizer and the reference model; prompt encoding; the embedded model's
+format warm-up.
+
+Sequences are laid out as [left-padded prompt | right-padded completion], the layout `generate`
+returns, so the last T columns of every row are its completion.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from grpo_kernels import selective_logprobs
+from grpo_kernels.hf import completion_hidden_states, output_head
+
+from .data import random_answer_texts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_pretrained(source: str, cfg, flag: str = "--model"):
+    """(model, tokenizer) from a local directory or a hub id, with errors that name `flag`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = os.path.exists(source)
+    if local and not os.path.isdir(source):
+        raise FileNotFoundError(f"{flag} {source!r} is a file; expected a model directory "
+                                "(config.json, weights, tokenizer files) or a hub id")
+    if not local and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise FileNotFoundError(f"{flag} {source!r}: no such directory (expected a local model "
+                                "directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct')")
+    kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[cfg.model_dtype],
+                                                     **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        where = "local directory" if local else "hub id"
+        raise ValueError(f"{flag} {source!r} ({where}) could not be loaded as an "
+                         f"AutoModelForCausalLM with its tokenizer: {err}") from err
+    return model, prepare_tokenizer(tokenizer, model)
+
+
+def save_model(model, tokenizer, path) -> None:
+    """save_pretrained() of model and tokenizer, without transformers' progress bars in our log."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def prepare_tokenizer(tokenizer, model):
+    """Left padding (generation appends on the right); a pad token if the model has none."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    gen = model.generation_config
+    if gen.pad_token_id is None:
+        gen.pad_token_id = tokenizer.pad_token_id
+    if gen.eos_token_id is None:
+        gen.eos_token_id = tokenizer.eos_token_id
+    return tokenizer
+
+
+def build_embedded(cfg):
+    """The embedded default: a tiny random causal LM built from a transformers config."""
+    from .tiny import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, arch=cfg.tiny_arch, hidden_size=cfg.tiny_hidden_size,
+                             num_layers=cfg.tiny_layers, seed=cfg.seed)
+    return model.to(DTYPES[cfg.model_dtype]), prepare_tokenizer(tokenizer, model)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def render_prompts(tokenizer, examples: list[dict], system_prompt: str | None) -> list[str]:
+    """Prompt texts: through the chat template when the tokenizer has one, else as they are."""
+    texts = []
+    for ex in examples:
+        prompt = ex["prompt"]
+        if getattr(tokenizer, "chat_template", None):
+            messages = list(prompt) if isinstance(prompt, list) else [
+                {"role": "user", "content": str(prompt)}]
+            if system_prompt and messages[0].get("role") != "system":
+                messages = [{"role": "system", "content": system_prompt}, *messages]
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True))
+        else:
+            if isinstance(prompt, list):
+                prompt = "\n".join(m["content"] for m in prompt)
+            texts.append(f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt))
+    return texts
+
+
+def encode_prompts(tokenizer, texts: list[str], max_length: int | None, device):
+    """Left-padded prompt ids and attention mask, both [P, Lp] int64."""
+    templated = bool(getattr(tokenizer, "chat_template", None))  # the template adds specials
+    enc = tokenizer(texts, add_special_tokens=not templated, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if max_length is not None and ids.shape[1] > max_length:
+        ids, mask = ids[:, -max_length:], mask[:, -max_length:]
+    return ids.to(device), mask.to(device)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B, T] int64: 1 up to and including the first EOS, 0 after it (generate's padding)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    return (~after_eos).long()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens, as `generate` assigns them with left padding."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+# ---- the embedded model's format warm-up -------------------------------------------------------
+
+
+def format_warmup(model, tokenizer, examples: list[dict], cfg, device, batch_size: int = 64):
+    """Supervised steps on training prompts paired with *random* answers (drawn independently of
+    the prompt): the model learns to emit a short number then EOS, which makes the accuracy reward
+    reachable from a random init, and learns nothing about which number is right.
+    Uses its own optimizer (discarded) and RNG, so the RL run starts from a fixed state."""
+    if cfg.format_warmup_steps <= 0:
+        return []
+    rng = random.Random(cfg.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.format_warmup_lr, weight_decay=0.0)
+    eos = tokenizer.eos_token
+    losses = []
+    model.train()
+    for _ in range(cfg.format_warmup_steps):
+        batch = [rng.choice(examples) for _ in range(batch_size)]
+        answers = random_answer_texts(batch, rng)
+        prompt_ids, prompt_mask = encode_prompts(
+            tokenizer, render_prompts(tokenizer, batch, cfg.system_prompt),
+            cfg.max_prompt_length, device)
+        tokenizer.padding_side = "right"  # completions are right-padded
+        comp = tokenizer([a + eos for a in answers], add_special_tokens=False, padding=True,
+                         return_tensors="pt")
+        tokenizer.padding_side = "left"
+        comp_ids, comp_mask = comp["input_ids"].to(device), comp["attention_mask"].to(device)
+        ids = torch.cat([prompt_ids, comp_ids], dim=1)  # [b, Lp + T]
+        attn = torch.cat([prompt_mask, comp_mask], dim=1)
+        T = comp_ids.shape[1]
+        hidden = completion_hidden_states(model, ids, attn, T, position_ids=position_ids(attn))
+        weight, bias = output_head(model)
+        logp = selective_logprobs(hidden, weight.to(hidden.dtype), comp_ids,
+                                  None if bias is None else bias.to(hidden.dtype))  # [b, T]
+        loss = -(logp * comp_mask).sum() / comp_mask.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,230 @@
+"""Reward functions, their loading from `--reward` specs, scoring, and group-normalized advantages.
+
+A reward function has TRL's signature `f(prompts, completions, **columns) -> list[float | None]`:
+`prompts` and `completions` are lists of strings of equal length (P·G, grouped contiguously),
+`columns` holds every dataset column as a list aligned with them (`answer` among them) plus
+`completion_ids` (lists of token ids). None means "cannot score this one".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+# ---- answer extraction and comparison -----------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: the last \\boxed{}, else the last <answer>...</answer>,
+    else what follows the last "####", else the last number in the text; None if none."""
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    if tagged:
+        return tagged[-1].strip()
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str) -> Fraction | None:
+    """"1,234" / "-0.5" / "1/2" / "$42" / "42." / "\\frac{1}{2}" -> Fraction; None otherwise."""
+    s = text.strip().strip("$").strip()
+    s = re.sub(r"\\[d]?frac\{([^{}]+)\}\{([^{}]+)\}", r"\1/\2", s)
+    s = s.replace(",", "").replace(" ", "").rstrip(".")
+    if not re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)(/[-+]?\d+(\.\d*)?)?", s):
+        return None
+    try:
+        return Fraction(s) if "/" not in s else Fraction(*map(Fraction, s.split("/")))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(predicted: str | None, truth: str) -> bool:
+    """Numbers compare exactly as fractions ("0.5" == "1/2" == "1,0/20"); other strings compare
+    after stripping whitespace and case."""
+    if predicted is None:
+        return False
+    p, t = parse_number(predicted), parse_number(truth)
+    if p is not None and t is not None:
+        return p == t
+    return predicted.strip().lower() == truth.strip().lower()
+
+
+# ---- built-in reward functions ------------------------------------------------------------------
+
+
+def accuracy(prompts, completions, answer=None, **columns) -> list[float | None]:
+    """1.0 if the completion's final answer equals the ground truth, else 0.0 (None: no truth)."""
+    if answer is None:
+        return [None] * len(completions)
+    return [None if truth is None else float(answers_match(extract_answer(c), str(truth)))
+            for c, truth in zip(completions, answer)]
+
+
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def format_reward(prompts, completions, **columns) -> list[float]:
+    """1.0 if the completion is "<think>...</think><answer>...</answer>", else 0.0."""
+    return [float(bool(_FORMAT.match(c))) for c in completions]
+
+
+BUILTIN = {"accuracy": accuracy, "format": format_reward}
+
+
+# ---- --reward specs ----------------------------------------------------------------------------
+
+
+@dataclass
+class RewardSpec:
+    name: str
+    fn: Callable
+    weight: float = 1.0
+
+
+def _import_function(target: str, spec: str) -> Callable:
+    module_name, _, fn_name = target.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no such file {module_name!r}")
+            name = "grpo_user_reward_" + re.sub(r"\W", "_", os.path.abspath(module_name))
+            loader_spec = importlib.util.spec_from_file_location(name, module_name)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module  # importable by name in the other processes' pickles
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, fn_name)
+    except Exception as err:  # noqa: BLE001 - any import failure is the spec's fault
+        raise ValueError(
+            f"--reward {spec!r}: cannot import {fn_name!r} from {module_name!r} "
+            f"({type(err).__name__}: {err}). Expected a built-in {sorted(BUILTIN)} or "
+            "'module:function[:weight]' / 'path/to/file.py:function[:weight]'"
+        ) from err
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r}: {module_name}:{fn_name} is not callable")
+    return fn
+
+
+def parse_reward_spec(spec: str) -> RewardSpec:
+    """"accuracy", "format:0.5", "my_pkg.rewards:length:0.1", "rewards.py:fn" -> RewardSpec."""
+    target, weight = spec, 1.0
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            weight = float(tail)
+            target = head
+        except ValueError:
+            pass
+    if not math.isfinite(weight):
+        raise ValueError(f"--reward {spec!r}: weight must be finite")
+    if target in BUILTIN:
+        return RewardSpec(target, BUILTIN[target], weight)
+    if ":" not in target:
+        raise ValueError(f"--reward {spec!r}: unknown built-in; expected one of {sorted(BUILTIN)} "
+                         "or 'module:function[:weight]'")
+    return RewardSpec(target.rpartition(":")[2], _import_function(target, spec), weight)
+
+
+def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
+          columns: dict[str, list]) -> tuple[torch.Tensor, dict[str, int]]:
+    """Rewards [N, F] float32 (NaN = unscored) and, per function, how many it could not score.
+
+    A function that raises leaves all its rewards NaN for this batch; the run goes on.
+    """
+    n = len(completions)
+    out = torch.full((n, len(specs)), float("nan"))
+    failures: dict[str, int] = {}
+    for j, spec in enumerate(specs):
+        try:
+            values = list(spec.fn(prompts, completions, **columns))
+            if len(values) != n:
+                raise ValueError(f"returned {len(values)} rewards for {n} completions")
+        except Exception as err:  # noqa: BLE001 - a reward bug must not kill a long run
+            failures[f"{spec.name}: {type(err).__name__}: {err}"[:200]] = n
+            continue
+        bad = 0
+        for i, v in enumerate(values):
+            try:
+                v = None if v is None else float(v)
+            except (TypeError, ValueError):
+                v = None
+            if v is None or math.isnan(v):
+                bad += 1
+            else:
+                out[i, j] = v
+        if bad:
+            failures[spec.name] = bad
+    return out, failures
+
+
+def combine(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[N, F] -> [N]: weighted sum of the scored entries; NaN where no function scored it."""
+    total = (rewards_per_func * weights).nansum(dim=1)
+    total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    return total
+
+
+# ---- advantages ---------------------------------------------------------------------------------
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs (NaN when fewer than 2 values)."""
+    dims = tuple(range(x.dim())) if dim is None else (dim,)
+    mean = torch.nanmean(x, dim=dims, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dims)
+    sq = ((x - mean) ** 2).nansum(dim=dims)
+    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, math.nan))
+    return var.sqrt()
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int,
+                     scale_rewards: str = "group") -> torch.Tensor:
+    """GRPO_SPEC.md advantages: rewards [P·G] grouped contiguously -> advantages [P·G].
+
+    A = r - nanmean(group); divided by (nanstd + 1e-4) over the group ("group") or over all
+    rewards ("batch"), not at all for "none"; NaN (unscored) -> 0.
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be group|batch|none, got {scale_rewards!r}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of "
+                         f"{num_generations}")
+    grouped = rewards.float().view(-1, num_generations)  # [P, G]
+    adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    if scale_rewards == "group":
+        adv = adv / (_nanstd(grouped, dim=1).unsqueeze(1) + 1e-4)
+    elif scale_rewards == "batch":
+        adv = adv / (_nanstd(grouped.reshape(-1)) + 1e-4)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)

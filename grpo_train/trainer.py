@@ -1,0 +1,464 @@
+"""The GRPO training loop, to be read top to bottom.
+
+`train(cfg)` sets up (processes, data, models, optimizer, checkpoint), evaluates at step 0, then
+runs `cfg.steps` steps. One step:
+  1. sample P prompts (this process takes P / processes of them) and generate G completions each;
+  2. score them with the reward functions (NaN = unscored);
+  3. gather the rewards of all processes and compute group-normalized advantages;
+  4. old log-probs (num_iterations > 1) and reference log-probs (beta > 0), no grad, no logits;
+  5. the fused GRPO loss over micro-batches with gradient accumulation, clipping, optimizer and
+     scheduler steps (num_iterations times on the same completions).
+Shapes: P_l prompts per process, B = P_l·G sequences, Lp prompt columns, T completion columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_kernels import FusedLinearGRPOLoss, force_backend
+from grpo_kernels import reference as reference_impl
+from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
+
+from .checkpoint import (
+    capture_rng,
+    find_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    seed_everything,
+)
+from .config import resolve_auto, validate
+from .data import PromptSampler, load_examples
+from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
+from .models import (
+    build_embedded,
+    completion_mask,
+    encode_prompts,
+    eos_token_ids,
+    format_warmup,
+    load_pretrained,
+    position_ids,
+    render_prompts,
+    save_model,
+)
+from .rewards import accuracy, combine, group_advantages, parse_reward_spec, score
+
+LOSS_TYPES_WITH_TOKEN_COUNT = ("dapo", "cispo")  # normalized by the step's total token count
+
+
+def train(cfg) -> dict:
+    """Run GRPO as configured; returns {"step", "interrupted", "eval_accuracy": {step: acc},
+    "model", "tokenizer", "main_process"}."""
+    cfg = validate(resolve_auto(cfg))  # "auto" fields -> values; clear errors first
+    if cfg.backend == "auto":  # CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
+        return _train(cfg)
+    with force_backend(cfg.backend):
+        return _train(cfg)
+
+
+def _train(cfg) -> dict:
+    # ---- processes and batch geometry ---------------------------------------------------------
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    rank, world, device = accel.process_index, accel.num_processes, accel.device
+    say = _printer(accel.is_main_process)
+    G = cfg.num_generations
+    if cfg.num_prompts % world:
+        raise ValueError(f"--num_prompts {cfg.num_prompts} must be divisible by the number of "
+                         f"processes ({world}): every process takes whole groups")
+    P_local = cfg.num_prompts // world
+    B = P_local * G
+    micro = cfg.micro_batch_size or B
+    if B % micro:
+        raise ValueError(f"--micro_batch_size {micro} must divide the per-process batch "
+                         f"num_prompts/processes x num_generations = {P_local} x {G} = {B}")
+    n_micro = B // micro
+
+    # ---- data, rewards, models ----------------------------------------------------------------
+    specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
+    weights = torch.tensor([s.weight for s in specs])
+    acc_col = next((j for j, s in enumerate(specs) if s.fn is accuracy), None)
+    train_ex, eval_ex = load_examples(cfg)
+    eval_ex = [ex for ex in eval_ex if ex.get("answer") is not None]  # scorable ones only
+    out_dir = Path(cfg.output_dir)
+    ckpt_path = find_checkpoint(cfg.resume, out_dir)
+    model, tokenizer = _load_policy(cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
+    ref_model = None
+    if cfg.beta != 0.0:  # the frozen initial policy; beta = 0 loads no reference at all
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    eos_ids = eos_token_ids(model, tokenizer)
+    if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    sampler = PromptSampler(len(train_ex), cfg.seed)
+    seed_everything(cfg.seed + rank)  # each process samples different completions
+    start = 0
+    if ckpt_path is not None:
+        state = load_checkpoint(ckpt_path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["data"])
+        if len(state["rng"]) == world:
+            restore_rng(state["rng"][rank])
+        else:
+            say(f"warning: checkpoint has RNG states for {len(state['rng'])} processes, this run "
+                f"has {world}; sampling will differ from an uninterrupted run")
+        start = state["step"]
+        say(f"resumed from {ckpt_path} at step {start}")
+    ddp_model = accel.prepare_model(model)  # DistributedDataParallel when several processes
+    loss_fn = FusedLinearGRPOLoss(
+        beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+        temperature=cfg.temperature, loss_type=cfg.loss_type,
+        importance_sampling_level=cfg.importance_sampling_level,
+        max_completion_length=cfg.max_new_tokens, entropy_coef=cfg.entropy_coef)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    log = MetricsLog(out_dir, accel.is_main_process, resume_step=start if start else None)
+    ctx = dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast)
+
+    def checkpoint(step):
+        rng = gather_object([capture_rng()])  # every process' RNG state, in rank order
+        if accel.is_main_process:
+            payload = dict(step=step, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                           scheduler=scheduler.state_dict(), data=sampler.state_dict(), rng=rng,
+                           config=dataclasses.asdict(cfg))
+            path = save_checkpoint(out_dir, step, payload, cfg.keep_checkpoints)
+            say(f"checkpoint {path}")
+        accel.wait_for_everyone()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    history = {}  # step -> held-out accuracy, including the evals before a resume
+    if start and log.path.exists():
+        history = {r["step"]: r["eval_accuracy"] for r in read_metrics(log.path)
+                   if "eval_accuracy" in r}
+    if start == 0 and cfg.eval_every and eval_ex:
+        history[0] = evaluate(model, eval_ex, ctx)
+        log.write({"step": 0, "eval_accuracy": history[0]})
+        say(f"step 0 | eval_acc {history[0]:.3f} (held-out, greedy, {len(eval_ex)} prompts)")
+    bar = _progress(cfg, accel.is_main_process, start)
+    step, last_saved, interrupted = start, start, False
+    with _StopOnSignal(say) as stop:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            examples = [train_ex[i] for i in sampler.next(cfg.num_prompts)]
+            examples = examples[rank * P_local:(rank + 1) * P_local]  # this process' prompts
+
+            # 1. generate G completions per prompt: [B, Lp + T]
+            batch = generate(model, examples, ctx)
+            # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
+            rewards_per_func, failures = score(specs, batch["prompts"], batch["texts"],
+                                               batch["columns"])
+            all_rewards = accel.gather(rewards_per_func.to(device)).cpu()  # [P*G, F]
+            rewards = combine(all_rewards, weights)
+            advantages = group_advantages(rewards, G, cfg.scale_rewards)
+            advantages = advantages[rank * B:(rank + 1) * B].to(device)
+            # 4. reference and old log-probs [B, T], float32, no grad, no logits; the policy in
+            # train mode, as in the loss below, so that the first ratio is exactly 1
+            ids, attn, T = batch["input_ids"], batch["attention_mask"], batch["T"]
+            pos = position_ids(attn)
+            model.train()
+            with autocast:
+                ref_logps = None if ref_model is None else causal_lm_logprobs(
+                    ref_model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
+                    position_ids=pos)
+                old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
+                    model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
+                    position_ids=pos)
+            # 5. optimize: micro-batches, accumulation normalized as TRL does
+            mask = batch["completion_mask"].float()
+            num_items = None
+            if cfg.loss_type in LOSS_TYPES_WITH_TOKEN_COUNT:
+                # per-process share of the step's token count: DDP averages the gradients, so
+                # the micro-batch losses add up to sum(token losses) / all tokens of the step
+                num_items = accel.reduce(mask.sum(), "sum") / world
+            sums, loss_total, grad_norms = {}, 0.0, []
+            for _ in range(cfg.num_iterations):
+                for i in range(n_micro):
+                    s = slice(i * micro, (i + 1) * micro)
+                    sync = i == n_micro - 1 or world == 1
+                    with (contextlib.nullcontext() if sync else ddp_model.no_sync()), autocast:
+                        loss, metrics = _loss(
+                            ddp_model, loss_fn, ids[s], attn[s], pos[s], T, advantages[s],
+                            mask[s], _sl(old_logps, s), _sl(ref_logps, s), num_items, cfg.loss)
+                        if num_items is None:
+                            loss = loss / n_micro  # mean of the micro-batch means
+                    loss.backward()
+                    loss_total += loss.item() / cfg.num_iterations
+                    n_tok = mask[s].sum().item()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v.item() * n_tok
+                    sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
+                clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            # ---- metrics, eval, checkpoint ------------------------------------------------------
+            record = _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums,
+                                   loss_total, grad_norms, scheduler, t0, device)
+            fails = {k: v for d in gather_object([failures]) for k, v in d.items()}
+            if fails:
+                record["reward_failures"] = fails
+                say(f"warning: unscored completions at step {step}: {fails}")
+            if cfg.eval_every and eval_ex and (step % cfg.eval_every == 0 or step == cfg.steps):
+                record["eval_accuracy"] = history[step] = evaluate(model, eval_ex, ctx)
+            log.write(record)
+            _show(bar, say, format_line(record))
+            stop_now = accel.reduce(torch.tensor(float(stop.requested), device=device), "max")
+            if stop_now.item() > 0:
+                interrupted = True
+                break
+            if cfg.save_every and step % cfg.save_every == 0:
+                checkpoint(step)
+                last_saved = step
+    if bar is not None:
+        bar.close()
+
+    # ---- the end ------------------------------------------------------------------------------
+    if step != last_saved and (cfg.save_every or interrupted):
+        checkpoint(step)
+    if interrupted:
+        say(f"stopped at step {step}; continue with --resume auto --output_dir {out_dir}")
+    elif accel.is_main_process:
+        if cfg.save_final_model and cfg.steps > 0:
+            save_model(model, tokenizer, out_dir / "final_model")
+        if cfg.plot:
+            say(plot_curves(out_dir))
+    accel.wait_for_everyone()
+    return {"step": step, "interrupted": interrupted, "eval_accuracy": history,
+            "model": model, "tokenizer": tokenizer, "main_process": accel.is_main_process}
+
+
+# ---- the pieces of a step -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(model, examples: list[dict], ctx: dict, greedy: bool = False) -> dict:
+    """G sampled completions per prompt (1 greedy one with greedy=True), with EOS handling."""
+    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+    G = 1 if greedy else cfg.num_generations
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(
+        tok, render_prompts(tok, examples, cfg.system_prompt), cfg.max_prompt_length, device)
+    prompt_ids = prompt_ids.repeat_interleave(G, dim=0)  # [B, Lp], groups contiguous
+    prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
+    sampling = dict(do_sample=False) if greedy else dict(
+        do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    was_training = model.training
+    model.eval()
+    with ctx["autocast"]:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                             max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+                             eos_token_id=ctx["eos_ids"], pad_token_id=tok.pad_token_id,
+                             use_cache=True, **sampling)
+    model.train(was_training)
+    completion_ids = out[:, prompt_ids.shape[1]:]  # [B, T]
+    if completion_ids.shape[1] == 0:  # nothing generated at all: keep one masked column
+        completion_ids = torch.full((out.shape[0], 1), tok.pad_token_id, device=device)
+    comp_mask = completion_mask(completion_ids, ctx["eos_ids"])  # [B, T]
+    lengths = comp_mask.sum(dim=1)
+    is_eos = torch.isin(completion_ids, torch.tensor(ctx["eos_ids"], device=device))
+    truncated = ~is_eos.any(dim=1)
+    if cfg.mask_truncated_completions:
+        comp_mask = comp_mask * (~truncated).unsqueeze(1).long()
+    texts = tok.batch_decode([c[:n] for c, n in zip(completion_ids.tolist(), lengths.tolist())],
+                             skip_special_tokens=True)
+    columns = {k: [ex.get(k) for ex in examples for _ in range(G)]
+               for k in examples[0] if k != "prompt"}
+    columns["completion_ids"] = [c[:n] for c, n in zip(completion_ids.tolist(), lengths.tolist())]
+    return dict(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),  # [B, Lp + T]
+        attention_mask=torch.cat([prompt_mask, comp_mask], dim=1),
+        completion_mask=comp_mask, T=completion_ids.shape[1], texts=texts,
+        prompts=[ex["prompt"] for ex in examples for _ in range(G)], columns=columns,
+        lengths=lengths, truncated=truncated, prompt_tokens=prompt_mask.sum(),
+    )
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[dict], ctx: dict) -> float:
+    """Held-out accuracy: one greedy completion per prompt, scored by the built-in accuracy;
+    the prompts are split over the processes and the counts summed."""
+    accel, cfg = ctx["accel"], ctx["cfg"]
+    mine = examples[accel.process_index::accel.num_processes]
+    correct, total = 0.0, 0.0
+    for i in range(0, len(mine), cfg.eval_batch_size):
+        chunk = mine[i:i + cfg.eval_batch_size]
+        batch = generate(model, chunk, ctx, greedy=True)
+        scores = accuracy(None, batch["texts"], answer=[ex["answer"] for ex in chunk])
+        correct += sum(s for s in scores if s is not None)
+        total += sum(s is not None for s in scores)
+    counts = accel.reduce(torch.tensor([correct, total], device=accel.device), "sum")
+    return (counts[0] / counts[1].clamp(min=1)).item()
+
+
+def _loss(model, loss_fn, ids, attn, pos, T, adv, mask, old, ref, num_items, which):
+    """(loss, metrics) of one micro-batch: the fused loss from hidden states, or the reference
+    that materializes [b, T, V] logits (for comparison and benchmarks)."""
+    if which == "fused":
+        return causal_lm_grpo_loss(model, ids, attn, T, adv, mask, old, ref, loss_fn=loss_fn,
+                                   num_items_in_batch=num_items, position_ids=pos)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1,
+                   use_cache=False).logits[:, :-1]  # [b, T, V]
+    return reference_impl.grpo_loss(logits, ids[:, -T:], adv, mask, old, ref,
+                                    num_items_in_batch=num_items,
+                                    **dataclasses.asdict(loss_fn.params))
+
+
+def _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_total, grad_norms,
+                  scheduler, t0, device) -> dict:
+    """One record: rewards over all processes; loss metrics token-weighted over all processes."""
+    accel, cfg = ctx["accel"], ctx["cfg"]
+    keys = sorted(k for k in sums if k != "_tokens")
+    local = [sums[k] for k in keys] + [sums["_tokens"], batch["lengths"].float().sum().item(),
+                                       batch["truncated"].float().sum().item(),
+                                       batch["prompt_tokens"].item(), loss_total]
+    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum").tolist()
+    n_seq = float(cfg.num_prompts * cfg.num_generations)
+    n_tok = max(total[len(keys)], 1.0)
+    comp_tokens, truncated, prompt_tokens, loss_sum = total[len(keys) + 1:]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the step's kernels are part of its time
+    elapsed = time.perf_counter() - t0
+    peak = accel.reduce(torch.tensor(float(peak_memory_bytes(device)), device=device), "max")
+    scored = rewards[~torch.isnan(rewards)]
+    record = {
+        "step": step,
+        "reward": scored.mean().item() if scored.numel() else math.nan,
+        "reward_std": scored.std().item() if scored.numel() > 1 else math.nan,
+    }
+    if acc_col is not None:
+        record["accuracy"] = torch.nanmean(all_rewards[:, acc_col]).item()
+    record.update({k: v / n_tok for k, v in zip(keys, total)})
+    record.update({
+        "completion_length": comp_tokens / n_seq,
+        "truncated_ratio": truncated / n_seq,
+        "loss": loss_sum / accel.num_processes,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "lr": scheduler.get_last_lr()[0],
+        "tokens_per_s": (comp_tokens + prompt_tokens) / elapsed,
+        "step_time_s": elapsed,
+        "peak_memory_gib": peak.item() / 2**30,
+        "unscored": int(torch.isnan(rewards).sum().item()),
+    })
+    return record
+
+
+def _load_policy(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
+    """The policy at step 0. The embedded model is built (and format-warmed-up) once, and saved
+    to OUTPUT_DIR/initial_model so that a resumed run restarts from exactly the same weights."""
+    if cfg.model:
+        model, tokenizer = load_pretrained(cfg.model, cfg)
+        return model.to(device), tokenizer
+    initial = out_dir / "initial_model"
+    if not fresh and initial.is_dir():
+        model, tokenizer = load_pretrained(str(initial), cfg, flag="initial model")
+        return model.to(device), tokenizer
+    model, tokenizer = build_embedded(cfg)
+    model.to(device)
+    losses = format_warmup(model, tokenizer, train_ex, cfg, device)
+    if losses:
+        say(f"format warm-up: {len(losses)} supervised steps on random answers, loss "
+            f"{losses[0]:.3f} -> {losses[-1]:.3f} (teaches digits-then-EOS, not the sums)")
+    if accel.is_main_process:
+        save_model(model, tokenizer, initial)
+    accel.wait_for_everyone()
+    return model, tokenizer
+
+
+def _lr_lambda(cfg):
+    total = max(cfg.steps * cfg.num_iterations, 1)
+
+    def factor(s: int) -> float:
+        if s < cfg.lr_warmup_steps:
+            return (s + 1) / (cfg.lr_warmup_steps + 1)
+        frac = (s - cfg.lr_warmup_steps) / max(total - cfg.lr_warmup_steps, 1)
+        if cfg.lr_scheduler == "linear":
+            return max(0.0, 1.0 - frac)
+        if cfg.lr_scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def _sl(x, s):
+    return None if x is None else x[s]
+
+
+def _printer(enabled: bool):
+    def say(msg: str) -> None:
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                tqdm.write(msg)
+            except ImportError:
+                print(msg, flush=True)
+
+    return say
+
+
+def _progress(cfg, enabled: bool, start: int):
+    if not (enabled and cfg.progress):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def _show(bar, say, line: str) -> None:
+    say(line)
+    if bar is not None:
+        bar.update(1)
+
+
+class _StopOnSignal:
+    """Ctrl-C / SIGTERM: finish the current step, save a checkpoint, exit. A second Ctrl-C aborts
+    at once (KeyboardInterrupt)."""
+
+    def __init__(self, say):
+        self.say, self.requested, self.previous = say, False, {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.say("interrupt: finishing this step, then saving a checkpoint (Ctrl-C again aborts)")
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,190 @@
+"""grpo_train.rewards: answer extraction, number comparison, reward specs, scoring, advantages."""
+
+import math
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from grpo_train.rewards import (
+    accuracy,
+    answers_match,
+    combine,
+    extract_answer,
+    format_reward,
+    group_advantages,
+    parse_number,
+    parse_reward_spec,
+    score,
+)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the result is \\boxed{42}.", "42"),
+    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("<think>3+4</think><answer> 7 </answer>", "7"),
+    ("<answer>1</answer> no, <answer>2</answer>", "2"),
+    ("Natalia sold 48 clips.\n#### 72", "72"),
+    ("first 3 then 12", "12"),
+    ("-5", "-5"),
+    ("no digits here", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_boxed_wins_over_tags_and_hashes():
+    assert extract_answer("<answer>1</answer> #### 2 \\boxed{3}") == "3"
+    assert extract_answer("<answer>1</answer> #### 2") == "1"
+
+
+@pytest.mark.parametrize("a, b", [
+    ("0.5", "1/2"), ("1,234", "1234"), ("$42", "42"), ("42.", "42"), ("-3", "-3.0"),
+    ("\\frac{3}{4}", "0.75"), ("2/4", "1/2"), (".5", "0.5"),
+])
+def test_numbers_equal(a, b):
+    assert answers_match(a, b)
+
+
+@pytest.mark.parametrize("a, b", [("0.5", "0.51"), ("12", "21"), ("1/3", "0.333"), (None, "1")])
+def test_numbers_differ(a, b):
+    assert not answers_match(a, b)
+
+
+def test_parse_number_rejects_text_and_zero_division():
+    assert parse_number("abc") is None
+    assert parse_number("1/0") is None
+    assert parse_number("3 apples") is None
+
+
+def test_non_numeric_answers_compare_as_strings():
+    assert answers_match(" Paris", "paris")
+    assert not answers_match("Lyon", "Paris")
+
+
+def test_accuracy_reward():
+    comps = ["\\boxed{7}", "#### 1,000", "it is 8", "nothing"]
+    assert accuracy(["p"] * 4, comps, answer=["7", "1000", "7", "3"]) == [1.0, 1.0, 0.0, 0.0]
+    assert accuracy(["p"], ["7"], answer=[None]) == [None]
+    assert accuracy(["p"], ["7"]) == [None]  # a dataset without answers cannot be scored
+
+
+def test_format_reward():
+    good = "<think>add them</think>\n<answer>7</answer>"
+    assert format_reward(None, [good, "<answer>7</answer>", good + " extra"]) == [1.0, 0.0, 0.0]
+
+
+def _write_module(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_reward_specs(tmp_path, monkeypatch):
+    assert parse_reward_spec("accuracy").fn is accuracy
+    spec = parse_reward_spec("format:0.25")
+    assert spec.fn is format_reward and spec.weight == 0.25
+    path = _write_module(tmp_path, "my_rewards", """
+        def length(prompts, completions, **kw):
+            return [float(len(c)) for c in completions]
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    by_module = parse_reward_spec("my_rewards:length:2")
+    assert by_module.weight == 2.0 and by_module.fn(None, ["ab"]) == [2.0]
+    by_file = parse_reward_spec(f"{path}:length")
+    assert by_file.weight == 1.0 and by_file.fn(None, ["abc"]) == [3.0]
+    sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("no_such_module_xyz:fn", "cannot import"),
+    ("grpo_train.rewards:no_such_function", "cannot import"),
+    ("missing/file.py:fn", "cannot import"),
+    ("accuracyy", "unknown built-in"),
+])
+def test_bad_reward_spec_is_a_clear_error(spec, match):
+    with pytest.raises(ValueError, match=match) as info:
+        parse_reward_spec(spec)
+    assert "--reward" in str(info.value)
+
+
+def test_score_survives_failing_and_partial_functions():
+    def boom(prompts, completions, **kw):
+        raise RuntimeError("bug in user code")
+
+    def partial(prompts, completions, **kw):
+        return [None if c == "x" else 1.0 for c in completions]
+
+    def short(prompts, completions, **kw):
+        return [1.0]
+
+    specs = [parse_reward_spec("accuracy")]
+    for fn in (boom, partial, short):
+        specs.append(type(specs[0])(fn.__name__, fn, 1.0))
+    rewards, failures = score(specs, ["p"] * 3, ["1", "x", "2"], {"answer": ["1", "1", "1"]})
+    assert rewards.shape == (3, 4)
+    assert rewards[:, 0].tolist() == [1.0, 0.0, 0.0]
+    assert torch.isnan(rewards[:, 1]).all() and torch.isnan(rewards[:, 3]).all()
+    assert torch.isnan(rewards[1, 2]) and rewards[0, 2] == 1.0
+    assert failures["partial"] == 1
+    assert any("boom" in k and "bug in user code" in k for k in failures)
+    assert any(k.startswith("short") for k in failures)
+
+
+def test_combine_weights_and_unscored_rows():
+    per_func = torch.tensor([[1.0, 0.5], [float("nan"), 1.0], [float("nan"), float("nan")]])
+    total = combine(per_func, torch.tensor([2.0, 1.0]))
+    assert total[0] == 2.5 and total[1] == 1.0 and torch.isnan(total[2])
+
+
+def _advantages_by_hand(rewards, G, scale):
+    """An independent, loop-based reading of GRPO_SPEC.md's advantage formula."""
+    def stats(values):
+        vals = [v for v in values if not math.isnan(v)]
+        mean = sum(vals) / len(vals) if vals else math.nan
+        std = (math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+               if len(vals) > 1 else math.nan)
+        return mean, std
+
+    r = rewards.tolist()
+    _, batch_std = stats(r)
+    out = []
+    for g in range(0, len(r), G):
+        group = r[g:g + G]
+        mean, std = stats(group)
+        for v in group:
+            a = v - mean
+            if scale == "group":
+                a = a / (std + 1e-4)
+            elif scale == "batch":
+                a = a / (batch_std + 1e-4)
+            out.append(0.0 if math.isnan(a) else a)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_the_spec(scale):
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6 * 4, generator=gen) * 3
+    rewards[[1, 9, 10, 11]] = float("nan")  # unscored, and one group with a single score
+    rewards[12:16] = 0.5  # all equal: no signal
+    adv = group_advantages(rewards, 4, scale)
+    torch.testing.assert_close(adv, _advantages_by_hand(rewards, 4, scale))
+    assert adv[1] == 0 and (adv[8:16] == 0).all()  # NaN -> 0; lone score and ties -> 0
+    assert adv.abs().sum() > 0
+
+
+def test_group_advantages_agree_with_trl_nanstd():
+    utils = pytest.importorskip("trl.trainer.utils")
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, float("nan"), 0.0, 1.0])
+    grouped = rewards.view(-1, 4)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    expected = (grouped - mean) / (utils.nanstd(grouped, dim=1).unsqueeze(1) + 1e-4)
+    torch.testing.assert_close(group_advantages(rewards, 4),
+                               torch.nan_to_num(expected.reshape(-1), nan=0.0))
+
+
+def test_group_advantages_rejects_partial_groups():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(6), 4)

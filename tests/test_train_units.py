@@ -1,0 +1,250 @@
+"""grpo_train units: configuration, data loading, the prompt sampler, checkpoints, metrics."""
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_train.checkpoint import (
+    capture_rng,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from grpo_train.config import AUTO, TrainConfig, parse_config, resolve_auto
+from grpo_train.data import (
+    PromptSampler,
+    arithmetic_task,
+    load_examples,
+    parse_gsm8k_answer,
+    read_rows,
+    to_examples,
+)
+from grpo_train.logs import MetricsLog, format_line, plot_curves, read_metrics
+from grpo_train.models import completion_mask, position_ids
+
+# ---- configuration ----------------------------------------------------------------------------
+
+
+def test_defaults_are_the_embedded_run_and_trl_for_a_model():
+    embedded = parse_config([])
+    pretrained = parse_config(["--model", "some/model"])
+    for name, (tiny, real) in AUTO.items():
+        assert getattr(embedded, name) == tiny
+        assert getattr(pretrained, name) == real
+    assert pretrained.beta == 0.0 and pretrained.num_iterations == 1  # TRL's defaults
+    assert embedded.loss_type == "dapo" and embedded.epsilon == 0.2
+
+
+def test_flags_override_config_file(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("steps: 7\nlearning_rate: 0.01\nreward: [accuracy, 'format:0.5']\n"
+                         "bf16: true\n")
+    cfg = parse_config(["--config", str(yaml_file), "--steps", "3", "--no-bf16"])
+    assert (cfg.steps, cfg.learning_rate, cfg.bf16) == (3, 0.01, False)
+    assert cfg.reward == ["accuracy", "format:0.5"]
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps({"num_generations": 4, "epsilon_high": 0.28}))
+    cfg = parse_config(["--config", str(json_file), "--gradient-checkpointing", "--beta", "0.0"])
+    assert cfg.num_generations == 4 and cfg.epsilon_high == 0.28
+    assert cfg.gradient_checkpointing is True and cfg.beta == 0.0
+    assert parse_config(["--epsilon_high", "none"]).epsilon_high is None
+
+
+def test_config_errors_name_the_setting(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stepz": 3}))
+    with pytest.raises(ValueError, match="stepz"):
+        parse_config(["--config", str(bad)])
+    with pytest.raises(FileNotFoundError, match="--config"):
+        parse_config(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(ValueError, match="--num_generations must be >= 2"):
+        parse_config(["--num_generations", "1"])
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse_config(["--loss_type", "ppo"])
+
+
+def test_resolve_auto_keeps_explicit_values():
+    cfg = resolve_auto(TrainConfig(learning_rate=0.5, beta=0.0))
+    assert cfg.learning_rate == 0.5 and cfg.beta == 0.0 and cfg.num_iterations == 4
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+
+def test_arithmetic_task_split_is_disjoint_and_correct():
+    train, held_out = arithmetic_task(max_operand=3, eval_fraction=0.25, seed=0, terms=4)
+    assert len(train) + len(held_out) == 4 ** 4 and len(held_out) == 64
+    assert not {e["prompt"] for e in train} & {e["prompt"] for e in held_out}
+    for ex in train + held_out:
+        assert ex["answer"] == str(sum(int(d) for d in ex["prompt"].split("+")))
+    assert arithmetic_task(3, 0.25, 0, 4) == (train, held_out)  # deterministic
+    assert arithmetic_task(3, 0.25, 1, 4)[1] != held_out
+
+
+def test_gsm8k_answers():
+    assert parse_gsm8k_answer("She has 3 + 4 = 7.\n#### 1,234") == "1234"
+    assert parse_gsm8k_answer(" 42 ") == "42"
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "csv"])
+def test_local_files_and_missing_columns(tmp_path, ext):
+    rows = [{"question": "1+1", "answer": "so #### 2", "id": "a"},
+            {"question": "2+2", "answer": "#### 4", "id": "b"}]
+    path = tmp_path / f"data.{ext}"
+    if ext == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif ext == "json":
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("question,answer,id\n" + "".join(
+            f"{r['question']},{r['answer']},{r['id']}\n" for r in rows))
+    examples = to_examples(read_rows(str(path), None, "train"), "question", "answer", "x")
+    assert [e["answer"] for e in examples] == ["2", "4"]
+    assert examples[0]["prompt"] == "1+1" and examples[1]["id"] == "b"
+    with pytest.raises(ValueError, match="--prompt_column 'problem'") as info:
+        to_examples(read_rows(str(path), None, "train"), "problem", "answer", "--dataset x")
+    assert "question" in str(info.value)  # the error lists the columns there are
+
+
+def test_dataset_path_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--dataset"):
+        read_rows(str(tmp_path / "nope.jsonl"), None, "train")
+    weird = tmp_path / "data.xml"
+    weird.write_text("<x/>")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        read_rows(str(weird), None, "train")
+
+
+def test_held_out_rows_come_out_of_training(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"q": f"p{i}", "a": str(i)}) + "\n" for i in range(10)))
+    cfg = TrainConfig(dataset=str(path), prompt_column="q", answer_column="a", eval_size=3)
+    train, held_out = load_examples(cfg)
+    assert len(train) == 7 and len(held_out) == 3
+    assert not {e["prompt"] for e in train} & {e["prompt"] for e in held_out}
+
+
+def test_sampler_resumes_exactly():
+    a = PromptSampler(7, seed=3)
+    first = a.next(5)
+    state = a.state_dict()
+    rest = [a.next(4) for _ in range(4)]
+    b = PromptSampler(7, seed=3)
+    b.load_state_dict(state)
+    assert [b.next(4) for _ in range(4)] == rest
+    assert sorted(first + rest[0][:2]) == list(range(7))  # each epoch is a permutation
+    with pytest.raises(ValueError, match="training examples"):
+        PromptSampler(8, seed=3).load_state_dict(state)
+
+
+# ---- sequences -------------------------------------------------------------------------------
+
+
+def test_completion_mask_stops_after_first_eos():
+    ids = torch.tensor([[5, 6, 1, 0, 0], [5, 1, 1, 7, 0], [5, 6, 7, 8, 9]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+    assert torch.equal(completion_mask(ids, [1]), expected)
+
+
+def test_position_ids_skip_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path, monkeypatch):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert names == ["step_000002.pt", "step_000003.pt"]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
+
+    def failing_save(obj, fh):  # a crash while writing: the old checkpoints must survive
+        fh.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 4, {"step": 4}, keep=1)
+    monkeypatch.undo()
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files == ["step_000002.pt", "step_000003.pt"]
+    assert load_checkpoint(find_checkpoint("auto", tmp_path))["step"] == 3
+
+
+def test_find_checkpoint_variants(tmp_path):
+    assert find_checkpoint(None, tmp_path) is None
+    assert find_checkpoint("auto", tmp_path) is None  # nothing yet: start fresh
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        find_checkpoint("last", tmp_path)
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        find_checkpoint(str(tmp_path / "nope.pt"), tmp_path)
+    path = save_checkpoint(tmp_path, 5, {"step": 5})
+    assert find_checkpoint("auto", tmp_path) == path
+    assert find_checkpoint(str(tmp_path), "elsewhere") == path
+    assert find_checkpoint(str(path), "elsewhere") == path
+
+
+def test_rng_states_round_trip():
+    state = capture_rng()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(3)
+    restore_rng(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def test_metrics_log_truncates_on_resume_and_plots(tmp_path):
+    log = MetricsLog(tmp_path, enabled=True)
+    for step in range(4):
+        log.write({"step": step, "reward": step / 4, "accuracy": step / 4,
+                   "completion_length": 2.0})
+    MetricsLog(tmp_path, enabled=True, resume_step=2)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    line = format_line({"step": 3, "reward": 0.5, "reward_std": 0.1, "accuracy": 0.5,
+                        "entropy": 1.0, "completion_length": 2.0, "loss": 0.1,
+                        "grad_norm": 1.0, "tokens_per_s": 1e4, "peak_memory_gib": 0.5,
+                        "kl": 0.01, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.1,
+                        "clip_ratio/region_mean": 0.1})
+    for part in ("step 3", "reward 0.500±0.100", "acc 0.500", "kl 0.0100", "clip 0.000/0.100",
+                 "ent 1.000", "len 2.0", "loss 0.1000", "gnorm 1.000", "10,000 tok/s",
+                 "mem 0.50GiB"):
+        assert part in line
+    pytest.importorskip("matplotlib")
+    assert "curves written" in plot_curves(tmp_path)
+    assert os.path.getsize(tmp_path / "curves.png") > 1000
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    message = plot_curves(tmp_path)
+    assert "pip install" in message and "matplotlib" in message
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_parquet_files_load_through_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([{"question": "3+4", "answer": "#### 7"}]).to_parquet(str(path))
+    examples = to_examples(read_rows(str(path), None, "train"), "question", "answer", "x")
+    assert examples == [{"question": "3+4", "answer": "7", "prompt": "3+4"}]
