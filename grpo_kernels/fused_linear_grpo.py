@@ -16,7 +16,7 @@ from .epilogue import loss_kind
 from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
 from .params import GRPOParams
 from .selective_logprobs import IMPLS, backend_for, linear_inputs
-from .validation import LossInputs, check_linear_head, check_loss_inputs, check_token_ids
+from .validation import LossInputs, check_linear_loss_inputs
 
 
 def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) -> dict:
@@ -132,15 +132,10 @@ def fused_linear_grpo_loss_with_params(
     params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
 ):
     """`fused_linear_grpo_loss` with a prebuilt GRPOParams (what the nn.Module calls)."""
-    check_linear_head(hidden, weight, bias)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
+    ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
+                                           completion_mask, advantages, old_logps, ref_logps,
+                                           importance_sampling_ratio, num_items_in_batch)
     B, T, D = hidden.shape
-    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], (B, T), hidden.device)
-    inputs = check_loss_inputs(
-        B, T, hidden.device, params, completion_mask, advantages, old_logps, ref_logps,
-        importance_sampling_ratio, num_items_in_batch,
-    )
     backend = backend_for(hidden)
     fused = backend == "triton" and params.importance_sampling_level == "token"
     op = LinearHeadOp(IMPLS[backend], params.temperature)

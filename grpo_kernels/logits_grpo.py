@@ -15,7 +15,12 @@ from .autograd import LogitsOp, SelectiveLogprob
 from .fused_linear_grpo import grpo_loss_on_op
 from .params import GRPOParams
 from .selective_logprobs import IMPLS, backend_for
-from .validation import check_logits, check_loss_inputs, check_temperature, check_token_ids
+from .validation import (
+    check_logits,
+    check_logits_loss_inputs,
+    check_temperature,
+    check_token_ids,
+)
 
 
 def _as_btv(logits: torch.Tensor) -> torch.Tensor:
@@ -99,13 +104,9 @@ def grpo_loss_with_params(logits, completion_ids, advantages, completion_mask, o
                           ref_logps, params: GRPOParams, num_items_in_batch=None,
                           importance_sampling_ratio=None, inplace=False):
     """`grpo_loss` with a prebuilt GRPOParams (what `GRPOLoss` calls)."""
-    check_logits(logits, ndim=3)
-    B, T, V = logits.shape
-    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device,
-                          "logits.shape[-1]")
-    inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
-                               old_logps, ref_logps, importance_sampling_ratio,
-                               num_items_in_batch)
+    ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
+                                           advantages, old_logps, ref_logps,
+                                           importance_sampling_ratio, num_items_in_batch)
     x = _as_btv(logits)
     backend = backend_for(x)
     fused = backend == "triton" and params.importance_sampling_level == "token"

@@ -13,8 +13,8 @@ from .grpo_math import grpo_loss_from_logps
 from .params import GRPOParams
 from .validation import (
     check_linear_head,
-    check_logits,
-    check_loss_inputs,
+    check_linear_loss_inputs,
+    check_logits_loss_inputs,
     check_temperature,
     check_token_ids,
 )
@@ -53,20 +53,15 @@ def grpo_loss(
     entropy_coef=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
 ):
     """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] -> (loss, metrics)."""
-    return _loss_from_logits(logits, completion_ids, advantages, completion_mask, old_logps,
-                             ref_logps, GRPOParams.pick(locals()), num_items_in_batch,
-                             importance_sampling_ratio)
+    params = GRPOParams.pick(locals())
+    ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
+                                           advantages, old_logps, ref_logps,
+                                           importance_sampling_ratio, num_items_in_batch)
+    return _loss_from_logits(logits, ids, inputs, params)
 
 
-def _loss_from_logits(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
-                      params, num_items_in_batch, importance_sampling_ratio):
-    check_logits(logits, ndim=3)
-    B, T, V = logits.shape
-    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device,
-                          "logits.shape[-1]")
-    inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
-                               old_logps, ref_logps, importance_sampling_ratio,
-                               num_items_in_batch)
+def _loss_from_logits(logits, ids, inputs, params):
+    """logits [B, T, V], validated ids [B, T] and LossInputs -> (loss, metrics)."""
     logp, ent = logprobs_from_logits(logits, ids, temperature=params.temperature,
                                      return_entropy=True)
     return grpo_loss_from_logps(logp, ent, inputs.mask, inputs.advantages, inputs.old_logps,
@@ -84,9 +79,8 @@ def fused_linear_grpo_loss(
 ):
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits)."""
     params = GRPOParams.pick(locals())
-    check_linear_head(hidden, weight, bias)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
-    return _loss_from_logits(_head_logits(hidden, weight, bias), completion_ids, advantages,
-                             completion_mask, old_logps, ref_logps, params, num_items_in_batch,
-                             importance_sampling_ratio)
+    # validate before materializing [B, T, V] logits, with the same errors as the kernel path
+    ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
+                                           completion_mask, advantages, old_logps, ref_logps,
+                                           importance_sampling_ratio, num_items_in_batch)
+    return _loss_from_logits(_head_logits(hidden, weight, bias), ids, inputs, params)

@@ -104,7 +104,7 @@ def check_temperature(temperature) -> float:
 
 @dataclass
 class LossInputs:
-    """Validated per-token GRPO inputs, float32 on hidden's device."""
+    """Validated per-token GRPO inputs, float32 on the device of hidden (or logits)."""
 
     mask: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, 1] or [B, T]
@@ -114,10 +114,10 @@ class LossInputs:
     num_items_in_batch: torch.Tensor | float | None
 
 
-def _per_token(name, x, B, T, device, allow_seq: bool) -> torch.Tensor:
+def _per_token(name, x, B, T, device, allow_seq: bool, ref_name: str = "hidden") -> torch.Tensor:
     _tensor(name, x)
     _float(name, x)
-    _same_device(name, x, device, "hidden")
+    _same_device(name, x, device, ref_name)
     shape = tuple(x.shape)
     if shape == (B, T):
         return x.float()
@@ -129,8 +129,14 @@ def _per_token(name, x, B, T, device, allow_seq: bool) -> torch.Tensor:
 
 def check_loss_inputs(
     B: int, T: int, device, params, completion_mask, advantages, old_logps, ref_logps,
-    importance_sampling_ratio, num_items_in_batch,
+    importance_sampling_ratio, num_items_in_batch, ref_name: str = "hidden",
 ) -> LossInputs:
+    """Validates the per-token loss inputs against [B, T] and the device of `ref_name` (the
+    tensor the loss is computed from: hidden or logits)."""
+
+    def per_token(name, x, allow_seq):
+        return _per_token(name, x, B, T, device, allow_seq, ref_name)
+
     if completion_mask is None:
         mask = torch.ones((B, T), device=device, dtype=torch.float32)
     else:
@@ -138,21 +144,21 @@ def check_loss_inputs(
         if tuple(completion_mask.shape) != (B, T):
             raise ValueError(f"completion_mask must have shape [B, T] = [{B}, {T}], "
                              f"got {tuple(completion_mask.shape)}")
-        _same_device("completion_mask", completion_mask, device, "hidden")
+        _same_device("completion_mask", completion_mask, device, ref_name)
         mask = completion_mask.float()
-    adv = _per_token("advantages", advantages, B, T, device, allow_seq=True)
+    adv = per_token("advantages", advantages, allow_seq=True)
     if not bool(torch.isfinite(adv).all()):
         raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
                          "scored (GRPO_SPEC.md: nan_to_num)")
-    old = None if old_logps is None else _per_token("old_logps", old_logps, B, T, device, False)
+    old = None if old_logps is None else per_token("old_logps", old_logps, False)
     ref = None
     if params.beta != 0.0:
         if ref_logps is None:
             raise ValueError(f"ref_logps is required when beta != 0 (beta = {params.beta})")
-        ref = _per_token("ref_logps", ref_logps, B, T, device, False)
+        ref = per_token("ref_logps", ref_logps, False)
     isr = None
     if importance_sampling_ratio is not None:
-        isr = _per_token("importance_sampling_ratio", importance_sampling_ratio, B, T, device, True)
+        isr = per_token("importance_sampling_ratio", importance_sampling_ratio, True)
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             if num_items_in_batch.numel() != 1:
@@ -167,3 +173,37 @@ def check_loss_inputs(
         elif not num_items_in_batch >= 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
     return LossInputs(mask, adv, old, ref, isr, num_items_in_batch)
+
+
+def check_logits_loss_inputs(
+    logits, completion_ids, params, completion_mask, advantages, old_logps, ref_logps,
+    importance_sampling_ratio, num_items_in_batch,
+) -> tuple[torch.Tensor, LossInputs]:
+    """Validates the inputs of a GRPO loss from logits [B, T, V]; returns (completion_ids [B, T]
+    int64, LossInputs). Shared by `grpo_loss` and its reference so both fail the same way."""
+    check_logits(logits, ndim=3)
+    B, T, V = logits.shape
+    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device,
+                          "logits.shape[-1]")
+    inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
+                               old_logps, ref_logps, importance_sampling_ratio,
+                               num_items_in_batch, ref_name="logits")
+    return ids, inputs
+
+
+def check_linear_loss_inputs(
+    hidden, weight, bias, completion_ids, params, completion_mask, advantages, old_logps,
+    ref_logps, importance_sampling_ratio, num_items_in_batch,
+) -> tuple[torch.Tensor, LossInputs]:
+    """Validates the inputs of a GRPO loss from hidden [B, T, D] and a head weight [V, D] (and
+    bias [V]); returns (completion_ids [B, T] int64, LossInputs). Shared by
+    `fused_linear_grpo_loss` and its reference."""
+    check_linear_head(hidden, weight, bias)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
+    B, T, _ = hidden.shape
+    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], (B, T), hidden.device)
+    inputs = check_loss_inputs(B, T, hidden.device, params, completion_mask, advantages,
+                               old_logps, ref_logps, importance_sampling_ratio,
+                               num_items_in_batch)
+    return ids, inputs

@@ -108,3 +108,24 @@ def test_mask_values_are_respected_not_required_binary(inputs):
     b, _ = reference.fused_linear_grpo_loss(hidden.double(), weight.double(), ids, adv, mask,
                                             loss_type="bnpo")
     assert abs(a.item() - b.item()) < 1e-5
+
+
+@pytest.mark.parametrize("source", ["hidden", "logits"])
+@pytest.mark.parametrize("impl", ["ours", "reference"])
+def test_device_mismatch_names_both_tensors(inputs, source, impl):
+    """A per-token input on another device is refused before any kernel runs, and the message
+    names the tensor the loss is computed from (meta stands in for a second device on CPU)."""
+    hidden, weight, ids, adv = inputs
+    mod = gk if impl == "ours" else reference
+    if source == "hidden":
+        def call(**kw):
+            return mod.fused_linear_grpo_loss(hidden, weight, ids, **kw)
+    else:
+        logits = torch.randn(B, T, V)
+
+        def call(**kw):
+            return mod.grpo_loss(logits, ids, **kw)
+    with pytest.raises(ValueError, match=f"advantages is on meta but {source} is on cpu"):
+        call(advantages=adv.to("meta"))
+    with pytest.raises(ValueError, match=f"completion_mask is on meta but {source} is on cpu"):
+        call(advantages=adv, completion_mask=torch.ones(B, T, device="meta"))
