@@ -15,10 +15,11 @@ from torch.autograd.function import once_differentiable
 
 
 class LinearHeadOp:
-    """z = (hidden [N, D] @ weight [V, D]^T + bias [V]) / τ, on one backend's launchers."""
+    """z = (hidden [N, D] @ weight [V, D]^T + bias [V]) / τ, on one backend's launchers.
+    grad_filter: None (exact backward) or the resolved gradient-filtering eps."""
 
-    def __init__(self, impl, temperature: float):
-        self.impl, self.temperature = impl, temperature
+    def __init__(self, impl, temperature: float, grad_filter: float | None = None):
+        self.impl, self.temperature, self.grad_filter = impl, temperature, grad_filter
 
     def forward(self, targets, epilogue, hidden, weight, bias):
         kw = {} if epilogue is None else {"epilogue": epilogue}
@@ -28,7 +29,8 @@ class LinearHeadOp:
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
         hidden, weight, bias = inputs
         return self.impl.linear_logprob_backward(hidden, weight, bias, targets, lse, ent, g_logp,
-                                                 g_ent, self.temperature, needs=tuple(needs))
+                                                 g_ent, self.temperature, needs=tuple(needs),
+                                                 grad_filter=self.grad_filter)
 
 
 class LogitsOp:

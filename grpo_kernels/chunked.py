@@ -68,9 +68,12 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
 
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
-    needs=(True, True, True), chunk_elements=None,
+    needs=(True, True, True), chunk_elements=None, grad_filter=None,
 ):
-    """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward)."""
+    """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward).
+
+    Always exact: gradient filtering (`grad_filter`) saves work only in the Triton atomic
+    backward; here every chunk is one dense matmul either way."""
     C = _chunk_rows(weight.shape[0], chunk_elements)
     inv_t = 1.0 / temperature
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32

@@ -26,7 +26,7 @@ from . import linear_logprobs as lin
 from . import logits_logprobs as lgt
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-SCALARS = {"inv_temp", "eps_low", "eps_high", "delta", "beta", "sapo_pos", "sapo_neg"}
+SCALARS = {"inv_temp", "filter_eps", "eps_low", "eps_high", "delta", "beta", "sapo_pos", "sapo_neg"}
 EPILOGUES = [  # (EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR)
     (False, 0, False, False, False, False, False),
     (True, 0, True, True, True, True, True),
@@ -102,11 +102,11 @@ def variants(quick: bool = False):
                 lin._linear_logprob_fwd_kernel, c, elem, opts
         b = lin._bwd_config(dtype, dev)
         opts = dict(num_warps=b.pop("num_warps"), num_stages=b.pop("num_stages"))
-        for bias, gent in itertools.product((False, True), (False, True)):
-            c = dict(HAS_BIAS=bias, HAS_GENT=gent, COMPUTE_DH=True, COMPUTE_DW=not gent,
-                     COMPUTE_DB=bias, DOT_PREC=prec, **b)
-            yield f"linear_bwd[{elem},bias={bias},gent={gent}]", lin._linear_logprob_bwd_kernel, \
-                c, elem, opts
+        for bias, gent, filt in itertools.product((False, True), repeat=3):
+            c = dict(HAS_BIAS=bias, HAS_GENT=gent, FILTER=filt, COMPUTE_DH=True,
+                     COMPUTE_DW=not gent, COMPUTE_DB=bias, DOT_PREC=prec, **b)
+            yield f"linear_bwd[{elem},bias={bias},gent={gent},filter={filt}]", \
+                lin._linear_logprob_bwd_kernel, c, elem, opts
         z = gemm._config(dtype, dev)
         opts = dict(num_warps=z.pop("num_warps"), num_stages=z.pop("num_stages"))
         for bias, gent in ((True, True), (False, False)):

@@ -16,7 +16,7 @@ from .epilogue import loss_kind
 from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
 from .params import GRPOParams
 from .selective_logprobs import IMPLS, backend_for, linear_inputs
-from .validation import LossInputs, check_linear_loss_inputs
+from .validation import LossInputs, check_grad_filter, check_linear_loss_inputs
 
 
 def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) -> dict:
@@ -103,6 +103,7 @@ def fused_linear_grpo_loss(
     entropy_coef: float = 0.0,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    grad_filter: float | str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss (GRPO_SPEC.md, TRL semantics) straight from hidden states and the lm_head weight.
 
@@ -115,6 +116,8 @@ def fused_linear_grpo_loss(
         old_logps: [B, T] log-probs under the sampling policy (default: logp.detach()).
         ref_logps: [B, T] log-probs under the reference policy; required when beta != 0.
         importance_sampling_ratio: [B], [B, 1] or [B, T] rollout-engine correction.
+        grad_filter: None (exact, default), "auto" or eps >= 0: gradient filtering in the
+            Triton backward (approximate; see `selective_logprobs`).
         The remaining keywords are GRPOParams' (TRL names and defaults).
 
     Returns:
@@ -123,13 +126,14 @@ def fused_linear_grpo_loss(
     params = GRPOParams.pick(locals())
     return fused_linear_grpo_loss_with_params(
         hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
-        params, num_items_in_batch, importance_sampling_ratio,
+        params, num_items_in_batch, importance_sampling_ratio, grad_filter,
     )
 
 
 def fused_linear_grpo_loss_with_params(
     hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
     params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
+    grad_filter=None,
 ):
     """`fused_linear_grpo_loss` with a prebuilt GRPOParams (what the nn.Module calls)."""
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
@@ -138,6 +142,7 @@ def fused_linear_grpo_loss_with_params(
     B, T, D = hidden.shape
     backend = backend_for(hidden)
     fused = backend == "triton" and params.importance_sampling_level == "token"
-    op = LinearHeadOp(IMPLS[backend], params.temperature)
+    op = LinearHeadOp(IMPLS[backend], params.temperature,
+                      check_grad_filter(grad_filter, hidden.dtype))
     tensors = linear_inputs(hidden.reshape(B * T, D), weight, bias)
     return grpo_loss_on_op(op, ids.reshape(-1), tensors, inputs, params, fused)

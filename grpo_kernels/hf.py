@@ -255,6 +255,7 @@ def causal_lm_grpo_loss(
         return fused_linear_grpo_loss_with_params(
             hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
             bias, loss_fn.params, num_items_in_batch, importance_sampling_ratio,
+            getattr(loss_fn, "grad_filter", None),
         )
 
 

@@ -67,9 +67,10 @@ def _config(dtype: torch.dtype, device: torch.device) -> dict:
 
 def linear_logprob_backward_gemm(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
-    needs=(True, True, True), buffer_bytes: int = DZ_BUFFER_BYTES,
+    needs=(True, True, True), buffer_bytes: int = DZ_BUFFER_BYTES, grad_filter=None,
 ):
-    """Same contract as `linear_logprobs.linear_logprob_backward`."""
+    """Same contract as `linear_logprobs.linear_logprob_backward`, always exact: the GEMMs are
+    dense, so gradient filtering (`grad_filter`) would change numbers without saving work."""
     N, D = hidden.shape
     V = weight.shape[0]
     cfg = _config(hidden.dtype, hidden.device)

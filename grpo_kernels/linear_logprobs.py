@@ -283,13 +283,42 @@ def _NO_EPILOGUE(dummy: torch.Tensor) -> dict:
     )
 
 
-@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "n_blocks", "v_blocks"])
+@triton.jit
+def _add_tile_grads(
+    dz, h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows_h, rows_w, rows_dh, rows_dw, offs_v,
+    n_mask, v_mask, D,
+    COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Adds one d-logits tile dz [BLOCK_N, BLOCK_V] into the float32 accumulators:
+    dh[rows] += dz @ w,  dw[rows] += dz^T @ h  (over D in BLOCK_D slabs),  db += Σ_n dz."""
+    if COMPUTE_DB:
+        tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem="relaxed")
+    dzc = dz.to(h_ptr.dtype.element_ty)  # the dots take the inputs' dtype, accumulate in fp32
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        if COMPUTE_DH:  # frozen inputs (e.g. a frozen lm_head) skip their half of the work
+            w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
+                        mask=v_mask[:, None] & d_mask[None, :], other=0.0)
+            tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
+                          tl.dot(dzc, w, input_precision=DOT_PREC),
+                          mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
+        if COMPUTE_DW:
+            h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
+                          tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
+                          mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["N", "v_begin", "v_count", "n_blocks", "v_blocks", "filter_eps"])
 def _linear_logprob_bwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
     dh_ptr, dw_ptr, db_ptr,  # float32 accumulators: dh [N, D], dw [v_count, D], db [V]
     N, V, D, v_begin, v_count, stride_hn, stride_wv, stride_dh, stride_dw, inv_temp,
-    n_blocks, v_blocks,
-    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr,
+    n_blocks, v_blocks, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, FILTER: tl.constexpr,
     COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -307,42 +336,38 @@ def _linear_logprob_bwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
-    busy = tl.max(tl.abs(g), axis=0)
+    scale = tl.abs(g)  # [BLOCK_N] the token's gradient scale, |g_logp| + |g_entropy|
     gh = g
     if HAS_GENT:
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        busy += tl.max(tl.abs(gh), axis=0)
-    # token blocks with no gradient (masked tokens) cost nothing
-    if busy != 0.0:
+        scale += tl.abs(gh)
+    # token blocks with no gradient (masked tokens) cost nothing (a sum, so NaN still flows)
+    if tl.sum(scale, axis=0) != 0.0:
         offs_vl = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # row in this vocabulary chunk
         v_mask = offs_vl < v_count
         offs_v = v_begin + offs_vl
         rows_h = offs_n.to(tl.int64) * stride_hn
         rows_w = offs_v.to(tl.int64) * stride_wv
+        rows_dh = offs_n.to(tl.int64) * stride_dh
+        rows_dw = offs_vl.to(tl.int64) * stride_dw
         z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
                        HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
         dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
                      inv_temp, HAS_GENT)
-        if COMPUTE_DB:
-            tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem="relaxed")
-        dzc = dz.to(h_ptr.dtype.element_ty)
-        rows_dh = offs_n.to(tl.int64) * stride_dh
-        rows_dw = offs_vl.to(tl.int64) * stride_dw
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d < D
-            if COMPUTE_DH:  # frozen inputs (e.g. a frozen lm_head) skip their half of the work
-                w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
-                            mask=v_mask[:, None] & d_mask[None, :], other=0.0)
-                tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
-                              tl.dot(dzc, w, input_precision=DOT_PREC),
-                              mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
-            if COMPUTE_DW:
-                h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-                tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
-                              tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
-                              mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
+        if FILTER:
+            # gradient filtering (opt-in, approximate): the tile's products are skipped when
+            # every |d logit| in it is <= filter_eps × its token's scale / τ. Only the
+            # recompute above is paid for such tiles: 2 of the 6 N·V·D FLOPs, no atomics.
+            thr = filter_eps * scale * inv_temp
+            over = tl.where(tl.abs(dz) <= thr[:, None], 0, 1)  # NaN counts as over
+            if tl.max(tl.max(over, axis=1), axis=0) > 0:
+                _add_tile_grads(dz, h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows_h, rows_w,
+                                rows_dh, rows_dw, offs_v, n_mask, v_mask, D,
+                                COMPUTE_DH, COMPUTE_DW, COMPUTE_DB, BLOCK_D, DOT_PREC)
+        else:
+            _add_tile_grads(dz, h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows_h, rows_w, rows_dh,
+                            rows_dw, offs_v, n_mask, v_mask, D,
+                            COMPUTE_DH, COMPUTE_DW, COMPUTE_DB, BLOCK_D, DOT_PREC)
 
 
 def _bwd_config(dtype: torch.dtype, device: torch.device) -> dict:
@@ -372,10 +397,14 @@ def linear_logprob_backward(
     needs: tuple = (True, True, True),
     config: dict | None = None,
     scratch_bytes: int = WEIGHT_SCRATCH_BYTES,
+    grad_filter: float | None = None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
     lse, ent, g_logp, g_ent: [N] float32; needs: which of (hidden, weight, bias) want a gradient.
+    grad_filter: None (exact) or eps >= 0: skip the products of tiles whose d logits are all
+    <= eps × (|g_logp| + |g_ent|) / τ of their token (gradient filtering; eps = 0 only skips
+    all-zero tiles, which is exact).
     Returns (d hidden, d weight, d bias), None where not needed, in the inputs' dtypes;
     accumulation is float32 (atomics into float32 buffers).
     """
@@ -408,7 +437,9 @@ def linear_logprob_backward(
                 g_logp, g_ent if g_ent is not None else g_logp, dh32, acc, db32,
                 N, V, D, v0, vc, hidden.stride(0), weight.stride(0), D, D,
                 1.0 / temperature, n_blocks, v_blocks,
+                0.0 if grad_filter is None else float(grad_filter),
                 HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
+                FILTER=grad_filter is not None,
                 COMPUTE_DH=need_dh, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
                 DOT_PREC=_dot_precision(hidden.dtype), **cfg,
             )

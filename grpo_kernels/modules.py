@@ -7,6 +7,7 @@ from torch import nn
 
 from .fused_linear_grpo import fused_linear_grpo_loss_with_params
 from .params import GRPOParams
+from .validation import check_grad_filter
 
 
 class FusedLinearGRPOLoss(nn.Module):
@@ -26,12 +27,16 @@ class FusedLinearGRPOLoss(nn.Module):
         entropy_coef: float = 0.0,
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
+        grad_filter: float | str | None = None,
     ):
         super().__init__()
         self.params = GRPOParams.pick(locals())
+        check_grad_filter(grad_filter, torch.bfloat16)  # fail here, not at the first step
+        self.grad_filter = grad_filter  # a kernel option, not a GRPO hyperparameter
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in vars(self.params).items())
+        extra = "" if self.grad_filter is None else f", grad_filter={self.grad_filter!r}"
+        return ", ".join(f"{k}={v!r}" for k, v in vars(self.params).items()) + extra
 
     def forward(
         self,
@@ -48,5 +53,5 @@ class FusedLinearGRPOLoss(nn.Module):
     ):
         return fused_linear_grpo_loss_with_params(
             hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
-            bias, self.params, num_items_in_batch, importance_sampling_ratio,
+            bias, self.params, num_items_in_batch, importance_sampling_ratio, self.grad_filter,
         )

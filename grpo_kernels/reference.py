@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .grpo_math import grpo_loss_from_logps
 from .params import GRPOParams
 from .validation import (
+    check_grad_filter,
     check_linear_head,
     check_linear_loss_inputs,
     check_logits_loss_inputs,
@@ -36,9 +37,11 @@ def _head_logits(hidden, weight, bias):
 
 
 def selective_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0,
-                       return_entropy=False):
-    """Reference for `grpo_kernels.selective_logprobs` (materializes [..., V] logits)."""
+                       return_entropy=False, grad_filter=None):
+    """Reference for `grpo_kernels.selective_logprobs` (materializes [..., V] logits).
+    Always exact: grad_filter is validated for signature parity and has no effect."""
     check_linear_head(hidden, weight, bias)
+    check_grad_filter(grad_filter, hidden.dtype)
     temperature = check_temperature(temperature)
     ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1], hidden.device)
     return logprobs_from_logits(_head_logits(hidden, weight, bias), ids,
@@ -75,12 +78,14 @@ def fused_linear_grpo_loss(
     temperature=1.0, loss_type="dapo", importance_sampling_level="token",
     max_completion_length=None, num_items_in_batch=None, importance_sampling_ratio=None,
     use_bias_correction_kl=False, entropy_coef=0.0, sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
+    sapo_temperature_neg=1.05, grad_filter=None,
 ):
-    """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits)."""
+    """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits).
+    Always exact: grad_filter is validated for signature parity and has no effect."""
     params = GRPOParams.pick(locals())
     # validate before materializing [B, T, V] logits, with the same errors as the kernel path
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch)
+    check_grad_filter(grad_filter, hidden.dtype)
     return _loss_from_logits(_head_logits(hidden, weight, bias), ids, inputs, params)

@@ -18,7 +18,12 @@ from . import chunked, linear_backward_gemm
 from . import linear_logprobs as triton_impl
 from . import logits_logprobs as logits_impl
 from .autograd import LinearHeadOp, SelectiveLogprob
-from .validation import check_linear_head, check_temperature, check_token_ids
+from .validation import (
+    check_grad_filter,
+    check_linear_head,
+    check_temperature,
+    check_token_ids,
+)
 
 BACKENDS = ("triton", "torch")
 LINEAR_BACKWARDS = {  # GRPO_KERNELS_LINEAR_BACKWARD selects one (benchmarks/NOTES.md)
@@ -76,9 +81,9 @@ def backend_for(x: torch.Tensor) -> str:
     return "triton" if triton_ok else "torch"
 
 
-def linear_logprobs_2d(hidden, weight, bias, targets, temperature, backend):
+def linear_logprobs_2d(hidden, weight, bias, targets, temperature, backend, grad_filter=None):
     """Unchecked core: [N, D] hidden and int64 [N] targets -> (logp, entropy), each [N]."""
-    op = LinearHeadOp(IMPLS[backend], temperature)
+    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
     logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *linear_inputs(hidden, weight, bias))
     return logp, ent
 
@@ -96,6 +101,7 @@ def selective_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    grad_filter: float | str | None = None,
 ):
     """Log-probability of `targets` under softmax((hidden @ weight.T + bias) / temperature).
 
@@ -109,6 +115,10 @@ def selective_logprobs(
         bias: optional [V] lm_head bias.
         temperature: logits are divided by it before the softmax.
         return_entropy: also return the entropy of the full distribution (nats).
+        grad_filter: None (default) for the exact backward. "auto" or an eps >= 0 turns on
+            gradient filtering in the Triton backward: a [tokens × vocabulary] tile whose
+            d logits are all <= eps × its token's gradient scale is skipped (approximate;
+            "auto" = finfo(dtype).eps / 32, 2^-12 for bfloat16). Other backends stay exact.
 
     Returns:
         logp [...] float32, and entropy [...] float32 if return_entropy.
@@ -117,9 +127,10 @@ def selective_logprobs(
     temperature = check_temperature(temperature)
     lead = hidden.shape[:-1]
     ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device)
+    eps = check_grad_filter(grad_filter, hidden.dtype)
     logp, ent = linear_logprobs_2d(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, ids.reshape(-1), temperature,
-        backend_for(hidden),
+        backend_for(hidden), eps,
     )
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp

@@ -3,6 +3,7 @@ names the argument and what was expected. Kernels never see an out-of-range inde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,23 @@ def check_temperature(temperature) -> float:
     if not temperature > 0 or temperature == float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     return float(temperature)
+
+
+def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
+    """None (exact), "auto" (finfo(dtype).eps / 32: 2^-12 for bfloat16, as Cut Cross-Entropy's
+    default) or a number >= 0 -> the eps the backward kernel takes, or None."""
+    if grad_filter is None:
+        return None
+    if isinstance(grad_filter, str):
+        if grad_filter != "auto":
+            raise ValueError(f'grad_filter must be None, "auto" or a number >= 0, '
+                             f"got {grad_filter!r}")
+        return torch.finfo(dtype).eps / 32
+    if (isinstance(grad_filter, bool) or not isinstance(grad_filter, (int, float))
+            or not math.isfinite(grad_filter) or grad_filter < 0):
+        raise ValueError(f'grad_filter must be None, "auto" or a finite number >= 0, '
+                         f"got {grad_filter!r}")
+    return float(grad_filter)
 
 
 @dataclass

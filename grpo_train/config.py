@@ -88,6 +88,10 @@ class TrainConfig:
     # auto: 4 | 1. Reusing each batch four times is what makes the embedded run learn in minutes.
     num_iterations: int | None = None
     backend: str = "auto"  # fused-loss kernels: "auto" | "triton" | "torch" (chunked PyTorch)
+    # Gradient filtering in the Triton backward: None = exact; "auto" (2^-12 in bf16) or a number
+    # skips vocabulary tiles whose d logits are all below it (approximate, faster on peaked
+    # softmaxes; see README "Gradient filtering").
+    grad_filter: str | None = None
 
     # ---- optimization ------------------------------------------------------------------------
     steps: int = 200  # generation steps (each does num_iterations optimizer steps)
@@ -252,7 +256,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--micro_batch_size must be >= 0, got {cfg.micro_batch_size}")
     if not cfg.reward:
         raise ValueError("--reward needs at least one reward function")
+    grad_filter_value(cfg.grad_filter)
     return cfg
+
+
+def grad_filter_value(text: str | float | None) -> str | float | None:
+    """--grad_filter as the loss takes it: None, "auto" or a float >= 0."""
+    if text is None or text == "auto":
+        return text
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f'--grad_filter must be "auto" or a finite number >= 0, got {text!r}')
+    return value
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:

@@ -35,7 +35,7 @@ from .checkpoint import (
     save_checkpoint,
     seed_everything,
 )
-from .config import resolve_auto, validate
+from .config import grad_filter_value, resolve_auto, validate
 from .data import PromptSampler, load_examples
 from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
 from .models import (
@@ -131,7 +131,8 @@ def _train(cfg) -> dict:
         beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
         temperature=cfg.temperature, loss_type=cfg.loss_type,
         importance_sampling_level=cfg.importance_sampling_level,
-        max_completion_length=cfg.max_new_tokens, entropy_coef=cfg.entropy_coef)
+        max_completion_length=cfg.max_new_tokens, entropy_coef=cfg.entropy_coef,
+        grad_filter=grad_filter_value(cfg.grad_filter))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     log = MetricsLog(out_dir, accel.is_main_process, resume_step=start if start else None)
     ctx = dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast)

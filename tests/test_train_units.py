@@ -16,7 +16,7 @@ from grpo_train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from grpo_train.config import AUTO, TrainConfig, parse_config, resolve_auto
+from grpo_train.config import AUTO, TrainConfig, grad_filter_value, parse_config, resolve_auto
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
@@ -67,6 +67,16 @@ def test_config_errors_name_the_setting(tmp_path):
         parse_config(["--num_generations", "1"])
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         parse_config(["--loss_type", "ppo"])
+    with pytest.raises(ValueError, match="--grad_filter must be"):
+        parse_config(["--grad_filter", "fast"])
+    with pytest.raises(ValueError, match="--grad_filter must be"):
+        parse_config(["--grad_filter=-1e-3"])
+
+
+def test_grad_filter_flag_reaches_the_loss():
+    assert parse_config([]).grad_filter is None
+    assert grad_filter_value(parse_config(["--grad_filter", "auto"]).grad_filter) == "auto"
+    assert grad_filter_value(parse_config(["--grad_filter", "1e-4"]).grad_filter) == 1e-4
 
 
 def test_resolve_auto_keeps_explicit_values():
