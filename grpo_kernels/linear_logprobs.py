@@ -186,7 +186,8 @@ def _combine_splits_kernel(
     scale = tl.exp(m_i - m[:, None])
     s = tl.sum(s_i * scale, axis=1)
     t = tl.sum(scale * (t_i + (m_i - m[:, None]) * s_i), axis=1)
-    log_s = tl.log(tl.where(n_mask, s, 1.0))  # rows past N have no partials
+    s = tl.where(n_mask, s, 1.0)  # rows past N have no partials: keep log and t / s finite
+    log_s = tl.log(s)
     _store_token_results(
         offs_n, n_mask, m + log_s, log_s - t / s, z_tgt, lse_ptr, ent_ptr, logp_ptr,
         old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
