@@ -54,7 +54,7 @@ from .grpo_math import per_token_loss, token_weights
 from .hf import check_output_head, completion_hidden_states, completion_logprobs, head_for
 from .params import CLIPPED_LOSS_TYPES, LOSS_TYPES, GRPOParams
 from .selective_logprobs import selective_logprobs
-from .validation import check_loss_inputs
+from .validation import check_grad_filter, check_loss_inputs
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -75,7 +75,8 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
 
 
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
-                 params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None):
+                 params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
+                 grad_filter=None):
     """The GRPO policy loss with the per-token values TRL's metrics need.
 
     Log-probs and entropies come from the fused linear kernels (`selective_logprobs`: Triton on
@@ -83,13 +84,14 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
     `grpo_math` on [B, T]; params.entropy_coef is ignored (the trainer adds TRL's bonus).
     hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
-    (detached), kl [B, T] (detached) or None).
+    (detached), kl [B, T] (detached) or None). grad_filter: see `selective_logprobs`.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
     B, T, _ = hidden.shape
     logp, entropy = selective_logprobs(hidden, weight, completion_ids, bias,
-                                       temperature=params.temperature, return_entropy=True)
+                                       temperature=params.temperature, return_entropy=True,
+                                       grad_filter=grad_filter)
     inputs = check_loss_inputs(B, T, hidden.device, params, mask, advantages, old_logps,
                                ref_logps, importance_sampling_ratio, num_items_in_batch)
     loss_tok, ratio, kl = per_token_loss(
@@ -103,12 +105,16 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
 class GRPOTrainer(_trl.GRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
-    Same constructor and config as TRL's; see the module docstring for what changes.
+    Same constructor and config as TRL's; see the module docstring for what changes. One
+    optional extra keyword: grad_filter (None = exact; "auto" or eps: approximate gradient
+    filtering in the Triton backward, see `selective_logprobs`).
     """
 
     _tag_names = ["trl", "grpo", "grpo-kernels"]
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, grad_filter: float | str | None = None, **kwargs):
+        check_grad_filter(grad_filter, torch.bfloat16)  # fail before TRL loads the model
+        self._grad_filter = grad_filter
         super().__init__(*args, **kwargs)
         self._warned: set[str] = set()
         # TRL's cast_lm_head_to_fp32 runs the head in float32 outside autocast; so do we
@@ -218,7 +224,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             policy, entropy, ratio, kl = policy_terms(
                 hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
                 inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
-                self._grpo_params, num_items, isr,
+                self._grpo_params, num_items, isr, self._grad_filter,
             )
         loss = policy * scale
         maskf = mask.to(entropy.dtype)

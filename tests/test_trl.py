@@ -165,6 +165,14 @@ def test_triton_kernels_match_trl(model_dir):
         pytest.skip(str(exc))
     assert_same(*run_both(model_dir, backend="triton", loss_type="dapo", beta=0.04,
                           entropy_coef=0.05))
+    # grad_filter reaches the kernel: eps = 0 drops only all-zero tiles, so it stays exact
+    assert_same(*run_both(model_dir, backend="triton", patch={"_grad_filter": 0.0},
+                          loss_type="dapo", beta=0.04, entropy_coef=0.05))
+
+
+def test_bad_grad_filter_fails_before_loading_the_model():
+    with pytest.raises(ValueError, match="grad_filter must be"):
+        GRPOTrainer(model="/nonexistent/model", grad_filter="fast")
 
 
 def test_tool_mask_vllm_ratio_and_eval_mode(model_dir):
