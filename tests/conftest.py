@@ -23,3 +23,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for modules of tiny ops: on a busy 2-core machine extra threads spin
+    against other processes and make tiny ops 10-100x slower. Opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,14 +19,7 @@ CPU = torch.device("cpu")
 ENV = {"device": "test", "torch": torch.__version__, "triton": "-", "commit": "-"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # On a loaded 2-core machine, intra-op threads spin against other processes and tiny ops
-    # take 10-100x longer; one thread keeps this test's runtime predictable.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tiny_args(tmp_path, *extra):

@@ -35,13 +35,7 @@ DATASET = Dataset.from_dict(
     {"prompt": [[{"role": "user", "content": f"{i}+{2 * i}"}] for i in range(8)]})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one intra-op thread is faster, and far faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def digits_reward(completions, **kwargs):
