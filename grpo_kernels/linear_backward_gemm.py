@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_logprobs import INTERPRET, _dot_precision, dz_tile, logit_tile
+from .linear_logprobs import INTERPRET, _dot_precision, dz_tile, grouped_program, logit_tile
 
 # Bytes of the [chunk, V] d-logits buffer (bf16: 256 MiB holds 883 tokens of a 152k vocabulary).
 DZ_BUFFER_BYTES = 256 * 2**20
@@ -29,12 +29,7 @@ def _linear_dz_kernel(
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # grouped order as in the atomic backward: GROUP_N token blocks sweep the vocabulary together
-    pid = tl.program_id(0)
-    per_group = GROUP_N * v_blocks
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
+    pid_n, pid_v = grouped_program(tl.program_id(0), n_blocks, v_blocks, GROUP_N)
     local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # row of the chunk
     n_mask = local < n_count
     offs_n = n0 + local  # token

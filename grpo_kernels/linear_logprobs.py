@@ -90,6 +90,17 @@ def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
     return tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
 
 
+@triton.jit
+def grouped_program(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
+    """Program id -> (token block, column) in grouped order: programs that run at the same time
+    cover GROUP_N token blocks × all n_cols columns (vocabulary splits or tiles), so hidden
+    blocks and weight tiles are reused from L2 as in a grouped GEMM."""
+    per_group = GROUP_N * n_cols
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
+    return first_n + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
 @triton.jit(do_not_specialize=["N", "n_blocks", "n_splits", "tiles_per_split"])
 def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
@@ -108,12 +119,7 @@ def _linear_logprob_fwd_kernel(
     # each step reads GROUP_N hidden blocks and n_splits weight tiles from DRAM for
     # GROUP_N·n_splits logit tiles (as a grouped GEMM does); the rest is served from L2. Without
     # splits, every running program would re-read its own [BLOCK_N, D] hidden block per tile.
-    pid = tl.program_id(0)
-    per_group = GROUP_N * n_splits
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_s = (pid % per_group) // group_size
+    pid_n, pid_s = grouped_program(tl.program_id(0), n_blocks, n_splits, GROUP_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows_h = offs_n.to(tl.int64) * stride_hn
@@ -326,13 +332,8 @@ def _linear_logprob_bwd_kernel(
 ):
     # d hidden = d logits @ weight, d weight = d logits^T @ hidden, d bias = Σ_n d logits, with
     # d logits from dz_tile; each [BLOCK_N, BLOCK_V] tile adds its products with atomics
-    pid = tl.program_id(0)
     # grouped order: GROUP_N token blocks sweep the vocabulary together (weight tiles hit in L2)
-    per_group = GROUP_N * v_blocks
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_v = (pid % per_group) // group_size
+    pid_n, pid_v = grouped_program(tl.program_id(0), n_blocks, v_blocks, GROUP_N)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
