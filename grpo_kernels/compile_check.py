@@ -24,6 +24,7 @@ import torch
 from . import linear_backward_gemm as gemm
 from . import linear_logprobs as lin
 from . import logits_logprobs as lgt
+from . import tile_configs
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 SCALARS = {"inv_temp", "filter_eps", "eps_low", "eps_high", "delta", "beta", "sapo_pos", "sapo_neg"}
@@ -92,7 +93,7 @@ def variants(quick: bool = False):
     dtypes = {k: v for k, v in DTYPES.items() if not quick or k != torch.float16}
     for dtype, elem in dtypes.items():
         prec = "ieee" if dtype == torch.float32 else "tf32"
-        f = lin._fwd_config(16384, 151936, 896, dtype, dev)
+        f = tile_configs.linear_fwd(16384, 151936, 896, dtype, dev)
         opts = dict(num_warps=f.pop("num_warps"), num_stages=f.pop("num_stages"))
         for split, bias, epi in itertools.product((False, True), (False, True), epilogues):
             if split and epi[0]:
@@ -100,20 +101,20 @@ def variants(quick: bool = False):
             c = dict(zip(EPI_NAMES, epi), HAS_BIAS=bias, SPLIT=split, DOT_PREC=prec, **f)
             yield f"linear_fwd[{elem},split={split},bias={bias},epi={epi[:2]}]", \
                 lin._linear_logprob_fwd_kernel, c, elem, opts
-        b = lin._bwd_config(dtype, dev)
+        b = tile_configs.linear_bwd_atomic(dtype, dev)
         opts = dict(num_warps=b.pop("num_warps"), num_stages=b.pop("num_stages"))
         for bias, gent, filt in itertools.product((False, True), repeat=3):
             c = dict(HAS_BIAS=bias, HAS_GENT=gent, FILTER=filt, COMPUTE_DH=True,
                      COMPUTE_DW=not gent, COMPUTE_DB=bias, DOT_PREC=prec, **b)
             yield f"linear_bwd[{elem},bias={bias},gent={gent},filter={filt}]", \
                 lin._linear_logprob_bwd_kernel, c, elem, opts
-        z = gemm._config(dtype, dev)
+        z = tile_configs.linear_dz(dtype, dev)
         opts = dict(num_warps=z.pop("num_warps"), num_stages=z.pop("num_stages"))
         for bias, gent in ((True, True), (False, False)):
             yield f"linear_dz[{elem},bias={bias},gent={gent}]", gemm._linear_dz_kernel, \
                 dict(HAS_BIAS=bias, HAS_GENT=gent, DOT_PREC=prec, **z), elem, opts
         for V in (151936,) if quick else (151936, 1000):
-            g = lgt._config(V, dev)
+            g = tile_configs.logits(V, dev)
             opts = dict(num_warps=g.pop("num_warps"))
             for epi in epilogues:
                 yield f"logits_fwd[{elem},V={V},epi={epi[:2]}]", lgt._logits_logprob_fwd_kernel, \

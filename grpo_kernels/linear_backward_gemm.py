@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_logprobs import INTERPRET, _dot_precision, dz_tile, grouped_program, logit_tile
+from . import tile_configs
+from .linear_logprobs import dz_tile, grouped_program, logit_tile
+from .precision import dot_precision
 
 # Bytes of the [chunk, V] d-logits buffer (bf16: 256 MiB holds 883 tokens of a 152k vocabulary).
 DZ_BUFFER_BYTES = 256 * 2**20
@@ -52,14 +54,6 @@ def _linear_dz_kernel(
              dz.to(dz_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
 
 
-def _config(dtype: torch.dtype, device: torch.device) -> dict:
-    if INTERPRET or device.type != "cuda":
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=4, num_warps=4, num_stages=1)
-    if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=3)
-
-
 def linear_logprob_backward_gemm(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
     needs=(True, True, True), buffer_bytes: int = DZ_BUFFER_BYTES, grad_filter=None,
@@ -68,7 +62,7 @@ def linear_logprob_backward_gemm(
     dense, so gradient filtering (`grad_filter`) would change numbers without saving work."""
     N, D = hidden.shape
     V = weight.shape[0]
-    cfg = _config(hidden.dtype, hidden.device)
+    cfg = tile_configs.linear_dz(hidden.dtype, hidden.device)
     BN = cfg["BLOCK_N"]
     chunk = max(BN, buffer_bytes // (V * hidden.element_size()) // BN * BN)
     chunk = min(chunk, triton.cdiv(max(N, 1), BN) * BN)
@@ -86,7 +80,7 @@ def linear_logprob_backward_gemm(
             g_ent if g_ent is not None else g_logp, dz,
             n0, nc, V, D, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
             n_blocks, v_blocks, HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
-            DOT_PREC=_dot_precision(hidden.dtype), **cfg,
+            DOT_PREC=dot_precision(hidden.dtype), **cfg,
         )
         d = dz[:nc]
         if needs[0]:

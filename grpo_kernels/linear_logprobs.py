@@ -13,15 +13,15 @@ Layout: kernel, launcher; backward kernel, launcher. The autograd classes live i
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from . import tile_configs
 from .epilogue import grpo_token_outputs
+from .precision import dot_precision
+from .tile_configs import INTERPRET  # noqa: F401  (re-exported: the dispatch reads it here)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite (constexpr: jit globals)
 NEG_BIG = tl.constexpr(-1.0e38)
 
@@ -202,33 +202,6 @@ def _combine_splits_kernel(
     )
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 follows PyTorch's own matmul setting (full precision unless tf32 was allowed)
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-def _fwd_config(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device) -> dict:
-    if INTERPRET or device.type != "cuda":
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=2, num_warps=4, num_stages=1)
-    # Tile shapes chosen from the sm_90 resource report (python -m grpo_kernels.compile_check):
-    # the largest tiles whose softmax temporaries fit in registers without spilling.
-    if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, num_warps=8, num_stages=3)
-
-
-def _num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device) -> int:
-    """Vocabulary splits: enough that GROUP_N token blocks × splits fill the GPU (the grouped
-    order above), and more for small N so that there are two programs per SM."""
-    if INTERPRET or device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(triton.cdiv(sms, group_n), triton.cdiv(2 * sms, n_blocks))
-    return max(1, min(want, n_tiles // 4, 64))
-
-
 def linear_logprob_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -253,10 +226,10 @@ def linear_logprob_forward(
     lse = torch.empty(N, **f32)
     if N == 0:
         return logp, ent, lse
-    cfg = dict(config or _fwd_config(N, V, D, hidden.dtype, dev))
+    cfg = dict(config or tile_configs.linear_fwd(N, V, D, hidden.dtype, dev))
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     n_tiles = triton.cdiv(V, cfg["BLOCK_V"])
-    S = splits or _num_splits(n_blocks, n_tiles, cfg["GROUP_N"], dev)
+    S = splits or tile_configs.num_splits(n_blocks, n_tiles, cfg["GROUP_N"], dev)
     tiles_per_split = triton.cdiv(n_tiles, S)
     S = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
     part = torch.empty((4, S, N), **f32) if S > 1 else logp
@@ -271,7 +244,7 @@ def linear_logprob_forward(
         part, lse, ent, logp, *ep["tensors"], *ep["scalars"],
         N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_blocks, S,
         tiles_per_split,
-        HAS_BIAS=bias is not None, SPLIT=S > 1, DOT_PREC=_dot_precision(hidden.dtype),
+        HAS_BIAS=bias is not None, SPLIT=S > 1, DOT_PREC=dot_precision(hidden.dtype),
         **flags, **cfg,
     )
     if S > 1:
@@ -372,15 +345,6 @@ def _linear_logprob_bwd_kernel(
                             COMPUTE_DH, COMPUTE_DW, COMPUTE_DB, BLOCK_D, DOT_PREC)
 
 
-def _bwd_config(dtype: torch.dtype, device: torch.device) -> dict:
-    if INTERPRET or device.type != "cuda":
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=4, num_warps=4, num_stages=1)
-    # No-spill shapes on sm_90 (see _fwd_config); the dz tile and two dot results are live at once.
-    if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, num_warps=8, num_stages=2)
-    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=2)
-
-
 # float32 scratch for d weight when the weight is 16-bit: the vocabulary is processed in chunks
 # whose scratch stays under this many bytes (the weight gradient itself is in the weight's dtype).
 WEIGHT_SCRATCH_BYTES = 256 * 2**20
@@ -414,7 +378,7 @@ def linear_logprob_backward(
     V = weight.shape[0]
     dev = hidden.device
     f32 = dict(device=dev, dtype=torch.float32)
-    cfg = dict(config or _bwd_config(hidden.dtype, dev))
+    cfg = dict(config or tile_configs.linear_bwd_atomic(hidden.dtype, dev))
     need_dh, need_dw, need_db = needs[0], needs[1], bias is not None and needs[2]
     dh32 = torch.zeros((N, D), **f32) if need_dh else lse
     db32 = torch.zeros(V, **f32) if need_db else lse
@@ -443,7 +407,7 @@ def linear_logprob_backward(
                 HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
                 FILTER=grad_filter is not None,
                 COMPUTE_DH=need_dh, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-                DOT_PREC=_dot_precision(hidden.dtype), **cfg,
+                DOT_PREC=dot_precision(hidden.dtype), **cfg,
             )
         if not direct:
             dw[v0:v0 + vc].copy_(acc)

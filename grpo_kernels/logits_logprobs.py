@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_logprobs import _NO_EPILOGUE, INTERPRET, NEG_BIG, _store_token_results
+from . import tile_configs
+from .linear_logprobs import _NO_EPILOGUE, NEG_BIG, _store_token_results
 
 
 @triton.jit
@@ -68,15 +69,6 @@ def _logits_logprob_fwd_kernel(
     )
 
 
-def _config(V: int, device: torch.device) -> dict:
-    if INTERPRET or device.type != "cuda":
-        return dict(ROWS=4, BLOCK_V=64, num_warps=4)
-    # one row per program streams V in 16-byte-per-thread chunks; small V packs rows together
-    block = min(triton.next_power_of_2(V), 8192)
-    rows = max(1, min(16, 8192 // triton.next_power_of_2(V)))
-    return dict(ROWS=rows, BLOCK_V=block, num_warps=8 if rows * block >= 4096 else 4)
-
-
 def logits_logprob_forward(logits, targets, temperature, epilogue=None):
     """logits [B, T, V] (last dim contiguous), targets [B·T] int64
     -> float32 (logp, entropy, lse), each [B·T]."""
@@ -86,7 +78,7 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None):
     logp, ent, lse = (torch.empty(N, **f32) for _ in range(3))
     if N == 0:
         return logp, ent, lse
-    cfg = _config(V, logits.device)
+    cfg = tile_configs.logits(V, logits.device)
     ep = epilogue or _NO_EPILOGUE(logp)
     _logits_logprob_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, targets, lse, ent, logp, *ep["tensors"], *ep["scalars"],
@@ -145,7 +137,7 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     dx = torch.empty_like(logits) if out is None else out
     if N == 0:
         return dx
-    cfg = _config(V, logits.device)
+    cfg = tile_configs.logits(V, logits.device)
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),

@@ -10,7 +10,7 @@ import torch
 from helpers import hyper, leaf, make_grpo_batch, make_head, max_err
 
 import grpo_kernels as gk
-from grpo_kernels import linear_logprobs, reference
+from grpo_kernels import reference, tile_configs
 from grpo_kernels.validation import check_grad_filter
 
 # 4 token blocks × 10 vocabulary tiles in the interpreter's tiles (BLOCK_N=16, BLOCK_V=32)
@@ -50,7 +50,7 @@ def _filtered_truth(hidden, weight, bias, ids, coef, temperature, eps, margin=1e
     onehot = torch.nn.functional.one_hot(ids.reshape(-1), V).double()
     dz = (g[:, None] * (onehot - p) - gh[:, None] * p * (log_p + H[:, None])) / temperature
     thr = eps * (g.abs() + gh.abs()) / temperature
-    cfg = linear_logprobs._bwd_config(torch.float32, torch.device("cpu"))
+    cfg = tile_configs.linear_bwd_atomic(torch.float32, torch.device("cpu"))
     BN, BV = cfg["BLOCK_N"], cfg["BLOCK_V"]
     N = dz.shape[0]
     keep = torch.zeros(-(-N // BN), -(-V // BV), dtype=torch.bool)
@@ -82,7 +82,7 @@ def test_filtered_gradients_match_the_tile_definition(eps):
         assert max_err(f, t) <= 2e-5 * scale, name
         assert max_err(f, e) > 0.0, name  # filtering changed something
     # vocabulary tiles dropped for every token block receive exactly nothing
-    BV = linear_logprobs._bwd_config(torch.float32, torch.device("cpu"))["BLOCK_V"]
+    BV = tile_configs.linear_bwd_atomic(torch.float32, torch.device("cpu"))["BLOCK_V"]
     for j in torch.nonzero(~keep.any(0)).flatten().tolist():
         assert torch.all(filtered[1][j * BV:(j + 1) * BV] == 0)
         assert torch.all(filtered[2][j * BV:(j + 1) * BV] == 0)
