@@ -15,9 +15,17 @@ optimizer step (AdamW) per generation batch with all G sequences in one micro-ba
 loss_type "dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults).
 
 Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end),
-tokens/s = G·(prompt + completion tokens) / step time, and peak memory = the allocator's
-max_memory_allocated since a reset at the step's start (CPU: the process' peak RSS, which only
-grows). Reported: medians over the --steps timed steps (peak: their maximum); one row appended to
+tokens/s = G·(prompt + completion tokens) / step time, and memory by phase (grpo_train.phases):
+generation, scoring (rewards; reference/old log-probs when configured), loss (forward + backward
+of every micro-batch) and optimizer (clipping, AdamW step, zeroing), plus the whole step. For each:
+peak = the highest memory while it ran and rise = peak - memory at its start (what its
+temporaries add). Memory is the allocator's allocated bytes on CUDA (max_memory_allocated, reset
+at every phase boundary) and the process' resident set size on CPU, sampled every 2 ms by a
+thread. TRL's phases are marked by a subclass and callbacks: generation = `_generate`, scoring =
+the rest of `_generate_and_score_completions`, loss = `training_step` after it, optimizer = from
+`on_pre_optimizer_step` to `on_step_end` (TRL clips gradients just before, outside the phases).
+Reported: medians over the --steps timed steps of time, highest peak and rise; also the process'
+lifetime peak (CPU: peak RSS, dominated by the first step's AdamW allocation). One row appended to
 benchmarks/results/<device>-trainer.csv with the device, versions, commit and command.
 """
 
@@ -80,6 +88,7 @@ def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
 
 def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device) -> list[dict]:
     """Steps of our trainer; per-step numbers from its metrics.jsonl."""
+    from grpo_train import phases
     from grpo_train.config import TrainConfig
     from grpo_train.logs import read_metrics
     from grpo_train.trainer import train
@@ -96,10 +105,12 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device) -> 
         model_dtype=args.model_dtype, reward=[f"{Path(__file__).resolve()}:length_reward"],
         eval_every=0, save_every=0, plot=False, save_final_model=False, progress=False,
         seed=args.seed, device="cuda" if cuda else "cpu", backend=args.backend)
-    train(cfg)
-    return [dict(step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
-                 peak_gib=r["peak_memory_gib"], completion_length=r["completion_length"])
-            for r in read_metrics(workdir / "run" / "metrics.jsonl") if "reward" in r]
+    with phases.recording(phases.PhaseRecorder(device)) as recorder:
+        train(cfg)
+    steps = [dict(step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
+                  peak_gib=r["peak_memory_gib"], completion_length=r["completion_length"])
+             for r in read_metrics(workdir / "run" / "metrics.jsonl") if "reward" in r]
+    return steps, recorder
 
 
 def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> list[dict]:
@@ -108,6 +119,7 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> l
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpo_train import phases
     from grpo_train.logs import peak_memory_bytes
     from grpo_train.models import DTYPES
 
@@ -121,8 +133,14 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> l
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             self.t0 = time.perf_counter()
+            phases.begin_step()
+
+        def on_pre_optimizer_step(self, *_, **__):
+            phases.begin("optimizer")
 
         def on_step_end(self, *_, **__):
+            phases.end("optimizer")
+            phases.end_step()
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - self.t0
@@ -144,11 +162,74 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> l
         report_to="none",
         save_strategy="no", use_cpu=not cuda, seed=args.seed, shuffle_dataset=False,
         dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=config,
-                          train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[StepMeter()])
-    trainer.train()
-    return per_step
+    trainer = _metered_grpo_trainer(GRPOTrainer)(
+        model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[StepMeter()])
+    with phases.recording(phases.PhaseRecorder(device)) as recorder:
+        trainer.train()
+    return per_step, recorder
+
+
+def _metered_grpo_trainer(base):
+    """TRL's GRPOTrainer with grpo_train's phase marks: generation and scoring run first (as in
+    TRL, inside `_prepare_inputs`), then the rest of `training_step` is the loss phase."""
+    from grpo_train import phases
+
+    class MeteredGRPOTrainer(base):
+        _prepared = None
+
+        def training_step(self, model, inputs, num_items_in_batch):
+            model.train()  # as Trainer.training_step does before preparing inputs
+            self._prepared = base._prepare_inputs(self, inputs)
+            with phases.phase("loss"):
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        def _prepare_inputs(self, inputs):
+            prepared, self._prepared = self._prepared, None
+            return prepared if prepared is not None else super()._prepare_inputs(inputs)
+
+        def _generate_and_score_completions(self, inputs):
+            with phases.phase("scoring"):
+                return super()._generate_and_score_completions(inputs)
+
+        def _generate(self, prompts):
+            with phases.phase("generation"):
+                return super()._generate(prompts)
+
+    return MeteredGRPOTrainer
+
+
+PHASES = ("generation", "scoring", "loss", "optimizer", "step")
+
+
+def phase_columns(recorder, warmup: int) -> dict:
+    """<phase>_peak_gib, <phase>_rise_gib and <phase>_s over the timed steps (after warm-up)."""
+    summary = recorder.summary(skip_steps=warmup)
+    missing = [p for p in PHASES if p not in summary]
+    if missing:  # a phase that never ran would silently read as zero memory
+        raise RuntimeError(f"no memory recorded for phases {missing} in the timed steps")
+    cols = {}
+    for name in PHASES:
+        cols[f"{name}_peak_gib"] = round(summary[name]["peak_bytes"] / 2**30, 3)
+        cols[f"{name}_rise_gib"] = round(summary[name]["rise_bytes"] / 2**30, 3)
+        cols[f"{name}_s"] = round(summary[name]["seconds"], 3)
+    return cols
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Appends `row` to the CSV; if its columns differ from the file's header (rows written
+    before a column existed), the file is rewritten with the union, old rows left blank there."""
+    rows, fields = [], list(row)
+    if path.exists():
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            rows = list(reader)
+            fields = list(reader.fieldnames or []) + [k for k in row
+                                                      if k not in (reader.fieldnames or [])]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows + [row])
 
 
 def versions(provider: str) -> dict:
@@ -202,9 +283,9 @@ def main(argv=None) -> dict:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
         if args.provider == "trl":
-            steps = run_trl(args, model_dir, prompt_text, workdir, device)
+            steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device)
         else:
-            steps = run_grpo_train(args, model_dir, data, workdir, device)
+            steps, recorder = run_grpo_train(args, model_dir, data, workdir, device)
     timed = steps[args.warmup:]
     if not timed:
         raise RuntimeError(f"no timed steps ({len(steps)} steps ran, --warmup {args.warmup})")
@@ -223,8 +304,10 @@ def main(argv=None) -> dict:
         "model_dtype": args.model_dtype, "timed_steps": len(timed),
         "step_time_s_median": round(statistics.median(s["step_time_s"] for s in timed), 4),
         "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),
+        **phase_columns(recorder, args.warmup),
+        "phase_memory_kind": "max_memory_allocated" if cuda else "RSS sampled every 2 ms",
         "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
-        "peak_memory_kind": "max_memory_allocated" if cuda else "process peak RSS",
+        "peak_memory_kind": "max_memory_allocated" if cuda else "process lifetime peak RSS",
         "device": device_label(device), **versions(args.provider), "commit": git_commit(),
         "command": "python -m benchmarks.trainer_step " + shlex.join(sys.argv[1:] if argv is None
                                                                      else argv),
@@ -233,12 +316,7 @@ def main(argv=None) -> dict:
     if not args.no_record:
         path = Path(args.results) / f"{device_slug(device)}-trainer.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with open(path, "a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(row))
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(path, row)
         print(f"appended to {path}")
     return row
 

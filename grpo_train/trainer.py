@@ -27,14 +27,18 @@ from grpo_kernels import FusedLinearGRPOLoss, force_backend
 from grpo_kernels import reference as reference_impl
 from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
 
+from . import phases
 from .checkpoint import (
     capture_rng,
+    check_output_dir,
+    clear_run_files,
     find_checkpoint,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
     seed_everything,
 )
+from .cli import UsageError
 from .config import grad_filter_value, resolve_auto, validate
 from .data import PromptSampler, load_examples
 from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
@@ -58,6 +62,7 @@ def train(cfg) -> dict:
     """Run GRPO as configured; returns {"step", "interrupted", "eval_accuracy": {step: acc},
     "model", "tokenizer", "main_process"}."""
     cfg = validate(resolve_auto(cfg))  # "auto" fields -> values; clear errors first
+    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # never over another run
     if cfg.backend == "auto":  # CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
         return _train(cfg)
     with force_backend(cfg.backend):
@@ -72,19 +77,25 @@ def _train(cfg) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
+        raise UsageError("--device cuda: no CUDA device is available")
     accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     rank, world, device = accel.process_index, accel.num_processes, accel.device
     say = _printer(accel.is_main_process)
+    if cfg.overwrite and accel.is_main_process:
+        deleted = clear_run_files(cfg.output_dir)
+        if deleted:
+            say(f"--overwrite: deleted the previous run's {', '.join(deleted)} in "
+                f"{cfg.output_dir}")
+    accel.wait_for_everyone()
     G = cfg.num_generations
     if cfg.num_prompts % world:
-        raise ValueError(f"--num_prompts {cfg.num_prompts} must be divisible by the number of "
+        raise UsageError(f"--num_prompts {cfg.num_prompts} must be divisible by the number of "
                          f"processes ({world}): every process takes whole groups")
     P_local = cfg.num_prompts // world
     B = P_local * G
     micro = cfg.micro_batch_size or B
     if B % micro:
-        raise ValueError(f"--micro_batch_size {micro} must divide the per-process batch "
+        raise UsageError(f"--micro_batch_size {micro} must divide the per-process batch "
                          f"num_prompts/processes x num_generations = {P_local} x {G} = {B}")
     n_micro = B // micro
 
@@ -161,13 +172,16 @@ def _train(cfg) -> dict:
     with _StopOnSignal(say) as stop:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
+            phases.begin_step()  # phase hooks: no-ops unless a benchmark records memory
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             examples = [train_ex[i] for i in sampler.next(cfg.num_prompts)]
             examples = examples[rank * P_local:(rank + 1) * P_local]  # this process' prompts
 
             # 1. generate G completions per prompt: [B, Lp + T]
-            batch = generate(model, examples, ctx)
+            with phases.phase("generation"):
+                batch = generate(model, examples, ctx)
+            phases.begin("scoring")  # rewards, advantages, reference and old log-probs
             # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
             rewards_per_func, failures = score(specs, batch["prompts"], batch["texts"],
                                                batch["columns"])
@@ -187,6 +201,7 @@ def _train(cfg) -> dict:
                 old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
                     model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
                     position_ids=pos)
+            phases.end("scoring")
             # 5. optimize: micro-batches, accumulation normalized as TRL does
             mask = batch["completion_mask"].float()
             num_items = None
@@ -196,6 +211,7 @@ def _train(cfg) -> dict:
                 num_items = accel.reduce(mask.sum(), "sum") / world
             sums, loss_total, grad_norms = {}, 0.0, []
             for _ in range(cfg.num_iterations):
+                phases.begin("loss")  # forward + backward of every micro-batch
                 for i in range(n_micro):
                     s = slice(i * micro, (i + 1) * micro)
                     sync = i == n_micro - 1 or world == 1
@@ -211,11 +227,15 @@ def _train(cfg) -> dict:
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + v.item() * n_tok
                     sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
+                phases.end("loss")
+                phases.begin("optimizer")
                 clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                phases.end("optimizer")
+            phases.end_step()
 
             # ---- metrics, eval, checkpoint ------------------------------------------------------
             record = _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums,

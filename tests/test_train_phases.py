@@ -1,0 +1,79 @@
+"""grpo_train.phases: each phase is charged the memory its own temporaries take (CPU RSS sampled
+by a thread), nested phases are charged separately, and the hooks do nothing without a recorder."""
+
+import time
+
+import pytest
+import torch
+
+from grpo_train import phases
+
+MIB = 2**20
+
+
+def _hold(n_bytes: int, seconds: float = 0.05) -> float:
+    """Allocates and touches n_bytes for a while (so the sampler sees them), then frees them."""
+    x = torch.empty(n_bytes // 4, dtype=torch.float32)
+    x.uniform_()  # touch every page: RSS counts touched pages only
+    time.sleep(seconds)
+    total = x[:10].sum().item()
+    del x
+    return total
+
+
+def test_each_phase_is_charged_its_own_temporaries():
+    with phases.recording(phases.PhaseRecorder("cpu", interval_s=0.001)) as rec:
+        for _ in range(2):
+            phases.begin_step()
+            with phases.phase("small"):
+                _hold(16 * MIB)
+            with phases.phase("large"):
+                _hold(256 * MIB)
+            with phases.phase("outer"):
+                with phases.phase("inner"):
+                    _hold(128 * MIB)
+                _hold(8 * MIB)
+            phases.end_step()
+    summary = rec.summary(skip_steps=1)
+    rise = {k: v["rise_bytes"] / MIB for k, v in summary.items()}
+    assert all(v["steps"] == 1 for v in summary.values())
+    assert 240 < rise["large"] < 300, rise  # the tensor plus a little interpreter noise
+    assert 12 < rise["small"] < 60, rise
+    assert 120 < rise["inner"] < 170, rise
+    assert rise["outer"] < 60, rise  # the inner phase's tensor is not the outer phase's
+    assert 240 < rise["step"] < 300, rise  # the step's peak covers all of its phases
+    assert summary["large"]["peak_bytes"] >= summary["large"]["rise_bytes"] > 0
+    # own time: the inner phase's sleep is not counted twice
+    assert summary["outer"]["seconds"] < summary["inner"]["seconds"] + 0.04
+
+
+def test_summary_skips_warmup_steps_and_keeps_repeats():
+    with phases.recording(phases.PhaseRecorder("cpu", interval_s=0.001)) as rec:
+        phases.begin_step()
+        with phases.phase("loss"):
+            _hold(200 * MIB)  # the warm-up step: excluded below
+        phases.begin_step()  # ends the previous step
+        for n in (8, 64):  # the same phase twice in a step (num_iterations = 2)
+            with phases.phase("loss"):
+                _hold(n * MIB)
+    summary = rec.summary(skip_steps=1)
+    assert 56 < summary["loss"]["rise_bytes"] / MIB < 100
+    assert summary["loss"]["steps"] == 1
+    assert [r.step for r in rec.records if r.phase == "step"] == [1, 2]
+
+
+def test_hooks_are_noops_without_a_recorder_and_check_nesting():
+    with phases.phase("generation"):  # nothing installed: nothing happens
+        phases.begin("x")
+        phases.end("y")
+        phases.begin_step()
+        phases.end_step()
+    with phases.recording(phases.PhaseRecorder("cpu")):
+        phases.begin("scoring")
+        with pytest.raises(RuntimeError, match="'loss' ended, but the open phases are"):
+            phases.end("loss")
+        with pytest.raises(RuntimeError, match="already installed"):
+            with phases.recording(phases.PhaseRecorder("cpu")):
+                pass
+    with pytest.raises(ValueError, match="interval_s"):
+        phases.PhaseRecorder("cpu", interval_s=0)
