@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import tile_configs
 from .epilogue import grpo_token_outputs
-from .precision import dot_precision
+from .precision import dot_precision, head_dot, split_dot, tile_dot
 from .tile_configs import INTERPRET  # noqa: F401  (re-exported: the dispatch reads it here)
 
 # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite (constexpr: jit globals)
@@ -57,7 +57,8 @@ def logit_tile(
     BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """z = (hidden[rows_h] @ weight[rows_w]^T + bias) / τ: one [BLOCK_N, BLOCK_V] float32 tile,
-    accumulated over D in BLOCK_D steps (the loop the compiler pipelines with cp.async)."""
+    accumulated over D in BLOCK_D steps (the loop the compiler pipelines with cp.async).
+    A float32 weight with 16-bit hidden (mixed head precision) takes `split_dot`."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -66,7 +67,7 @@ def logit_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
                     mask=v_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PREC)
+        acc = head_dot(h, tl.trans(w), acc, DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
     return acc * inv_temp
@@ -271,7 +272,9 @@ def _add_tile_grads(
     BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Adds one d-logits tile dz [BLOCK_N, BLOCK_V] into the float32 accumulators:
-    dh[rows] += dz @ w,  dw[rows] += dz^T @ h  (over D in BLOCK_D slabs),  db += Σ_n dz."""
+    dh[rows] += dz @ w,  dw[rows] += dz^T @ h  (over D in BLOCK_D slabs),  db += Σ_n dz.
+    A float32 weight with 16-bit hidden (mixed): dz @ w splits w, dz^T @ h splits dz (float32,
+    so d weight keeps ~16 bits more than a 16-bit dz would give it)."""
     if COMPUTE_DB:
         tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem="relaxed")
     dzc = dz.to(h_ptr.dtype.element_ty)  # the dots take the inputs' dtype, accumulate in fp32
@@ -281,14 +284,18 @@ def _add_tile_grads(
         if COMPUTE_DH:  # frozen inputs (e.g. a frozen lm_head) skip their half of the work
             w = tl.load(w_ptr + rows_w[:, None] + offs_d[None, :],
                         mask=v_mask[:, None] & d_mask[None, :], other=0.0)
-            tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :],
-                          tl.dot(dzc, w, input_precision=DOT_PREC),
+            dh_part = head_dot(dzc, w, tl.zeros([dz.shape[0], BLOCK_D], tl.float32), DOT_PREC)
+            tl.atomic_add(dh_ptr + rows_dh[:, None] + offs_d[None, :], dh_part,
                           mask=n_mask[:, None] & d_mask[None, :], sem="relaxed")
         if COMPUTE_DW:
             h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :],
-                          tl.dot(tl.trans(dzc), h, input_precision=DOT_PREC),
+            dw_part = tl.zeros([dz.shape[1], BLOCK_D], tl.float32)
+            if w_ptr.dtype.element_ty == h_ptr.dtype.element_ty:
+                dw_part = tile_dot(tl.trans(dzc), h, dw_part, DOT_PREC)
+            else:
+                dw_part = split_dot(h, tl.trans(dz), dw_part, True)
+            tl.atomic_add(dw_ptr + rows_dw[:, None] + offs_d[None, :], dw_part,
                           mask=v_mask[:, None] & d_mask[None, :], sem="relaxed")
 
 

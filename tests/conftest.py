@@ -1,5 +1,20 @@
 """Test set-up: without a CUDA device, CPU tensors run the real Triton kernels through Triton's
-interpreter, which must be switched on before triton is first imported."""
+interpreter, which must be switched on before triton is first imported.
+
+Two corrections make the interpreter compute what a GPU computes (`patch_interpreter`):
+- `tl.dot` of the GPU's numerics: bfloat16 operands (stored as uint16 bit patterns in the
+  interpreter, which multiplies the raw integers: -2.7e9 where the answer is -2.5) are widened to
+  float32 first, exactly; float32 operands are rounded as the tensor cores round them for the
+  dot's `input_precision`: "tf32" keeps 10 mantissa bits (truncation: the low 13 bits are
+  dropped, the worse of the two rounding modes a GPU may use), "tf32x3" sums the three TF32
+  products of Triton's split (big = tf32(a), small = tf32(a - big), round to nearest), "ieee" is
+  exact float32. Products accumulate in float32 as on the GPU.
+- Triton 3.4 and 3.6 convert a scalar (stored as a one-element array) to int with
+  `int(array)`, which NumPy >= 2.4 refuses for arrays of one dimension, so every `range()` with a
+  runtime bound failed (`TypeError: only 0-dimensional arrays can be converted to Python
+  scalars`). Triton 3.9 squeezes the array first; the same is installed here for older releases.
+Both patches are checked by tests/test_precision.py.
+"""
 
 import os
 
@@ -9,6 +24,85 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _tf32(x, rounding: str):
+    """float32 array -> the nearest value with TF32's 10 mantissa bits (as float32)."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    if rounding == "nearest":  # ties away from zero, as cvt.rna.tf32.f32
+        bits = bits + np.uint32(0x1000)
+    return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def gpu_dot(a, b, precision: str):
+    """a @ b of float32 arrays as the tensor cores compute it for `precision`."""
+    import numpy as np
+
+    if precision == "tf32":
+        return np.matmul(_tf32(a, "truncate"), _tf32(b, "truncate"))
+    if precision == "tf32x3":
+        a_big, b_big = _tf32(a, "nearest"), _tf32(b, "nearest")
+        a_small, b_small = _tf32(a - a_big, "nearest"), _tf32(b - b_big, "nearest")
+        return (np.matmul(a_small, b_big) + np.matmul(a_big, b_small)) + np.matmul(a_big, b_big)
+    return np.matmul(a, b)
+
+
+def patch_interpreter():
+    """Installs the two corrections above (idempotent). Returns the interpreter's own
+    create_dot, which tests/test_precision.py uses to show the bf16 bug."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if hasattr(builder.create_dot, "native"):
+        return builder.create_dot.native
+    native = builder.create_dot
+
+    def as_float32(x):
+        if x.dtype.scalar == tl.bfloat16:  # uint16 bits -> the float32 with the same value
+            return (x.data.astype(np.uint32) << 16).view(np.float32)
+        return x.data.astype(np.float32) if x.data.dtype != np.float32 else x.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if d.dtype.scalar != tl.float32 or not (a.dtype.scalar.is_floating()
+                                                and a.dtype.scalar.primitive_bitwidth >= 16):
+            return native(self, a, b, d, input_precision, max_num_imprecise_acc)
+        name = str(input_precision).rsplit(".", 1)[-1].lower()  # INPUT_PRECISION.TF32x3 -> tf32x3
+        is_fp32 = a.dtype.scalar == tl.float32
+        out = gpu_dot(as_float32(a), as_float32(b), name if is_fp32 else "ieee")
+        return interpreter.TensorHandle((out + d.data).astype(np.float32), d.dtype.scalar)
+
+    create_dot.native = native
+    builder.create_dot = create_dot
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if "squeeze" not in _source(patch_tensor):
+        def patched(tensor, *scope):
+            patch_tensor(tensor, *scope)
+            index = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])  # noqa: E731
+            if scope:  # Triton 3.6: attributes are set through a scope that restores them
+                scope[0].set_attr(tensor, "__index__", index)
+            else:  # Triton 3.4
+                tensor.__index__ = index
+
+        interpreter._patch_lang_tensor = patched
+    return native
+
+
+def _source(fn) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_interpreter()
 
 
 def pytest_collection_modifyitems(config, items):
