@@ -11,7 +11,7 @@ import grpo_kernels as gk
 from grpo_kernels import reference
 
 BACKENDS = ["triton", "torch"]
-TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
 def run(fn, hidden, weight, bias, ids, batch, kw, dtype):
@@ -60,6 +60,15 @@ def test_matrix_fp32(backend, loss_type, level, beta, temperature, delta, bias):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16(backend, loss_type, level):
     check(backend, torch.float16, (3, 47, 31, 123),
+          hyper(loss_type, level, 0.04, 0.7, 1.5), bias=True, seed=1)
+
+
+# bfloat16 (the dtype users train in) on one loss of each kind: clipped, cispo, sapo
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16(backend, loss_type, level):
+    check(backend, torch.bfloat16, (3, 47, 31, 123),
           hyper(loss_type, level, 0.04, 0.7, 1.5), bias=True, seed=1)
 
 

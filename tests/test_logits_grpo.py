@@ -10,7 +10,7 @@ import grpo_kernels as gk
 from grpo_kernels import reference
 
 BACKENDS = ["triton", "torch"]
-TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
 def make_logits(B, T, V, seed=0, scale=3.0, pad=3):
@@ -73,6 +73,14 @@ def test_fp16(backend, loss_type, level):
     check(backend, torch.float16, 3, 23, 123, hyper(loss_type, level, 0.04, 0.7, 1.5), seed=1)
 
 
+# bfloat16 (the dtype users train in) on one loss of each kind: clipped, cispo, sapo
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16(backend, loss_type, level):
+    check(backend, torch.bfloat16, 3, 23, 123, hyper(loss_type, level, 0.04, 0.7, 1.5), seed=1)
+
+
 @pytest.mark.parametrize("extra", [dict(entropy_coef=0.01), dict(num_items_in_batch=29),
                                    dict(use_bias_correction_kl=True)])
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -81,7 +89,7 @@ def test_extras_and_several_tiles(backend, extra):
     check(backend, torch.float32, 2, 9, 300, hyper("dapo", "token", 0.04, 0.7, None, **extra))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_from_logits(backend, dtype):
     g = torch.Generator().manual_seed(3)
