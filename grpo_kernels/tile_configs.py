@@ -1,69 +1,146 @@
-"""Tile shapes and launch options of every Triton kernel, in one place.
+"""Tile shapes and launch options of every Triton kernel, in one place, per GPU generation.
 
-The launchers ask here for their meta-parameters; `compile_check` asks the same functions, so the
+The launchers ask here for their meta-parameters (the returned dicts are passed as launch
+keyword arguments); `compile_check` asks the same functions with an explicit `arch`, so the
 variants it compiles are the ones that launch. CPU tensors (the Triton interpreter) get small
 tiles so that tests cover several tiles per dimension quickly.
+
+Every dict sets `enable_fp_fusion` explicitly: Triton 3.9 fuses a*b+c into FMA by default and
+warns that 3.10 will stop doing so; pinning it keeps results the same across Triton releases.
+
+Architectures are compute capabilities as integers (75 = T4, 80 = A100, 86 = RTX 30xx/A10/A40,
+89 = L4/L40/RTX 40xx, 90 = H100/H200, 100 = B200, 120 = RTX 50xx). The shapes below were chosen
+from `python -m grpo_kernels.compile_check --arch N --verbose` (registers, spills, shared memory
+per variant; no GPU needed).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FP_FUSION = True  # a*b+c as one FMA (Triton's default up to 3.9), pinned
+
+# Most dynamic shared memory one block may use (bytes), per compute capability; a variant over
+# it compiles but fails to launch ("out of resource: shared memory"), so compile_check checks it.
+SHARED_MEMORY_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024,
+                       89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 103: 227 * 1024,
+                       120: 99 * 1024, 121: 99 * 1024}
 
 
-def _small(device: torch.device) -> bool:
-    return INTERPRET or device.type != "cuda"
+@functools.cache
+def _capability(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
 
-def linear_fwd(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device) -> dict:
+def target_arch(device: torch.device | None, arch: int | None = None) -> int | None:
+    """The compute capability the tiles are for: `arch` when given (compile_check), the device's
+    own at run time, None for the interpreter and CPU tensors (small tiles)."""
+    if arch is not None:
+        return int(arch)
+    if INTERPRET or device is None or device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _opts(num_warps: int, num_stages: int | None = None) -> dict:
+    opts = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION)
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    return opts
+
+
+def _small_matmul_tiles(group_n: int) -> dict:
+    return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=group_n, **_opts(4, 1))
+
+
+def linear_fwd(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device | None,
+               arch: int | None = None) -> dict:
     """Forward of the linear-head log-prob (`linear_logprobs._linear_logprob_fwd_kernel`)."""
-    if _small(device):
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=2, num_warps=4, num_stages=1)
-    # Tile shapes chosen from the sm_90 resource report (python -m grpo_kernels.compile_check):
-    # the largest tiles whose softmax temporaries fit in registers without spilling.
+    cc = target_arch(device, arch)
+    if cc is None:
+        return _small_matmul_tiles(2)
+    # the largest tiles whose online-softmax temporaries stay in registers without spilling
     if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, num_warps=8, num_stages=3)
+        if cc < 80:  # sm_75: no TF32 tensor cores, the dot is FMA; smaller tiles, 64 KB smem
+            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=16, **_opts(8, 2))
+        if cc == 90 or cc >= 100:
+            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 3))
+        # sm_80/86/89 (mma.sync): 64x64 fp32 tiles spill 9 registers at BLOCK_D=32
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=16, **_opts(8, 3))
+    if cc < 80:  # sm_75 has no bf16 mma (Triton emits FMA for bf16; fp16 uses mma.sync)
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2))
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, **_opts(8, 3))
 
 
-def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device) -> int:
+def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device | None,
+               sms: int | None = None) -> int:
     """Vocabulary splits: enough that GROUP_N token blocks × splits fill the GPU (the grouped
-    order of the forward), and more for small N so that there are two programs per SM."""
-    if _small(device):
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    order of the forward), and more for small N so that there are two programs per SM.
+    `sms` (streaming multiprocessors) defaults to the device's own."""
+    if sms is None:
+        if target_arch(device) is None:
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(triton.cdiv(sms, group_n), triton.cdiv(2 * sms, n_blocks))
-    return max(1, min(want, n_tiles // 4, 64))
+    return max(1, min(want, n_tiles // 4, MAX_SPLITS))
 
 
-def linear_bwd_atomic(dtype: torch.dtype, device: torch.device) -> dict:
+MAX_SPLITS = 64  # the combine kernel reads all splits of a token in one [BLOCK_N, BLOCK_S] tile
+
+
+def combine(n_splits: int, device: torch.device | None, arch: int | None = None) -> dict:
+    """The split-combine kernel (`linear_logprobs._combine_splits_kernel`), S = n_splits > 1."""
+    return dict(BLOCK_N=64, BLOCK_S=triton.next_power_of_2(n_splits), **_opts(4))
+
+
+def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
+                      arch: int | None = None) -> dict:
     """Atomic backward (`linear_logprobs._linear_logprob_bwd_kernel`)."""
-    if _small(device):
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=4, num_warps=4, num_stages=1)
-    # No-spill shapes on sm_90; the dz tile and two dot results are live at once.
+    cc = target_arch(device, arch)
+    if cc is None:
+        return _small_matmul_tiles(4)
+    # the dz tile and two dot results are live at once
     if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, num_warps=8, num_stages=2)
-    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=2)
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2))
+    if cc < 80:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2))
+    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2))
 
 
-def linear_dz(dtype: torch.dtype, device: torch.device) -> dict:
+def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None = None) -> dict:
     """d-logits kernel of the GEMM backward (`linear_backward_gemm._linear_dz_kernel`)."""
-    if _small(device):
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=32, GROUP_N=4, num_warps=4, num_stages=1)
-    if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, num_warps=8, num_stages=3)
+    cc = target_arch(device, arch)
+    if cc is None:
+        return _small_matmul_tiles(4)
+    if dtype == torch.float32 or cc < 80:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3 if cc >= 80 else 2))
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3))
 
 
-def logits(V: int, device: torch.device) -> dict:
+def accumulate_mm(dtype: torch.dtype, device: torch.device | None,
+                  arch: int | None = None) -> dict:
+    """acc [M, D] float32 += A @ B with 16-bit A, B (`accumulate_mm._accumulate_mm_kernel`)."""
+    cc = target_arch(device, arch)
+    if cc is None:  # the interpreter: several tiles per dimension in small tests
+        return dict(BLOCK_M=16, BLOCK_D=16, BLOCK_K=16, GROUP_M=4, **_opts(4, 1))
+    if cc < 80:  # 64 KB of shared memory: two stages of a 128 x 128 x 32 slab
+        return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=32, GROUP_M=8, **_opts(8, 2))
+    # a plain 16-bit GEMM tile: 128 x 128 float32 accumulator in registers with 8 warps, K in
+    # steps of 64, 3 pipeline stages of 32 KB
+    return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=64, GROUP_M=8, **_opts(8, 3))
+
+
+def logits(V: int, device: torch.device | None, arch: int | None = None) -> dict:
     """Logits-input kernels (`logits_logprobs`)."""
-    if _small(device):
-        return dict(ROWS=4, BLOCK_V=64, num_warps=4)
+    if target_arch(device, arch) is None:
+        return dict(ROWS=4, BLOCK_V=64, **_opts(4))
     # one row per program streams V in 16-byte-per-thread chunks; small V packs rows together
     block = min(triton.next_power_of_2(V), 8192)
     rows = max(1, min(16, 8192 // triton.next_power_of_2(V)))
-    return dict(ROWS=rows, BLOCK_V=block, num_warps=8 if rows * block >= 4096 else 4)
+    return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= 4096 else 4))

@@ -1,0 +1,347 @@
+"""Every kernel variant the launchers can launch on one GPU architecture, with the arguments the
+runtime sees, for `compile_check`.
+
+Each `Variant` holds the full argument list of one launch (tensors as `Ptr`, integers, floats and
+the constexpr flags) at a realistic shape, built the way the launcher builds it: tile shapes and
+options from the launchers' own `tile_configs` functions, the dot precision from `precision`.
+`signature_of` then applies Triton's JITFunction specialization (`specialize`), so what is
+compiled is what the runtime would compile for that launch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import linear_backward_gemm as gemm
+from . import linear_logprobs as lin
+from . import logits_logprobs as lgt
+from . import precision, tile_configs
+
+ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# The heads users train (D, V): Qwen2.5-0.5B, Qwen2.5-7B, Llama-3-8B, Llama-2 and a vocabulary
+# of 32001 (Llama-2 plus a pad token), which is not a multiple of 16: the runtime specializes V
+# and the V-strides on divisibility by 16, so both kinds of vocabulary compile differently.
+HEADS = ((896, 151936), (3584, 151936), (4096, 128256), (4096, 32000), (4096, 32001))
+TOKENS = (16384, 4096)  # N = B·T
+COMPLETION = 1024  # T of the [B, T, V] logits (the logits kernels' batch stride is T·V)
+# (EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR)
+EPI_NAMES = ("EPILOGUE", "LOSS_KIND", "HAS_OLD", "HAS_DELTA", "HAS_KL", "BIAS_CORRECT_KL",
+             "HAS_ISR")
+EPILOGUES = (
+    (False, 0, False, False, False, False, False),  # log-probs only
+    (True, 0, True, True, True, True, True),  # clipped loss, every option on
+    (True, 0, False, False, False, False, False),  # clipped, on-policy, no KL
+    (True, 0, True, False, True, False, False),
+    (True, 1, True, False, True, False, False),  # cispo
+    (True, 2, True, False, False, False, True),  # sapo
+)
+# --quick: (split, bias, epilogue) of the forward and (needs, bias, gent, filter) of the backwards
+QUICK_FWD = ((False, False, EPILOGUES[0]), (False, True, EPILOGUES[1]),
+             (True, False, EPILOGUES[0]), (True, True, EPILOGUES[1]))
+QUICK_BWD = (((True, True), False, False, False), ((True, True), False, True, False),
+             ((True, False), False, False, False), ((False, True), False, False, False),
+             ((True, True), False, False, True), ((True, True), True, True, True))
+# typical SM counts (H100 SXM 132, A100 108, ...) for the split count of the forward
+SMS = {75: 40, 80: 108, 86: 84, 87: 16, 89: 128, 90: 132, 100: 148, 103: 148, 120: 170, 121: 48}
+# Default linear-head backward (GRPO_KERNELS_LINEAR_BACKWARD unset) and its kernels.
+BACKWARD_KERNELS = {"atomic": ("linear_bwd",), "gemm": ("linear_dz",)}
+# (hidden dtype, head weight dtype); a float32 head with 16-bit hidden is the mixed head
+DTYPE_PAIRS = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+               (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+               (torch.float16, torch.float32))
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """A tensor argument: element type ("bf16", "fp32", "i64", ...) and its byte offset from a
+    fresh allocation (PyTorch's CUDA allocator returns 512-byte aligned blocks)."""
+    elem: str
+    offset: int = 0
+
+
+@dataclass
+class Variant:
+    name: str
+    kernel: object  # the @triton.jit function
+    args: dict  # every parameter of the kernel by name
+    options: dict  # num_warps, num_stages, enable_fp_fusion
+    kind: str  # linear_fwd, combine, linear_bwd, linear_dz, logits_fwd, logits_bwd
+    default: bool  # launched by the default configuration (see `variants`)
+    shape: tuple = ()  # (N, D, V) it was built for (the first one, when several coincide)
+
+
+def specialize(value, specialize_value: bool = True, align: bool = True) -> tuple:
+    """(type, key) as Triton's JITFunction specializes one non-constexpr argument (Triton 3.4's
+    `specialize_impl` in runtime/jit.py; 3.5-3.9 do the same in C++, `native_specialize_impl`):
+    an int equal to 1 becomes the constant 1, an int or a pointer divisible by 16 gets key "D"
+    (tt.divisibility = 16), floats and bools are never specialized; `do_not_specialize` turns
+    both off, `do_not_specialize_on_alignment` only the "D"."""
+    if isinstance(value, bool):
+        return ("u1", None)
+    if isinstance(value, int):
+        if value == 1 and specialize_value:
+            return ("constexpr", 1)
+        ty = "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+        if not specialize_value:
+            return (ty, None)
+        return (ty, "D" if align and value % 16 == 0 else "")
+    if isinstance(value, float):
+        return ("fp32", None)
+    if isinstance(value, Ptr):
+        if not specialize_value:
+            return ("*" + value.elem, None)
+        return ("*" + value.elem, "D" if align and value.offset % 16 == 0 else "")
+    raise TypeError(f"cannot specialize {value!r}")
+
+
+def signature_of(kernel, args: dict) -> tuple:
+    """(signature, constexprs, attrs) for `ASTSource`, as `JITFunction._pack_args` makes them."""
+    names = list(kernel.arg_names)
+    missing = [n for n in names if n not in args]
+    extra = [n for n in args if n not in names]
+    if missing or extra:
+        raise TypeError(f"kernel_variants does not match {kernel.__name__}'s parameters: "
+                        f"missing {missing}, unknown {extra} (update kernel_variants.py)")
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        value = args[p.name]
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = value
+            continue
+        ty, key = specialize(value, not p.do_not_specialize,
+                             not p.do_not_specialize_on_alignment)
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = key
+        elif key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _split_cfg(cfg: dict) -> tuple:
+    opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in cfg}
+    return cfg, opts
+
+
+def _fp32_precisions() -> tuple:
+    """Every input_precision `precision.dot_precision` gives float32 (PyTorch's "highest" and
+    "high" matmul settings), the default ("highest") first."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        found = []
+        for mode in ("highest", "high"):
+            torch.set_float32_matmul_precision(mode)
+            found.append(precision.dot_precision(torch.float32))
+        return tuple(dict.fromkeys(found))
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _epilogue_args(epi: tuple) -> dict:
+    # the epilogue's [N] tensors are float32 (fused_linear_grpo.epilogue_args); when there is no
+    # epilogue the launcher passes logp (float32) in their place
+    ptrs = dict.fromkeys(("old_ptr", "ref_ptr", "adv_ptr", "isr_ptr", "wt_ptr", "lossw_ptr",
+                          "glogp_ptr", "kl_ptr", "ratio_ptr"), Ptr("fp32"))
+    scalars = dict.fromkeys(("eps_low", "eps_high", "delta", "beta", "sapo_pos", "sapo_neg"), 0.2)
+    return {**ptrs, **scalars, **dict(zip(EPI_NAMES, epi))}
+
+
+def _tag(epi: tuple) -> str:
+    if not epi[0]:
+        return "none"
+    kind = ("clip", "cispo", "sapo")[epi[1]]
+    flags = [n for n, on in zip(("old", "delta", "kl", "bckl", "isr"), epi[2:]) if on]
+    return "+".join([kind, *flags])
+
+
+def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
+            defaults: set):
+    """The linear head's forward and backward kernels at one shape, for hidden dtype `hdt` and
+    head weight dtype `wdt` (a float32 head with 16-bit hidden is the mixed-precision head)."""
+    h, w = ELEM[hdt], ELEM[wdt]
+    dt = h if h == w else f"{h}x{w}"
+    vtag = f"V%16={V % 16}"
+    fcfg, fopts = _split_cfg(tile_configs.linear_fwd(N, V, D, hdt, None, arch=arch))
+    n_blocks = triton.cdiv(N, fcfg["BLOCK_N"])
+    n_tiles = triton.cdiv(V, fcfg["BLOCK_V"])
+    S = tile_configs.num_splits(n_blocks, n_tiles, fcfg["GROUP_N"], None, sms=SMS[arch])
+    per_split = triton.cdiv(n_tiles, S)
+    S = triton.cdiv(n_tiles, per_split)
+    heads = dict(h_ptr=Ptr(h), w_ptr=Ptr(w), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"),
+                 ent_ptr=Ptr("fp32"), V=V, D=D, stride_hn=D, stride_wv=D, inv_temp=1.0)
+    combos = itertools.product((False, True), (False, True), EPILOGUES)
+    for split, bias, epi in QUICK_FWD if quick else combos:
+        args = dict(heads, b_ptr=Ptr(w if bias else h), part_ptr=Ptr("fp32"),
+                    logp_ptr=Ptr("fp32"), N=N, n_blocks=n_blocks, n_splits=S if split else 1,
+                    tiles_per_split=per_split if split else n_tiles, HAS_BIAS=bias,
+                    SPLIT=split, DOT_PREC=prec, **_epilogue_args(epi), **fcfg)
+        yield Variant(f"linear_fwd[{dt},{prec},split={split},bias={bias},epi={_tag(epi)},"
+                      f"{vtag}]", lin._linear_logprob_fwd_kernel, args, fopts, "linear_fwd",
+                      "fwd" in defaults and split == (S > 1))
+    grads = dict(glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"), filter_eps=0.0)
+    # atomic backward (the default only with gradient filtering)
+    bcfg, bopts = _split_cfg(tile_configs.linear_bwd_atomic(hdt, None, arch=arch))
+    for (dh, dw), bias, gent, filt in QUICK_BWD[-2:] if quick else _backward_flags(False):
+        args = dict(heads, **grads, b_ptr=Ptr(w if bias else h), dh_ptr=Ptr("fp32"),
+                    dw_ptr=Ptr("fp32"), db_ptr=Ptr("fp32"), N=N, v_begin=0, v_count=V,
+                    stride_dh=D, stride_dw=D, n_blocks=triton.cdiv(N, bcfg["BLOCK_N"]),
+                    v_blocks=triton.cdiv(V, bcfg["BLOCK_V"]), HAS_BIAS=bias, HAS_GENT=gent,
+                    FILTER=filt, COMPUTE_DH=dh, COMPUTE_DW=dw, COMPUTE_DB=bias and dw,
+                    DOT_PREC=prec, **bcfg)
+        yield Variant(f"linear_bwd[{dt},{prec},dh={dh},dw={dw},bias={bias},gent={gent},"
+                      f"filter={filt},{vtag}]", lin._linear_logprob_bwd_kernel, args, bopts,
+                      "linear_bwd", "linear_bwd" in defaults and not filt)
+    yield from _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
+                              vtag, dt)
+
+
+def _backward_flags(quick: bool):
+    """((need d hidden, need d weight), bias, entropy gradient, gradient filter)."""
+    if quick:
+        return QUICK_BWD
+    needs = ((True, True), (True, False), (False, True))
+    return itertools.product(needs, (False, True), (False, True), (False, True))
+
+
+def _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads, vtag, dt):
+    """d-logits kernel and accumulate_mm as `linear_logprob_backward_gemm` launches them: chunk
+    sizes and orientation from its own functions, so strides are the real ones."""
+    common = torch.promote_types(hdt, wdt)
+    c = ELEM[common]
+    zcfg, zopts = _split_cfg(tile_configs.linear_dz(common, None, arch=arch))
+    BN, BV = zcfg["BLOCK_N"], zcfg["BLOCK_V"]
+    budget = gemm.dz_budget_bytes(N, V)
+    for (dh, dw), bias, gent, filt in _backward_flags(quick):
+        need_db = bias and dw
+        rows, cols = gemm.chunk_sizes(N, V, BN, BV, common.itemsize + (4 / BN if need_db else 0),
+                                      budget)
+        orientation = gemm.pick_orientation(N, V, D, rows, cols, dh, dw)
+        by_tokens = orientation == "tokens"
+        dz_cols = V if by_tokens else min(cols, V)
+        n_count = min(rows, N) if by_tokens else N
+        args = dict(heads, **grads, b_ptr=Ptr(ELEM[wdt] if bias else ELEM[hdt]), dz_ptr=Ptr(c),
+                    dbp_ptr=Ptr("fp32"), n0=0, n_count=n_count, v0=0, v_count=dz_cols,
+                    stride_dz=dz_cols, stride_dbp=dz_cols if need_db else 1,
+                    n_blocks=triton.cdiv(n_count, BN), v_blocks=triton.cdiv(dz_cols, BV),
+                    HAS_BIAS=bias, HAS_GENT=gent, FILTER=filt, COMPUTE_DB=need_db,
+                    DOT_PREC=prec, **zcfg)
+        yield Variant(f"linear_dz[{dt},{prec},{orientation},dh={dh},dw={dw},bias={bias},"
+                      f"gent={gent},filter={filt},{vtag}]", gemm._linear_dz_kernel, args, zopts,
+                      "linear_dz", "linear_dz" in defaults and not filt)
+        summed = (dw if by_tokens else dh) and (rows < N if by_tokens else cols < V)
+        if not summed or common == torch.float32:
+            continue  # one chunk: library GEMMs only; float32: acc.addmm_
+        yield _accumulate(arch, c, common, by_tokens, n_count, dz_cols, D, N,
+                          "linear_dz" in defaults and not filt)
+
+
+def _accumulate(arch, c, dtype, a_t, rows, cols, D, N, default):
+    """accumulate_mm: by tokens acc = d weight [V, D] += dz^T [V, rows] @ hidden [rows, D];
+    by vocabulary acc = d hidden [N, D] += dz [N, cols] @ weight [cols, D]."""
+    import grpo_kernels.accumulate_mm as amm
+
+    acfg, aopts = _split_cfg(tile_configs.accumulate_mm(dtype, None, arch=arch))
+    M, K = (cols, rows) if a_t else (N, cols)
+    args = dict(a_ptr=Ptr(c), b_ptr=Ptr(c), acc_ptr=Ptr("fp32"), M=M, K=K, D=D,
+                stride_a=cols, stride_b=D, stride_acc=D,
+                m_blocks=triton.cdiv(M, acfg["BLOCK_M"]), d_blocks=triton.cdiv(D, acfg["BLOCK_D"]),
+                A_T=a_t, DOT_PREC="tf32", **acfg)
+    return Variant(f"accumulate_mm[{c},A_T={a_t},stride_a%16={cols % 16}]",
+                   amm._accumulate_mm_kernel, args, aopts, "accumulate_mm", default)
+
+
+def _combine(quick: bool, arch: int):
+    """The split-combine kernel for every power-of-two BLOCK_S up to MAX_SPLITS; S itself is
+    specialized (S = 16, 32, 64 are multiples of 16, the others not)."""
+    sizes = (8, 64) if quick else tuple(2**i for i in range(1, 7))
+    for block_s, epi in itertools.product(sizes, EPILOGUES[:2] if quick else EPILOGUES):
+        splits = sorted({block_s, block_s // 2 + 1})  # largest and smallest S of this block
+        for S in splits if not quick else splits[-1:]:
+            cfg, opts = _split_cfg(tile_configs.combine(S, None, arch=arch))
+            args = dict(part_ptr=Ptr("fp32"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
+                        logp_ptr=Ptr("fp32"), N=16384, S=S, **_epilogue_args(epi), **cfg)
+            yield Variant(f"combine[S={S},BLOCK_S={cfg['BLOCK_S']},epi={_tag(epi)}]",
+                          lin._combine_splits_kernel, args, opts, "combine", True)
+
+
+def _logits(arch: int, V: int, dtype, quick: bool):
+    e = ELEM[dtype]
+    cfg, opts = _split_cfg(tile_configs.logits(V, None, arch=arch))
+    T = COMPLETION if V % 16 == 0 else COMPLETION - 1  # an odd T too: stride T·V not /16
+    rows = dict(x_ptr=Ptr(e), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
+                N=8 * T, V=V, T=T, stride_xb=T * V, stride_xt=V, inv_temp=1.0)
+    for epi in EPILOGUES[:2] if quick else EPILOGUES:
+        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg)
+        yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}]", lgt._logits_logprob_fwd_kernel,
+                      args, opts, "logits_fwd", True)
+    for gent in (False, True):
+        args = dict(rows, dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
+                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, **cfg)
+        yield Variant(f"logits_bwd[{e},V={V},gent={gent}]", lgt._logits_logprob_bwd_kernel,
+                      args, opts, "logits_bwd", True)
+
+
+def default_linear_backward() -> str:
+    """The backward the dispatch picks with no setting (no grad_filter, variable unset)."""
+    import importlib
+
+    sel = importlib.import_module(__package__ + ".selective_logprobs")  # the package exports a
+    # function of the same name
+
+    env = getattr(sel, "BACKWARD_ENV", "GRPO_KERNELS_LINEAR_BACKWARD")
+    saved = os.environ.pop(env, None)
+    try:
+        return sel.linear_backward_mode(None)
+    finally:
+        if saved is not None:
+            os.environ[env] = saved
+
+
+def variants(arch: int, quick: bool = False) -> list:
+    """Distinct variants (a variant reached from several shapes is compiled once).
+
+    `default` marks what runs with no opt-in setting: the default linear backward
+    (GRPO_KERNELS_LINEAR_BACKWARD unset), no gradient filter, PyTorch's default float32 matmul
+    precision ("highest"), and the split choice of the default `num_splits` on a typical GPU
+    of that architecture. Dtypes, bias, epilogue flags and vocabularies come from the user's
+    model and loss, so all of them count as default. `quick` keeps every kernel, dtype, tile
+    configuration and specialization, but fewer epilogue and flag combinations."""
+    defaults = {"fwd", *BACKWARD_KERNELS[default_linear_backward()]}
+    precs = _fp32_precisions()
+    out, seen = [], {}
+    pairs = DTYPE_PAIRS[:1] + DTYPE_PAIRS[2:4] if quick else DTYPE_PAIRS
+    heads = (HEADS[0], HEADS[-1]) if quick else HEADS
+    for hdt, wdt in pairs:
+        for prec in precs if hdt == torch.float32 else ("tf32",):
+            for (D, V), N in itertools.product(heads, TOKENS[:1] if quick else TOKENS):
+                dflt = defaults if prec == precs[0] or hdt != torch.float32 else set()
+                for v in _linear(arch, N, D, V, hdt, wdt, prec, quick, dflt):
+                    v.shape = (N, D, V)
+                    _add(out, seen, v)
+        if hdt != wdt:
+            continue
+        for V in sorted({v for _, v in heads}):
+            for v in _logits(arch, V, hdt, quick):
+                _add(out, seen, v)
+    for v in _combine(quick, arch):
+        _add(out, seen, v)
+    return out
+
+
+def _add(out: list, seen: dict, v: Variant) -> None:
+    sig, constexprs, attrs = signature_of(v.kernel, v.args)
+    key = (v.kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())),
+           tuple(sorted(attrs)), tuple(sorted(v.options.items())))
+    if key in seen:  # the same binary: default if any of its launches is
+        seen[key].default |= v.default
+        return
+    if any(w.name == v.name for w in out):  # same flags, other tiles (shape-dependent config)
+        v.name = f"{v.name}#{sum(w.name.startswith(v.name) for w in out) + 1}"
+    seen[key] = v
+    out.append(v)

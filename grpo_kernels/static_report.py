@@ -1,0 +1,93 @@
+"""Static performance report: what each compiled kernel variant costs, read from its binary, and
+a labelled model of forward+backward time built on it (`compile_check --report`).
+
+Facts come from the cubin: registers, spills and shared memory from ptxas' resource report
+(`cuobjdump --dump-resource-usage`), instruction counts from the SASS (`cuobjdump -sass`), both
+tools shipped with Triton. Times are a model (see `model_section`), never a measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+# Per-architecture limits (CUDA programming guide, "compute capabilities" table): registers per
+# SM, shared memory per SM and per block (opt-in maximum), threads and blocks per SM.
+ARCH = {
+    75: dict(regs=65536, smem_sm=64 * 1024, smem_block=64 * 1024, threads=1024, blocks=16),
+    80: dict(regs=65536, smem_sm=164 * 1024, smem_block=163 * 1024, threads=2048, blocks=32),
+    86: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=16),
+    89: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=24),
+    90: dict(regs=65536, smem_sm=228 * 1024, smem_block=227 * 1024, threads=2048, blocks=32),
+    100: dict(regs=65536, smem_sm=228 * 1024, smem_block=227 * 1024, threads=2048, blocks=32),
+    120: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=32),
+}
+RESERVED_SMEM = 1024  # per block, taken by the system on sm_80 and later
+
+
+def arch_key(arch: int) -> int:
+    return arch
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _run_tool(name: str, flags: list, cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_tool(name), *flags, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and stack/local bytes per thread (> 0 means spills) from ptxas' report."""
+    out = _run_tool("cuobjdump", ["--dump-resource-usage"], cubin)
+
+    def num(key):
+        m = re.search(key + r":(\d+)", out)
+        return int(m.group(1)) if m else -1
+    return dict(regs=num("REG"), stack=num("STACK"), local=num("LOCAL"))
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_MMA = re.compile(r"^(HGMMA|HMMA|UTCHMMA|UTCQMMA|UTCMMA|IMMA|QMMA|OMMA)\b")
+_ATOMIC = re.compile(r"^(ATOM|ATOMG|RED|REDG|REDUX|ATOMS|UTMAREDG)\b")
+_BRANCH_TARGET = re.compile(r"(?:0x([0-9a-f]+)|`\(\.L_x_\d+\)\s*)")
+
+
+def sass_stats(cubin: bytes) -> dict:
+    """Instruction mix of a cubin's SASS:
+    mma_loop: tensor-core instructions per iteration of the innermost loop that has any, as
+              {opcode: count} (the main loop of a tiled dot; empty when there is none);
+    mma_total, atomics (global/shared atomic and reduction instructions), spill_ops (LDL/STL)."""
+    text = _run_tool("cuobjdump", ["-sass"], cubin)
+    instrs = [(int(a, 16), op, rest) for a, op, rest in _INSTR.findall(text)]
+    mma_total = sum(bool(_MMA.match(op)) for _, op, _ in instrs)
+    atomics = sum(bool(_ATOMIC.match(op)) for _, op, _ in instrs)
+    spill_ops = sum(op.startswith(("LDL", "STL")) for _, op, _ in instrs)
+    # loops: a branch to an earlier address; body = [target, branch]
+    loops = []
+    for addr, op, rest in instrs:
+        if op.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)", rest)
+            if m and int(m.group(1), 16) <= addr:
+                loops.append((int(m.group(1), 16), addr))
+    best: dict = {}
+    best_span = None
+    for lo, hi in loops:
+        body = [op for a, op, _ in instrs if lo <= a <= hi and _MMA.match(op)]
+        if not body:
+            continue
+        span = hi - lo
+        if best_span is None or span < best_span:
+            best_span = span
+            best = {}
+            for op in body:
+                best[op] = best.get(op, 0) + 1
+    return dict(mma_loop=best, mma_total=mma_total, atomics=atomics, spill_ops=spill_ops)
