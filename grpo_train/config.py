@@ -106,6 +106,9 @@ class TrainConfig:
     micro_batch_size: int | None = None
     bf16: bool = False  # bfloat16 autocast (with float32 weights: mixed precision)
     gradient_checkpointing: bool = False
+    # Shard parameters, gradients and AdamW state over the processes (PyTorch FSDP2) instead of
+    # replicating them (DDP); launch with accelerate launch / torchrun as for DDP
+    fsdp: bool = False
 
     # ---- run ---------------------------------------------------------------------------------
     output_dir: str = "runs/default"

@@ -25,9 +25,8 @@ import torch
 
 from grpo_kernels import FusedLinearGRPOLoss, force_backend
 from grpo_kernels import reference as reference_impl
-from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
 
-from . import phases
+from . import phases, sharding
 from .checkpoint import (
     capture_rng,
     check_output_dir,
@@ -54,6 +53,7 @@ from .models import (
     save_model,
 )
 from .rewards import accuracy, combine, group_advantages, parse_reward_spec, score
+from .sharding import causal_lm_grpo_loss, causal_lm_logprobs  # hf's, via FSDP hooks if sharded
 
 LOSS_TYPES_WITH_TOKEN_COUNT = ("dapo", "cispo")  # normalized by the step's total token count
 
@@ -117,6 +117,10 @@ def _train(cfg) -> dict:
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable({"use_reentrant": False})
+    if cfg.fsdp:  # shard in place before the optimizer sees the parameters (see sharding.py)
+        model = sharding.shard_model(model, device)
+        if ref_model is not None:
+            ref_model = sharding.shard_model(ref_model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
@@ -126,8 +130,7 @@ def _train(cfg) -> dict:
     start = 0
     if ckpt_path is not None:
         state = load_checkpoint(ckpt_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        sharding.load_state_dicts(model, optimizer, state["model"], state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["data"])
         if len(state["rng"]) == world:
@@ -137,7 +140,8 @@ def _train(cfg) -> dict:
                 f"has {world}; sampling will differ from an uninterrupted run")
         start = state["step"]
         say(f"resumed from {ckpt_path} at step {start}")
-    ddp_model = accel.prepare_model(model)  # DistributedDataParallel when several processes
+    # DistributedDataParallel when several processes; FSDP: the sharded model as it is
+    ddp_model = model if cfg.fsdp else accel.prepare_model(model)
     loss_fn = FusedLinearGRPOLoss(
         beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
         temperature=cfg.temperature, loss_type=cfg.loss_type,
@@ -150,8 +154,9 @@ def _train(cfg) -> dict:
 
     def checkpoint(step):
         rng = gather_object([capture_rng()])  # every process' RNG state, in rank order
+        model_sd, optim_sd = sharding.state_dicts(model, optimizer)  # FSDP: gathered, full
         if accel.is_main_process:
-            payload = dict(step=step, model=model.state_dict(), optimizer=optimizer.state_dict(),
+            payload = dict(step=step, model=model_sd, optimizer=optim_sd,
                            scheduler=scheduler.state_dict(), data=sampler.state_dict(), rng=rng,
                            config=dataclasses.asdict(cfg))
             path = save_checkpoint(out_dir, step, payload, cfg.keep_checkpoints)
@@ -230,7 +235,7 @@ def _train(cfg) -> dict:
                 phases.end("loss")
                 phases.begin("optimizer")
                 clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+                grad_norms.append(sharding.clip_grad_norm(model, clip))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -261,6 +266,7 @@ def _train(cfg) -> dict:
     # ---- the end ------------------------------------------------------------------------------
     if step != last_saved and (cfg.save_every or interrupted):
         checkpoint(step)
+    model = sharding.export_model(model)  # FSDP: a plain full model on the main process
     if interrupted:
         say(f"stopped at step {step}; continue with --resume auto --output_dir {out_dir}")
     elif accel.is_main_process:
@@ -290,7 +296,7 @@ def generate(model, examples: list[dict], ctx: dict, greedy: bool = False) -> di
         do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     was_training = model.training
     model.eval()
-    with ctx["autocast"]:
+    with sharding.full_parameters(model), ctx["autocast"]:  # FSDP: gathered once per call
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                              max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
                              eos_token_id=ctx["eos_ids"], pad_token_id=tok.pad_token_id,
@@ -326,12 +332,13 @@ def evaluate(model, examples: list[dict], ctx: dict) -> float:
     accel, cfg = ctx["accel"], ctx["cfg"]
     mine = examples[accel.process_index::accel.num_processes]
     correct, total = 0.0, 0.0
-    for i in range(0, len(mine), cfg.eval_batch_size):
-        chunk = mine[i:i + cfg.eval_batch_size]
-        batch = generate(model, chunk, ctx, greedy=True)
-        scores = accuracy(None, batch["texts"], answer=[ex["answer"] for ex in chunk])
-        correct += sum(s for s in scores if s is not None)
-        total += sum(s is not None for s in scores)
+    with sharding.full_parameters(model):  # FSDP: one gather, whatever each process' count
+        for i in range(0, len(mine), cfg.eval_batch_size):
+            chunk = mine[i:i + cfg.eval_batch_size]
+            batch = generate(model, chunk, ctx, greedy=True)
+            scores = accuracy(None, batch["texts"], answer=[ex["answer"] for ex in chunk])
+            correct += sum(s for s in scores if s is not None)
+            total += sum(s is not None for s in scores)
     counts = accel.reduce(torch.tensor([correct, total], device=accel.device), "sum")
     return (counts[0] / counts[1].clamp(min=1)).item()
 

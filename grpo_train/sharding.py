@@ -1,0 +1,255 @@
+"""Sharded data parallelism for `grpo_train --fsdp`: PyTorch FSDP2 (`fully_shard`).
+
+Layout: every decoder layer (the model's `_no_split_modules` classes) is its own FSDP unit; the
+root unit (the CausalLM itself) holds the rest: embeddings, final norm and lm_head, so a tied
+head and its embedding stay one parameter. Each process keeps 1/world of every parameter, of its
+gradient and of the AdamW state; a unit is all-gathered for its forward and again for its
+backward, and its gradient is reduce-scattered (averaged over processes, as DDP averages).
+
+The fused loss runs the body and then reads `lm_head.weight`, which outside a forward is only a
+shard. So the loss (and the no-grad log-probs) are registered as FSDP forward methods of the root
+(`register_fsdp_forward_method`): FSDP unshards the root's parameters before the method, the
+layers unshard in their own forwards, the head weight the loss sees is the full [V, D] matrix,
+and the backward through the loss unshards it again and reduce-scatters its gradient like any
+other. `causal_lm_grpo_loss` / `causal_lm_logprobs` below take that route for a sharded model and
+are grpo_kernels.hf's functions otherwise.
+
+Generation runs `model.generate` with every unit all-gathered once for the call
+(`full_parameters`): one all-gather per unit instead of one per unit per token, and no collective
+inside the decoding loop, so processes may stop generating at different lengths.
+
+Checkpoints hold full (unsharded) tensors in the same format as a DDP run's: the model's
+state_dict and the optimizer's state_dict keyed by parameter index, gathered onto the main
+process; every process loads the full file and keeps its shard. A checkpoint written with
+--fsdp resumes without it and the other way round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from grpo_kernels import hf
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+except ImportError:  # torch 2.4-2.5
+    from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+        FSDPModule,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+LOSS_METHOD = "grpo_fused_loss"  # registered on the sharded root as FSDP forward methods
+LOGPROBS_METHOD = "grpo_logprobs"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Shards `model` (a transformers CausalLM, unwrapped) in place over all processes of the
+    default process group and returns it. Call before building the optimizer (the parameters
+    become DTensor shards). Every process must call it with the same architecture; the main
+    process' values are broadcast first, as DDP does."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("--fsdp needs a process group: launch with `accelerate launch "
+                           "--num_processes N` or `torchrun --nproc_per_node N`")
+    if is_sharded(model):
+        raise ValueError(f"{type(model).__name__} is already sharded")
+    # the hidden-state path checks the head once with a nested forward of the model; do it
+    # before sharding (cached per model), never inside FSDP's forward hooks
+    hf.check_output_head(model)
+    _broadcast_from_main(model)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in block_names and module is not model:
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # root: needed again at once
+
+    def loss_method(self, *args, **kwargs):
+        return hf.causal_lm_grpo_loss(self, *args, **kwargs)
+
+    def logprobs_method(self, *args, **kwargs):
+        return hf.causal_lm_logprobs(self, *args, **kwargs)
+
+    for name, fn in ((LOSS_METHOD, loss_method), (LOGPROBS_METHOD, logprobs_method)):
+        setattr(model, name, types.MethodType(fn, model))
+        register_fsdp_forward_method(model, name)
+    # DDP's gradient-accumulation interface, so the trainer treats both wrappers alike
+    model.no_sync = types.MethodType(_no_sync, model)
+    return model
+
+
+def _broadcast_from_main(model: nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+@contextlib.contextmanager
+def _no_sync(self):
+    """Accumulate unsharded gradients locally; the next synchronized backward reduce-scatters."""
+    self.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        self.set_requires_gradient_sync(True)
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def full_parameters(model: nn.Module):
+    """Every unit of a sharded model all-gathered for the whole block (generation), then
+    resharded; re-entrant; a no-op for an unsharded model. Every process must enter it."""
+    if not is_sharded(model) or getattr(model, "_grpo_full_parameters", False):
+        yield
+        return
+    units = _units(model)
+    model.set_reshard_after_forward(False)  # recursive: forwards keep the gathered weights
+    for unit in units:  # explicitly, in one order on every process: no lazy all-gathers later
+        unit.unshard()
+    model._grpo_full_parameters = True
+    try:
+        yield
+    finally:
+        model._grpo_full_parameters = False
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)  # the root's setting, as built
+        for unit in units:
+            unit.reshard()
+
+
+# ---- the loss and log-probs, through FSDP's hooks when sharded -------------------------------
+
+
+def causal_lm_grpo_loss(model: nn.Module, *args, **kwargs):
+    """grpo_kernels.hf.causal_lm_grpo_loss; for a sharded model, as a forward of its root."""
+    if is_sharded(model):
+        return getattr(model, LOSS_METHOD)(*args, **kwargs)
+    return hf.causal_lm_grpo_loss(model, *args, **kwargs)
+
+
+def causal_lm_logprobs(model: nn.Module, *args, **kwargs):
+    """grpo_kernels.hf.causal_lm_logprobs; for a sharded model, as a forward of its root."""
+    if is_sharded(model):
+        with torch.no_grad():
+            return getattr(model, LOGPROBS_METHOD)(*args, **kwargs)
+    return hf.causal_lm_logprobs(model, *args, **kwargs)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_, as a float; with sharded gradients the norm is the
+    global one (DTensor reduces the shards' partial sums)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.item()
+
+
+# ---- checkpoints: full tensors, DDP's format ---------------------------------------------------
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model state_dict, optimizer state_dict) with full tensors. Unsharded: the modules' own.
+    Sharded: gathered onto the main process (on CPU), the optimizer's re-keyed by parameter
+    index as torch.optim writes it; the other processes get ({}, {}). Every process must call it.
+    """
+    if not is_sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = _full_model_state(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    if dist.get_rank() != 0:
+        return {}, {}
+    return model_sd, _optimizer_by_index(optim_sd, _param_names(model))
+
+
+def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict,
+                     optim_sd: dict) -> None:
+    """Loads full state dicts (as `state_dicts` or a DDP run writes them) into the model and the
+    optimizer; a sharded model keeps this process' shard of each tensor."""
+    if not is_sharded(model):
+        model.load_state_dict(model_sd)
+        optimizer.load_state_dict(optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, optimizer, _optimizer_by_name(optim_sd, _param_names(model)),
+                             options=options)
+
+
+def _param_names(model: nn.Module) -> list[str]:
+    """Parameter names in model.parameters() order (the optimizer's indices), tied ones once."""
+    return [name for name, _ in model.named_parameters()]
+
+
+def _optimizer_by_index(sd: dict, names: list[str]) -> dict:
+    index = {name: i for i, name in enumerate(names)}
+    missing = [k for k in sd["state"] if k not in index]
+    if missing:
+        raise RuntimeError(f"optimizer state for parameters not in the model: {missing[:3]}")
+    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in sd["param_groups"]]
+    return {"state": {index[k]: v for k, v in sd["state"].items()}, "param_groups": groups}
+
+
+def _optimizer_by_name(sd: dict, names: list[str]) -> dict:
+    if any(not isinstance(k, int) for k in sd["state"]) or any(
+            not isinstance(p, int) for g in sd["param_groups"] for p in g["params"]):
+        raise ValueError("the checkpoint's optimizer state is not keyed by parameter index")
+    n = sum(len(g["params"]) for g in sd["param_groups"])
+    if n != len(names):
+        raise ValueError(f"the checkpoint's optimizer covers {n} parameters, the model has "
+                         f"{len(names)}: not the same model")
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
+    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+
+
+def export_model(model: nn.Module) -> nn.Module:
+    """A plain (unsharded) copy of a sharded model on the main process, for save_pretrained and
+    train()'s return value; the sharded model itself elsewhere. Every process must call it."""
+    if not is_sharded(model):
+        return model
+    full = _full_model_state(model)
+    if dist.get_rank() != 0:
+        return model
+    plain_cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
+    with torch.device("meta"):  # no second random initialization: the tensors are assigned
+        plain = plain_cls(model.config)
+    plain.load_state_dict(full, assign=True)
+    for name, buf in model.named_buffers():  # replicated, not in the state dict (rotary)
+        owner, _, attr = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[attr] = buf.detach().clone()
+    if hasattr(plain, "tie_weights"):
+        plain.tie_weights()
+    plain.generation_config = model.generation_config
+    return plain.train(model.training)
+
+
+def _full_model_state(model: nn.Module) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
