@@ -1,11 +1,33 @@
-"""Alternative backward of the linear-head log-prob: d logits per token chunk, then two GEMMs.
+"""Default backward of the linear-head log-prob: d logits per chunk, then GEMMs, no atomics.
 
-The default backward (`linear_logprobs.linear_logprob_backward`) adds every tile's products into
-float32 buffers with atomics: (BLOCK_N + BLOCK_V)·D reductions per tile. This variant trades
-them for memory traffic: a Triton kernel recomputes each logit tile and writes d logits for a
-chunk of tokens ([chunk, V] in the inputs' dtype, never [N, V]); the library GEMMs then form
-    d hidden[chunk] = d logits @ weight        d weight += d logits^T @ hidden[chunk]
-Select it with GRPO_KERNELS_LINEAR_BACKWARD=gemm (benchmarks/NOTES.md says why both exist).
+Gradients of Σ g·logp + Σ g_H·H for z = (hidden [N, D] @ weight [V, D]^T + bias) / τ:
+    d hidden = dz @ weight,   d weight = dz^T @ hidden,   d bias = Σ_n dz      (dz: d logits)
+
+dz [N, V] is never materialized whole. A Triton kernel (`_linear_dz_kernel`) recomputes the
+logit tiles of one chunk and writes that chunk's dz, in the inputs' dtype for 16-bit inputs and
+float32 otherwise, plus per-token-block column sums of the float32 dz for d bias. The chunk is
+either a block of tokens [c, V] or a block of the vocabulary [N, c]:
+  tokens: d hidden[rows] = dz @ weight is complete (one library GEMM, rounded once);
+          d weight      += dz^T @ hidden[rows] is summed over the chunks.
+  vocab:  d weight[cols] = dz^T @ hidden is complete (one library GEMM);
+          d hidden      += dz @ weight[cols] is summed over the chunks.
+The sum over chunks is float32 and is never rounded per chunk: `accumulate_mm` loads its float32
+accumulator tile, adds the chunk's products and stores it (no atomics). The orientation whose
+accumulator is smaller (min(N, V)·D floats, read and written once per chunk) is chosen; when only
+one of the two gradients is needed, the orientation in which it is complete is chosen, and there
+is no accumulator at all.
+
+Every step is deterministic: no atomics, fixed chunk and reduction order, library GEMMs (cuBLAS
+is deterministic run to run; PyTorch's deterministic mode asks for CUBLAS_WORKSPACE_CONFIG as it
+does for any matmul), and d bias as a sum of per-block partials. The same inputs give bitwise the
+same gradients.
+
+Memory: the dz chunk (plus its d-bias partials) stays within `dz_budget_bytes`: 5% of the eager
+float32 logits N·V·4 and at most 256 MiB (at least one tile row). With 16-bit inputs the float32
+accumulator adds min(N, V)·D·4 bytes (the atomic backward holds the same for d hidden).
+
+The cost model that makes this the default, and where the atomic backward
+(`GRPO_KERNELS_LINEAR_BACKWARD=atomic`) can still win, is in benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -15,84 +37,206 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
+from .accumulate_mm import accumulate_mm
 from .linear_logprobs import dz_tile, grouped_program, logit_tile
 from .precision import dot_precision
 
-# Bytes of the [chunk, V] d-logits buffer (bf16: 256 MiB holds 883 tokens of a 152k vocabulary).
+# cap of the d-logits chunk (bf16: 256 MiB holds 883 tokens of a 152k vocabulary)
 DZ_BUFFER_BYTES = 256 * 2**20
+DZ_LOGITS_FRACTION = 0.05  # of the eager float32 logits N·V·4
 
 
-@triton.jit(do_not_specialize=["n0", "n_count", "n_blocks", "v_blocks"])
+@triton.jit(do_not_specialize=["n0", "n_count", "v0", "v_count", "n_blocks", "v_blocks",
+                               "filter_eps"])
 def _linear_dz_kernel(
-    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, dz_ptr,
-    n0, n_count, V, D, stride_hn, stride_wv, stride_dz, inv_temp, n_blocks, v_blocks,
-    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr,
+    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    dz_ptr,  # [n_count, v_count] (row stride stride_dz): d logits of the chunk
+    dbp_ptr,  # [n_blocks, v_count] float32 (row stride stride_dbp): per token block,
+              # the column sums of the float32 d logits (d bias partials)
+    n0, n_count, v0, v_count, V, D, stride_hn, stride_wv, stride_dz, stride_dbp, inv_temp,
+    n_blocks, v_blocks, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, FILTER: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # grouped order as in the atomic backward: GROUP_N token blocks sweep the vocabulary together
+    # grouped order: GROUP_N token blocks sweep the chunk's vocabulary together (L2 reuse)
     pid_n, pid_v = grouped_program(tl.program_id(0), n_blocks, v_blocks, GROUP_N)
-    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # row of the chunk
-    n_mask = local < n_count
-    offs_n = n0 + local  # token
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_mask = offs_v < V
+    local_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # row of the chunk
+    local_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column of the chunk
+    n_mask = local_n < n_count
+    v_mask = local_v < v_count
+    offs_n = n0 + local_n  # token
+    offs_v = v0 + local_v  # vocabulary row
     g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
-    busy = tl.max(tl.abs(g), axis=0)
+    scale = tl.abs(g)  # [BLOCK_N] the token's gradient scale, |g_logp| + |g_entropy|
     gh = g
     if HAS_GENT:
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        busy += tl.max(tl.abs(gh), axis=0)
+        scale += tl.abs(gh)
     dz = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    if busy != 0.0:  # masked tokens: zeros without the recompute
+    # token blocks with no gradient (masked tokens) write zeros without the recompute (a sum,
+    # so a NaN gradient still takes the recompute and flows into the result)
+    if tl.sum(scale, axis=0) != 0.0:
         z = logit_tile(h_ptr, w_ptr, b_ptr, offs_n.to(tl.int64) * stride_hn,
                        offs_v.to(tl.int64) * stride_wv, offs_v, n_mask, v_mask, D, inv_temp,
                        HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
         dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
                      inv_temp, HAS_GENT)
-    tl.store(dz_ptr + local.to(tl.int64)[:, None] * stride_dz + offs_v[None, :],
+        if FILTER:
+            # gradient filtering, as the atomic backward defines it: a tile whose |d logits|
+            # are all <= filter_eps × its token's scale / τ contributes nothing
+            thr = filter_eps * scale * inv_temp
+            over = tl.where(tl.abs(dz) <= thr[:, None], 0, 1)  # NaN counts as over
+            if tl.max(tl.max(over, axis=1), axis=0) == 0:
+                dz = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    tl.store(dz_ptr + local_n.to(tl.int64)[:, None] * stride_dz + local_v[None, :],
              dz.to(dz_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
+    if COMPUTE_DB:  # d bias from the float32 d logits, before they are rounded for the GEMMs
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_dbp + local_v, tl.sum(dz, axis=0),
+                 mask=v_mask)
+
+
+def dz_budget_bytes(N: int, V: int) -> int:
+    """Bytes the d-logits chunk may take: 5% of eager float32 logits, at most 256 MiB."""
+    return min(int(DZ_LOGITS_FRACTION * 4 * N * V), DZ_BUFFER_BYTES)
+
+
+def chunk_sizes(N, V, block_n, block_v, elem_bytes, budget):
+    """(rows, cols): the largest token chunk [rows, V] (rows a multiple of block_n) and vocabulary
+    chunk [N, cols] (cols a multiple of block_v) of `elem_bytes` per element within `budget`
+    bytes, at least one tile row and at most the whole problem."""
+    elems = max(1, int(budget / elem_bytes))
+    rows = min(max(block_n, elems // V // block_n * block_n), triton.cdiv(N, block_n) * block_n)
+    cols = min(max(block_v, elems // N // block_v * block_v), triton.cdiv(V, block_v) * block_v)
+    return rows, cols
+
+
+def pick_orientation(N, V, D, rows, cols, need_dh, need_dw) -> str:
+    """"tokens" or "vocab": the one that moves fewer float32 accumulator elements. By tokens,
+    d weight [V, D] is read and written once per token chunk (if d weight is needed and there
+    is more than one chunk); by vocabulary, d hidden [N, D] once per vocabulary chunk. Needing
+    only one gradient thus picks the orientation in which it is complete (no accumulator)."""
+    t_chunks, v_chunks = triton.cdiv(N, rows), triton.cdiv(V, cols)
+    tokens_cost = V * D * t_chunks if need_dw and t_chunks > 1 else 0
+    vocab_cost = N * D * v_chunks if need_dh and v_chunks > 1 else 0
+    return "tokens" if tokens_cost <= vocab_cost else "vocab"
 
 
 def linear_logprob_backward_gemm(
-    hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
-    needs=(True, True, True), buffer_bytes: int = DZ_BUFFER_BYTES, grad_filter=None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    temperature: float,
+    needs: tuple = (True, True, True),
+    grad_filter: float | None = None,
+    buffer_bytes: int | None = None,
+    orientation: str | None = None,
+    config: dict | None = None,
 ):
-    """Same contract as `linear_logprobs.linear_logprob_backward`, always exact: the GEMMs are
-    dense, so gradient filtering (`grad_filter`) would change numbers without saving work."""
+    """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
+
+    Same contract as `linear_logprobs.linear_logprob_backward`: lse, ent, g_logp, g_ent are [N]
+    float32; needs says which of (hidden, weight, bias) want a gradient; returns (d hidden,
+    d weight, d bias) in the inputs' dtypes, None where not needed. grad_filter (None = exact)
+    drops a [BLOCK_N, BLOCK_V] tile's d logits as the atomic backward does (same numbers, no
+    work saved: the GEMMs stay dense). buffer_bytes (default `dz_budget_bytes`) and
+    orientation ("tokens" / "vocab", default from `pick_orientation`) exist for tests.
+    """
     N, D = hidden.shape
     V = weight.shape[0]
-    cfg = tile_configs.linear_dz(hidden.dtype, hidden.device)
-    BN = cfg["BLOCK_N"]
-    chunk = max(BN, buffer_bytes // (V * hidden.element_size()) // BN * BN)
-    chunk = min(chunk, triton.cdiv(max(N, 1), BN) * BN)
-    dz = torch.empty((chunk, V), device=hidden.device, dtype=hidden.dtype)
-    need_db = bias is not None and needs[2]
-    dh = torch.zeros_like(hidden) if needs[0] else None
-    dw = None
-    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if need_db else None
-    v_blocks = triton.cdiv(V, cfg["BLOCK_V"])
-    for n0 in range(0, N, chunk):
-        nc = min(chunk, N - n0)
+    dev = hidden.device
+    need_dh, need_dw, need_db = bool(needs[0]), bool(needs[1]), bias is not None and needs[2]
+    # the GEMMs' dtype: the inputs' (16-bit dz, as the atomic kernel's dots take), float32 when
+    # either input is float32 (a 16-bit hidden with a float32 head weight)
+    common = torch.promote_types(hidden.dtype, weight.dtype)
+    cfg = dict(config or tile_configs.linear_dz(common, dev))
+    BN, BV = cfg["BLOCK_N"], cfg["BLOCK_V"]
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db32 = torch.zeros(V, device=dev, dtype=torch.float32) if need_db else None
+    if N == 0 or not (need_dh or need_dw or need_db):
+        return (None if dh is None else dh.zero_(), None if dw is None else dw.zero_(),
+                None if db32 is None else db32.to(bias.dtype))
+    budget = dz_budget_bytes(N, V) if buffer_bytes is None else buffer_bytes
+    # per d-logits element: dz itself, plus the d-bias partials (one float per BLOCK_N rows)
+    rows, cols = chunk_sizes(N, V, BN, BV, common.itemsize + (4 / BN if need_db else 0), budget)
+    if orientation is None:
+        orientation = pick_orientation(N, V, D, rows, cols, need_dh, need_dw)
+    elif orientation not in ("tokens", "vocab"):
+        raise ValueError(f"orientation must be 'tokens' or 'vocab', got {orientation!r}")
+    by_tokens = orientation == "tokens"
+    chunk = rows if by_tokens else cols
+    dz = torch.empty((min(rows, N), V) if by_tokens else (N, min(cols, V)), device=dev,
+                     dtype=common)
+    dbp = torch.empty((triton.cdiv(dz.shape[0], BN), dz.shape[1]), device=dev,
+                      dtype=torch.float32) if need_db else lse
+    # with more than one chunk, one product is summed over the chunks in a float32
+    # accumulator: the output itself when it is float32
+    summed = (need_dw if by_tokens else need_dh) and chunk < (N if by_tokens else V)
+    acc = None
+    if summed:
+        out = dw if by_tokens else dh
+        acc = out.zero_() if out.dtype == torch.float32 else torch.zeros(
+            out.shape, device=dev, dtype=torch.float32)
+    h_c, w_c = hidden.to(common), weight.to(common)  # no copy when the dtypes agree
+    v_blocks_all = triton.cdiv(V, BV)
+    for start in range(0, N if by_tokens else V, chunk):
+        n0, v0 = (start, 0) if by_tokens else (0, start)
+        nc = min(chunk, N - start) if by_tokens else N
+        vc = V if by_tokens else min(chunk, V - start)
         n_blocks = triton.cdiv(nc, BN)
+        v_blocks = v_blocks_all if by_tokens else triton.cdiv(vc, BV)
+        d = dz[:nc, :vc]
         _linear_dz_kernel[(n_blocks * v_blocks,)](
             hidden, weight, bias if bias is not None else hidden, targets, lse, ent, g_logp,
-            g_ent if g_ent is not None else g_logp, dz,
-            n0, nc, V, D, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
-            n_blocks, v_blocks, HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
+            g_ent if g_ent is not None else g_logp, d, dbp,
+            n0, nc, v0, vc, V, D, hidden.stride(0), weight.stride(0), dz.stride(0),
+            dbp.stride(0),
+            1.0 / temperature, n_blocks, v_blocks,
+            0.0 if grad_filter is None else float(grad_filter),
+            HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
+            FILTER=grad_filter is not None, COMPUTE_DB=need_db,
             DOT_PREC=dot_precision(hidden.dtype), **cfg,
         )
-        d = dz[:nc]
-        if needs[0]:
-            torch.mm(d, weight, out=dh[n0:n0 + nc])
-        if needs[1]:
-            part = d.T @ hidden[n0:n0 + nc]  # [V, D], float32 accumulation inside the GEMM
-            if dw is None:
-                dw = part if N <= chunk else part.float()
-            else:
-                dw.add_(part)
-        if need_db:
-            db += d.float().sum(0)
-    if needs[1]:
-        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
-    return dh, dw, None if db is None else db.to(bias.dtype)
+        if by_tokens:
+            if need_dh:  # complete for these rows: one GEMM, rounded once
+                _mm_into(dh[n0:n0 + nc], d, w_c)
+            if need_dw:
+                _sum_or_mm(acc, dw, d.T, h_c[n0:n0 + nc])
+            if need_db:
+                db32 += dbp[:n_blocks].sum(0)
+        else:
+            if need_dw:
+                _mm_into(dw[v0:v0 + vc], d.T, h_c)
+            if need_dh:
+                _sum_or_mm(acc, dh, d, w_c[v0:v0 + vc])
+            if need_db:
+                db32[v0:v0 + vc] = dbp[:n_blocks, :vc].sum(0)
+    if acc is not None:
+        out = dw if by_tokens else dh
+        if out.data_ptr() != acc.data_ptr():
+            out.copy_(acc)
+    return dh, dw, None if db32 is None else db32.to(bias.dtype)
+
+
+def _sum_or_mm(acc, out, a, b) -> None:
+    """acc += a @ b (float32, over the chunks) or, with one chunk (acc None), out = a @ b."""
+    if acc is None:
+        _mm_into(out, a, b)
+    else:
+        accumulate_mm(acc, a, b)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b with a library GEMM (float32 accumulation inside), rounded once to out's
+    dtype; a copy only when out's dtype differs from the GEMM's (a mixed-precision head)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -26,18 +27,45 @@ from .validation import (
 )
 
 BACKENDS = ("triton", "torch")
-LINEAR_BACKWARDS = {  # GRPO_KERNELS_LINEAR_BACKWARD selects one (benchmarks/NOTES.md)
-    "atomic": triton_impl.linear_logprob_backward,
+# The Triton backwards of the linear head (cost model: benchmarks/NOTES.md). "gemm" (default):
+# d logits per chunk + GEMMs, no atomics, deterministic. "atomic": every tile adds its products
+# with float32 atomics (not deterministic); with grad_filter it skips the products of dropped
+# tiles, the one case the cost model says it can be faster.
+LINEAR_BACKWARDS = {
     "gemm": linear_backward_gemm.linear_logprob_backward_gemm,
+    "atomic": triton_impl.linear_logprob_backward,
 }
+BACKWARD_ENV = "GRPO_KERNELS_LINEAR_BACKWARD"  # "auto" (unset), "gemm" or "atomic"
 
 
-def _linear_backward(*args, **kwargs):
-    mode = os.environ.get("GRPO_KERNELS_LINEAR_BACKWARD", "atomic")
-    if mode not in LINEAR_BACKWARDS:
-        raise ValueError(f"GRPO_KERNELS_LINEAR_BACKWARD must be one of {sorted(LINEAR_BACKWARDS)}, "
+def linear_backward_mode(grad_filter: float | None) -> str:
+    """The Triton linear-head backward to run: GRPO_KERNELS_LINEAR_BACKWARD if set, else
+    "atomic" when gradient filtering is on with eps > 0 (only there does it save work) and
+    "gemm" otherwise (eps = 0 drops only all-zero tiles: exact, and "gemm" gives it bitwise).
+
+    Under torch.use_deterministic_algorithms(True) the automatic choice is always "gemm" (which
+    honours grad_filter with the same numbers); an explicit "atomic" raises RuntimeError, or
+    with warn_only=True warns and runs, as PyTorch does for its own nondeterministic ops."""
+    mode = os.environ.get(BACKWARD_ENV, "auto") or "auto"
+    if mode not in ("auto", *LINEAR_BACKWARDS):
+        raise ValueError(f"{BACKWARD_ENV} must be one of {['auto', *sorted(LINEAR_BACKWARDS)]}, "
                          f"got {mode!r}")
-    return LINEAR_BACKWARDS[mode](*args, **kwargs)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if mode == "auto":
+        return "atomic" if grad_filter and not deterministic else "gemm"
+    if mode == "atomic" and deterministic:
+        msg = (f"{BACKWARD_ENV}=atomic adds gradients with float32 atomics, which is not "
+               "deterministic, but torch.use_deterministic_algorithms(True) is on; unset "
+               f"{BACKWARD_ENV} (or set it to 'gemm') for the deterministic backward")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(msg)
+        warnings.warn(msg, stacklevel=3)
+    return mode
+
+
+def _linear_backward(*args, grad_filter=None, **kwargs):
+    mode = linear_backward_mode(grad_filter)
+    return LINEAR_BACKWARDS[mode](*args, grad_filter=grad_filter, **kwargs)
 
 
 # The launchers of both ops per backend, under the same four names.
