@@ -16,26 +16,21 @@ import torch
 from .params import GRPOParams
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ mask·x / max(Σ mask, 1), with x broadcast to mask's [B, T]."""
-    x = torch.broadcast_to(x, mask.shape)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
 def token_weights(
     mask: torch.Tensor,
     params: GRPOParams,
     num_items_in_batch: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss weights and the entropy-bonus normalizer of the loss type.
+    """Per-token loss weights of the loss type and the entropy-bonus normalizer.
 
     Every aggregation of GRPO_SPEC.md is Σ_bt weight[b,t]·ℓ[b,t], which lets the kernels take the
-    weights as an input and stay generic over loss types.
+    weights as an input and stay generic over loss types. Padded positions always weigh 0.
+    The entropy bonus is the masked mean entropy for every loss type (TRL 1.16), so its divisor
+    is max(Σ mask, 1), never num_items_in_batch.
     mask [B, T] float32 -> (weight [B, T] float32, n: 0-dim float32, the entropy-bonus divisor)
     """
-    B, T = mask.shape
-    total = mask.sum()
-    n_tokens = total.clamp(min=1.0)
+    B, _ = mask.shape
+    n_tokens = mask.sum().clamp(min=1.0)
     lt = params.loss_type
     if lt in ("grpo", "sapo"):
         # mean over sequences of the per-sequence masked mean
@@ -52,12 +47,9 @@ def token_weights(
             norm = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
             norm = norm.clamp(min=1.0)
         weight = mask / norm
-        return weight, norm
     elif lt == "luspo":
-        # GRPO_SPEC.md: mean over [B, T] of ℓ·(Σ_t mask): every position of sequence b weighs
-        # len_b / (B·T), padded positions included, as the spec (and TRL's original LUSPO) reads.
-        seq_len = mask.sum(-1, keepdim=True)
-        weight = (seq_len / float(B * T)).expand(B, T).contiguous()
+        # mean over sequences of Σ_t mask·ℓ: a sequence weighs its length (TRL 1.16)
+        weight = mask / float(max(B, 1))
     else:  # pragma: no cover - GRPOParams validated loss_type
         raise ValueError(f"unknown loss_type {lt!r}")
     return weight, n_tokens
@@ -116,6 +108,60 @@ def per_token_loss(
     return loss, w.detach(), kl
 
 
+def clip_indicators(
+    ratio: torch.Tensor, advantages: torch.Tensor, params: GRPOParams
+) -> dict[str, torch.Tensor]:
+    """The clip flags TRL 1.16 logs, as float 0/1 tensors (detached).
+
+    ratio [B, T] or [B, 1] (sequence level), advantages [B, 1] or [B, T]; each flag has their
+    broadcast shape. For the clipped types the ratio is the one in the unclipped term, i.e.
+    after the `delta` cap; cispo's flag uses the raw ratio.
+    """
+    with torch.no_grad():
+        A = advantages
+        if params.is_clipped:
+            w = ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
+            low = (w < 1 - params.epsilon_low) & (A < 0)
+            high = (w > 1 + params.eps_high) & (A > 0)
+            return {"clip_ratio/low_mean": low.float(), "clip_ratio/high_mean": high.float(),
+                    "clip_ratio/region_mean": (low | high).float()}
+        if params.loss_type == "cispo":
+            return {"cispo_clip_ratio": ((ratio > params.eps_high) & (A > 0)).float()}
+        return {}
+
+
+def metric_sums(
+    entropy: torch.Tensor,
+    ratio: torch.Tensor,
+    kl: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: GRPOParams,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (sum, count), 0-dim float32 each; the metric is sum / max(count, 1).
+
+    As TRL 1.16 logs them: a [B, T] quantity is summed over real tokens (count Σ mask); a quantity
+    with one value per sequence ([B, 1]: the clip flags at importance_sampling_level="sequence")
+    is summed over all B sequences, fully masked ones included (count B). Sums and counts, not
+    means, so that a trainer can add them up across processes before dividing.
+    """
+    with torch.no_grad():
+        maskf = mask.float()
+
+        def terms(x):
+            x = x.float()
+            if x.shape[-1] == 1:  # one value per sequence: the plain mean over the B rows
+                return x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            return (torch.broadcast_to(x, maskf.shape) * maskf).sum(), maskf.sum()
+
+        sums = {"entropy": terms(entropy)}
+        if kl is not None:
+            sums["kl"] = terms(kl)
+        for name, flag in clip_indicators(ratio, advantages, params).items():
+            sums[name] = terms(flag)
+    return sums
+
+
 def grpo_metrics(
     entropy: torch.Tensor,
     ratio: torch.Tensor,
@@ -124,22 +170,17 @@ def grpo_metrics(
     mask: torch.Tensor,
     params: GRPOParams,
 ) -> dict[str, torch.Tensor]:
-    """Masked means over real tokens (detached): entropy, kl, clip ratios."""
-    with torch.no_grad():
-        metrics = {"entropy": masked_mean(entropy.float(), mask)}
-        if kl is not None:
-            metrics["kl"] = masked_mean(kl.float(), mask)
-        A = advantages
-        if params.is_clipped:
-            low = (ratio < 1 - params.epsilon_low) & (A < 0)
-            high = (ratio > 1 + params.eps_high) & (A > 0)
-            metrics["clip_ratio/low_mean"] = masked_mean(low.float(), mask)
-            metrics["clip_ratio/high_mean"] = masked_mean(high.float(), mask)
-            metrics["clip_ratio/region_mean"] = masked_mean((low | high).float(), mask)
-        elif params.loss_type == "cispo":
-            capped = (ratio > params.eps_high) & (A > 0)
-            metrics["cispo_clip_ratio"] = masked_mean(capped.float(), mask)
-    return metrics
+    """The loss metrics of one process (detached 0-dim float32): entropy, kl (beta != 0), the
+    clip ratios; see `metric_sums` for how each is averaged."""
+    return {name: total / count.clamp(min=1.0)
+            for name, (total, count) in metric_sums(entropy, ratio, kl, advantages, mask,
+                                                    params).items()}
+
+
+def mean_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The entropy bonus's H: Σ mask·entropy / max(Σ mask, 1), differentiable (TRL 1.16 uses
+    this masked mean for every loss type). entropy, mask [B, T] -> 0-dim."""
+    return (entropy * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def grpo_loss_from_logps(
@@ -160,8 +201,8 @@ def grpo_loss_from_logps(
     loss_tok, ratio, kl = per_token_loss(
         logp, old_logps, ref_logps, advantages, mask, params, importance_sampling_ratio
     )
-    weight, ent_norm = token_weights(mask, params, num_items_in_batch)
+    weight, _ = token_weights(mask, params, num_items_in_batch)
     loss = (weight * loss_tok).sum()
     if params.entropy_coef != 0.0:
-        loss = loss - params.entropy_coef * (entropy * mask).sum() / ent_norm
+        loss = loss - params.entropy_coef * mean_entropy(entropy, mask)
     return loss, grpo_metrics(entropy.detach(), ratio, kl, advantages, mask, params)

@@ -12,19 +12,14 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 - Old- and reference-policy scoring (`_get_per_token_logps_and_entropies`) goes through the same
   hidden-state path (`grpo_kernels.hf.completion_logprobs`), without logits.
 
-Inside this trainer the numbers are TRL's (tested against TRL's own `_compute_loss` to float32
-precision), including two places where GRPO_SPEC.md (the standalone loss) reads differently:
-- luspo: TRL aggregates Σ_bt mask·ℓ / B; the spec takes the mean over [B, T] of ℓ·Σ_t mask. They
-  agree when ℓ is constant along a sequence (sequence-level ratios, beta = 0, no token-level
-  vLLM correction); here luspo always runs TRL's form (as dapo with normalizer B).
-- entropy bonus: TRL subtracts entropy_coef · (masked mean entropy of the micro-batch) /
-  gradient-accumulation steps for every loss type; the spec divides by the dapo/cispo normalizer
-  for those two types. Here it is TRL's.
-Normalization follows TRL: per-micro-batch losses / current_gradient_accumulation_steps; dapo/cispo
-divide by num_items_in_batch / num_processes · accumulation steps / steps_per_generation.
-Metrics are TRL's too (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max and
-its per-sequence averages at importance_sampling_level="sequence", `cispo_clip_ratio`,
-`policy_loss`, `entropy_coef`), reduced across processes as TRL does.
+The numbers are TRL 1.16's, and the same as the standalone loss's: both follow GRPO_SPEC.md,
+which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
+aggregation weights, entropy bonus, metric sums and clip flags). Tested against TRL's own
+`_compute_loss` to float32 precision (tests/test_trl.py, tests/test_semantics_trl.py).
+What the trainer adds is TRL's bookkeeping: per-micro-batch losses / current accumulation steps;
+dapo/cispo divide by num_items_in_batch / num_processes · accumulation steps / steps_per_generation;
+metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max, `cispo_clip_ratio`,
+`policy_loss`, `entropy_coef`) are reduced across processes as TRL does.
 
 Fallbacks (a one-time warning names the reason):
 - TRL's loss math on our log-probs (still no logits): loss_type "vespo" or any type we lack,
@@ -50,9 +45,9 @@ except ImportError as exc:  # TRL is an optional dependency
         "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
     ) from exc
 
-from .grpo_math import per_token_loss, token_weights
+from .grpo_math import clip_indicators, mean_entropy, metric_sums, per_token_loss, token_weights
 from .hf import check_output_head, completion_hidden_states, completion_logprobs, head_for
-from .params import CLIPPED_LOSS_TYPES, LOSS_TYPES, GRPOParams
+from .params import LOSS_TYPES, GRPOParams
 from .selective_logprobs import selective_logprobs
 from .validation import check_grad_filter, check_loss_inputs
 
@@ -137,8 +132,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 beta=float(self.beta), epsilon_low=float(self.epsilon_low),
                 epsilon_high=float(self.epsilon_high), delta=args.delta,
                 temperature=float(self.temperature),
-                # TRL's luspo is Σ mask·ℓ / B: dapo's aggregation with normalizer B
-                loss_type="dapo" if self.loss_type == "luspo" else self.loss_type,
+                loss_type=self.loss_type,
                 importance_sampling_level=self.importance_sampling_level,
                 max_completion_length=self.max_completion_length,
                 use_bias_correction_kl=bool(args.use_bias_correction_kl),
@@ -213,7 +207,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         if advantages.dim() == 1:  # [B] -> [B, 1]; subclasses may pass [B, T]
             advantages = advantages.unsqueeze(1)
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        num_items, scale = self._normalizer(inputs, mode, B, accumulation)
+        num_items, scale = self._normalizer(inputs, mode, accumulation)
         isr = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
@@ -229,9 +223,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         loss = policy * scale
         maskf = mask.to(entropy.dtype)
         if self._entropy_bonus_enabled:
-            # TRL: the bonus is the micro-batch's masked mean entropy, scaled only for accumulation
-            bonus = (entropy * maskf).sum() / maskf.sum().clamp(min=1.0) / accumulation
-            loss = loss - self.entropy_coef * bonus
+            # the micro-batch's masked mean entropy, scaled only for accumulation
+            loss = loss - self.entropy_coef * mean_entropy(entropy, maskf) / accumulation
             policy_loss = policy.detach() * (scale if self.loss_type in ("dapo", "cispo") else 1)
             self._metrics[mode]["policy_loss"].append(
                 self.accelerator.gather(policy_loss).nanmean().item())
@@ -240,7 +233,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._log_metrics(mode, maskf, entropy.detach(), ratio, kl, advantages)
         return loss
 
-    def _normalizer(self, inputs, mode: str, B: int, accumulation: int):
+    def _normalizer(self, inputs, mode: str, accumulation: int):
         """(num_items_in_batch for our loss, factor applied to our loss) reproducing TRL's
         normalization of self.loss_type."""
         if self.loss_type in ("dapo", "cispo"):
@@ -252,44 +245,32 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 norm = norm * accumulation / self.args.steps_per_generation
             # our loss clamps its normalizer at 1 and TRL's rescaled one is not; undo our clamp
             return norm, norm.clamp(min=1.0) / norm
-        if self.loss_type == "luspo":
-            return float(B), 1.0 / accumulation
         return None, 1.0 / accumulation
 
     def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages) -> None:
-        """TRL's loss metrics: token-weighted means across processes ([B, 1] sequence-level
-        values are averaged per sequence), per-sequence min/max of the clip fractions."""
+        """TRL's loss metrics: `grpo_math.metric_sums` added up across processes, and the
+        per-sequence min/max of the clip fractions."""
         metrics = self._metrics[mode]
-
-        def global_mean(x):  # x: [B, T] per token or [B, 1] per sequence
-            if x.shape[1] == 1:
-                total, count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
-            else:
-                total, count = (x * maskf).sum(), maskf.sum()
-            sums = self.accelerator.reduce(torch.stack([total, count]), reduction="sum")
-            return (sums[0] / sums[1].clamp(min=1.0)).item()
+        # TRL's per-token tensors are zero at padded positions; zero ours too (it matters only
+        # where a [B, 1] completion makes a per-token value count as a per-sequence one)
+        on_tokens = lambda x: x * maskf if x.shape == maskf.shape else x  # noqa: E731
+        p = self._grpo_params
+        A = advantages.to(ratio.device)
+        sums = metric_sums(on_tokens(entropy.float()), ratio, None if kl is None else
+                           on_tokens(kl.float()), A, maskf, p)
+        names = list(sums)
+        totals = self.accelerator.reduce(
+            torch.stack([torch.stack(sums[k]) for k in names]), reduction="sum")  # [K, 2]
+        means = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
+        for name, value in zip(names, means):
+            metrics[name].append(value)
 
         def per_sequence(x):  # [B]: NaN for a sequence without tokens (dropped by nanmin/max)
             return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
 
-        # TRL's per-token tensors are zero at padded positions; ours are not, so zero them
-        on_tokens = lambda x: x * maskf if x.shape == maskf.shape else x
-        if kl is not None:
-            metrics["kl"].append(global_mean(on_tokens(kl.float())))
-        metrics["entropy"].append(global_mean(on_tokens(entropy.float())))
-        p = self._grpo_params
-        A = advantages.to(ratio.device)
-        if self.loss_type in CLIPPED_LOSS_TYPES:
-            w = ratio if p.delta is None else ratio.clamp(max=p.delta)  # TRL flags the capped w
-            low = on_tokens(((w < 1 - p.epsilon_low) & (A < 0)).float())
-            high = on_tokens(((w > 1 + p.eps_high) & (A > 0)).float())
-            metrics["clip_ratio/low_mean"].append(global_mean(low))
-            metrics["clip_ratio/high_mean"].append(global_mean(high))
-            metrics["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high)))
-            gathered = self.accelerator.gather(per_sequence(low))
+        flags = clip_indicators(ratio, A, p)
+        if "clip_ratio/low_mean" in flags:
+            gathered = self.accelerator.gather(per_sequence(flags["clip_ratio/low_mean"]))
             metrics["clip_ratio/low_min"].append(nanmin(gathered).item())
-            gathered = self.accelerator.gather(per_sequence(high))
+            gathered = self.accelerator.gather(per_sequence(flags["clip_ratio/high_mean"]))
             metrics["clip_ratio/high_max"].append(nanmax(gathered).item())
-        elif self.loss_type == "cispo":
-            capped = on_tokens(((ratio > p.eps_high) & (A > 0)).float())
-            metrics["cispo_clip_ratio"].append(global_mean(capped))

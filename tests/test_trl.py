@@ -130,6 +130,8 @@ CASES = {
     "cispo": dict(loss_type="cispo", epsilon_high=1.2),
     "sapo-kl": dict(loss_type="sapo", beta=0.04, use_bias_correction_kl=False),
     "luspo-seq": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "cispo-seq-entropy": dict(loss_type="cispo", epsilon_high=1.2, entropy_coef=0.1,
+                              importance_sampling_level="sequence", noise=1.0),
     "luspo-token-kl": dict(loss_type="luspo", beta=0.04),
     # larger noise: sequence-level ratios (means over tokens) must clip too; TRL averages those
     # clip flags per sequence, not per token

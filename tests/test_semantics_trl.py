@@ -1,0 +1,179 @@
+"""Our loss semantics against TRL 1.16's own `GRPOTrainer._compute_loss` (GRPO_SPEC.md).
+
+TRL's method is run unchanged on a stand-in trainer object whose log-prob scoring is a float64
+linear head, so what is compared is exactly TRL's loss math, aggregation and metrics: one process,
+no gradient accumulation, steps_per_generation = 1 (then TRL's dapo/cispo normalizer is
+num_items_in_batch). Against it: the reference (float64: agreement to rounding) and the public
+`fused_linear_grpo_loss` (float32) on the chunked PyTorch backend and on the Triton kernels (in
+Triton's interpreter on CPU), over every loss type × token/sequence level × delta × beta ×
+entropy bonus. The batch has a fully masked sequence, padding with finite junk in the old/ref
+log-probs, and num_items_in_batch != the micro-batch's token count, so each of the four places
+where an older reading of the spec differed from TRL shows.
+"""
+
+import itertools
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_kernels import LOSS_TYPES, force_backend, fused_linear_grpo_loss, reference
+from grpo_kernels.reference import logprobs_from_logits
+from grpo_kernels.selective_logprobs import backend_for
+
+trl = pytest.importorskip("trl")
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+B, T, D, V = 5, 6, 16, 48
+TEMPERATURE = 0.7
+# delta below 1 + epsilon_high, so that the capped and the uncapped ratio flag differently
+DELTA = 1.1
+VARIANTS = list(itertools.product([None, DELTA], [0.0, 0.04], [0.0, 0.1]))  # delta, beta, coef
+
+
+def make_batch(seed=2):
+    """hidden [B, T, D], weight [V, D] (float64), ids, mask with padding and a fully masked row,
+    advantages [B] of both signs, old/ref log-probs near the policy's (junk on padding)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.tensor([6, 3, 0, 5, 1])
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(torch.float64)
+    advantages = torch.tensor([0.9, -1.3, 0.4, -0.6, 1.1], dtype=torch.float64)
+    with torch.no_grad():
+        logp = logprobs_from_logits(hidden @ weight.T, ids, temperature=TEMPERATURE)
+    noise = lambda: 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)  # noqa: E731
+    return dict(hidden=hidden, weight=weight, ids=ids, mask=mask, advantages=advantages,
+                old=logp + noise(), ref=logp + noise(),
+                num_items=mask.sum() * 2)  # as if the generation batch had two micro-batches
+
+
+def hyper(loss_type, level, delta, beta, entropy_coef):
+    return dict(loss_type=loss_type, importance_sampling_level=level, delta=delta, beta=beta,
+                entropy_coef=entropy_coef, epsilon_low=0.2,
+                epsilon_high=1.5 if loss_type == "cispo" else 0.28, temperature=TEMPERATURE,
+                max_completion_length=T)
+
+
+def trl_loss(batch, hp):
+    """TRL 1.16's `_compute_loss` on the batch: (loss, grads of hidden and weight, metrics)."""
+    hidden = batch["hidden"].clone().requires_grad_(True)
+    weight = batch["weight"].clone().requires_grad_(True)
+
+    def scoring(model, input_ids, attention_mask, logits_to_keep, **_):
+        logp, ent = logprobs_from_logits(hidden @ weight.T, batch["ids"],
+                                         temperature=hp["temperature"], return_entropy=True)
+        return logp, ent, None
+
+    identity = lambda x, **_: x  # noqa: E731 - one process: gather/reduce change nothing
+    stand_in = SimpleNamespace(
+        _get_per_token_logps_and_entropies=scoring, top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None, importance_sampling_level=hp["importance_sampling_level"],
+        beta=hp["beta"], loss_type=hp["loss_type"], epsilon_low=hp["epsilon_low"],
+        epsilon_high=hp["epsilon_high"], use_vllm=False, vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=hp["max_completion_length"],
+        accelerator=SimpleNamespace(num_processes=1, gather=identity, reduce=identity,
+                                    sync_gradients=True),
+        args=SimpleNamespace(delta=hp["delta"], use_bias_correction_kl=False,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                             steps_per_generation=1),
+        _entropy_bonus_enabled=hp["entropy_coef"] != 0.0, entropy_coef=hp["entropy_coef"],
+        use_adaptive_entropy=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
+    mask = batch["mask"].long()
+    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long),
+                  prompt_mask=torch.ones(B, 1, dtype=torch.long), completion_ids=batch["ids"],
+                  completion_mask=mask, advantages=batch["advantages"],
+                  num_items_in_batch=batch["num_items"],
+                  old_per_token_logps=batch["old"], ref_per_token_logps=batch["ref"])
+    loss = trl.GRPOTrainer._compute_loss(stand_in, None, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in stand_in._metrics["train"].items()}
+    return loss.detach(), hidden.grad, weight.grad, metrics
+
+
+def our_loss(fn, batch, hp, dtype):
+    hidden = batch["hidden"].to(dtype, copy=True).requires_grad_(True)
+    weight = batch["weight"].to(dtype, copy=True).requires_grad_(True)
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    loss, metrics = fn(hidden, weight, batch["ids"], cast(batch["advantages"]),
+                       cast(batch["mask"]), cast(batch["old"]), cast(batch["ref"]),
+                       num_items_in_batch=cast(batch["num_items"]), **hp)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad, {k: v.item() for k, v in metrics.items()}
+
+
+def assert_matches_trl(got, want, tol, label):
+    loss, g_hidden, g_weight, metrics = got
+    want_loss, want_hidden, want_weight, want_metrics = want
+    close = dict(rtol=tol, atol=tol)
+    torch.testing.assert_close(loss.double(), want_loss, **close,
+                               msg=lambda m: f"{label} loss: {m}")
+    for name, g, w in (("hidden", g_hidden, want_hidden), ("weight", g_weight, want_weight)):
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * scale,
+                                   msg=lambda m, n=name: f"{label} grad of {n}: {m}")
+    # TRL also logs per-sequence extremes and policy_loss, which the core API does not return
+    assert metrics.keys() <= want_metrics.keys(), (label, metrics.keys(), want_metrics.keys())
+    assert {"entropy"} <= metrics.keys()
+    for k, v in metrics.items():
+        assert v == pytest.approx(want_metrics[k], rel=tol, abs=tol), (label, k)
+
+
+def triton_available():
+    try:
+        with force_backend("triton"):
+            backend_for(torch.zeros(1))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+IMPLEMENTATIONS = {
+    # name: (function, dtype, backend, tolerance against TRL in float64); the loss inputs
+    # (advantages, old/ref log-probs) are float32 even in the float64 reference
+    "reference-f64": (reference.fused_linear_grpo_loss, torch.float64, None, 1e-6),
+    "torch-f32": (fused_linear_grpo_loss, torch.float32, "torch", 2e-5),
+    "triton-f32": (fused_linear_grpo_loss, torch.float32, "triton", 2e-5),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_grads_and_metrics_match_trl(loss_type, level, impl):
+    fn, dtype, backend, tol = IMPLEMENTATIONS[impl]
+    if backend == "triton" and (why := triton_available()) is not None:
+        pytest.skip(why)
+    batch = make_batch()
+    for delta, beta, coef in VARIANTS:
+        hp = hyper(loss_type, level, delta, beta, coef)
+        label = f"{impl} {hp}"
+        with force_backend(backend):
+            got = our_loss(fn, batch, hp, dtype)
+        assert_matches_trl(got, trl_loss(batch, hp), tol, label)
+
+
+def test_each_divergence_is_visible_in_this_batch():
+    """Positive control: the batch tells the old readings from TRL's (so the parity above is not
+    vacuous): luspo's weight, the entropy divisor, per-sequence clip means and the delta cap."""
+    batch = make_batch()
+    mask = batch["mask"]
+    # luspo: Σ mask·ℓ / B differs from ℓ·len_b / (B·T) summed over all positions
+    assert not torch.equal(mask / B, (mask.sum(-1, keepdim=True) / (B * T)).expand(B, T))
+    # entropy bonus: the micro-batch's token count is not num_items_in_batch
+    assert batch["num_items"] != mask.sum()
+    # sequence-level clip means: a fully masked sequence, unequal lengths, some flags set
+    assert (mask.sum(-1) == 0).any() and len(set(mask.sum(-1).tolist())) > 2
+    seq = trl_loss(batch, hyper("grpo", "sequence", None, 0.0, 0.0))[3]
+    assert seq["clip_ratio/region_mean"] > 0
+    # delta: TRL's high_mean differs between the capped and the uncapped ratio on this batch
+    hp = hyper("grpo", "token", DELTA, 0.0, 0.0)
+    capped = trl_loss(batch, hp)[3]["clip_ratio/high_mean"]
+    uncapped = trl_loss(batch, {**hp, "delta": None})[3]["clip_ratio/high_mean"]
+    assert capped != uncapped
