@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fallback
 from .autograd import LinearHeadOp, SelectiveLogprob
 from .epilogue import loss_kind
 from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
@@ -58,13 +59,30 @@ def grpo_loss_on_op(op, targets, tensors, inputs: LossInputs, params: GRPOParams
     kernel; otherwise the differentiable log-probs go through `grpo_math` on [B, T].
     """
     B, T = inputs.mask.shape
-    if not fused:
-        logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *tensors)
-        return grpo_loss_from_logps(
-            logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages,
-            inputs.old_logps, inputs.ref_logps, params, inputs.num_items_in_batch,
-            inputs.importance_sampling_ratio,
-        )
+    if fused and op.failed(tensors[0]):
+        op, fused = op.on_torch(), False  # the Triton kernels failed earlier (fallback.py)
+    if fused:
+        try:
+            return _fused_loss(op, targets, tensors, inputs, params)
+        except Exception as exc:
+            # the epilogue runs only inside the Triton forward: a kernel that fails to compile
+            # or launch re-runs unfused on the chunked PyTorch backend (fallback.py)
+            x = tensors[0]
+            if not fallback.note_failure(exc, op.family, x.device, x.dtype,
+                                         f"{op.family} forward with the GRPO epilogue"):
+                raise
+        op = op.on_torch()
+    logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *tensors)
+    return grpo_loss_from_logps(
+        logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages,
+        inputs.old_logps, inputs.ref_logps, params, inputs.num_items_in_batch,
+        inputs.importance_sampling_ratio,
+    )
+
+
+def _fused_loss(op, targets, tensors, inputs: LossInputs, params: GRPOParams):
+    """Token-level loss with the epilogue inside the Triton forward kernel."""
+    B, T = inputs.mask.shape
     weights, ent_norm = token_weights(inputs.mask, params, inputs.num_items_in_batch)
     epilogue = epilogue_args(params, inputs, weights)
     _, ent, loss = SelectiveLogprob.apply(op, targets, epilogue, *tensors)
