@@ -5,12 +5,14 @@ Examples:
     python -m benchmarks --heads qwen0.5b,llama8b --tokens 16384 --modes fwd+bwd
     python -m benchmarks --plot bench.png --markdown  # also draw the figure, print Markdown
 
-Rows go to <out>/<device>.csv (one file per device, appended; see runner.COLUMNS).
+Rows go to <out>/<device>.csv (one file per device, appended; see runner.COLUMNS); <out> is
+the current directory unless --out says otherwise. Flags are written with underscores
+(--time_budget); the hyphenated spelling (--time-budget) is accepted too. A bad argument or input
+is one line "python -m benchmarks: error: ..." and exit status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
@@ -18,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from . import HEADS, KERNELS, MODES, RESULTS_DIR, device_slug, environment, make_shape
+from grpo_train.cli import MissingPathError, Parser, UsageError, run_cli
+
+from . import HEADS, KERNELS, MODES, device_slug, environment, make_shape
 from . import ceilings as ceilings_mod
 from .providers import NAMES, LossConfig, select
 from .runner import CsvLog, base_row, new_run_id, read_csv, sweep
@@ -35,8 +39,7 @@ def _csv_list(s: str) -> list[str]:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser("python -m benchmarks", description=__doc__)
     ap.add_argument("--kernels", default=",".join(KERNELS), help="fused_linear,logits")
     ap.add_argument("--providers", default=",".join(NAMES), help=",".join(NAMES))
     ap.add_argument("--modes", default=None, help="forward,backward,fwd+bwd")
@@ -47,28 +50,31 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true",
                     help="CUDA: target shapes (N=16384, qwen0.5b+llama8b, fwd+bwd); "
                          "CPU: small shapes (the default there)")
-    ap.add_argument("--out", default=str(RESULTS_DIR), help="results directory")
+    ap.add_argument("--out", default=".", metavar="DIR",
+                    help="results directory (default: the current directory; the committed "
+                         "results were written with --out benchmarks/results)")
     ap.add_argument("--csv", default=None, help="CSV path (default: <out>/<device>.csv)")
-    ap.add_argument("--no-csv", action="store_true", help="print only")
+    ap.add_argument("--no_csv", action="store_true", help="print only")
     ap.add_argument("--plot", default=None, help="write the comparison PNG here")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
-    ap.add_argument("--no-ceilings", action="store_true",
+    ap.add_argument("--no_memory", action="store_true", help="skip the peak-memory call")
+    ap.add_argument("--no_ceilings", action="store_true",
                     help="reuse the ceilings already in the CSV instead of measuring them")
-    ap.add_argument("--time-budget", type=float, default=None,
+    ap.add_argument("--time_budget", type=float, default=None,
                     help="seconds; (provider, shape) pairs not started by then are skipped")
-    ap.add_argument("--loss-type", default="dapo")
+    ap.add_argument("--loss_type", default="dapo")
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--epsilon", type=float, default=0.2, help="epsilon_low = epsilon_high")
     ap.add_argument("--inplace", action="store_true", help="logits path: grad into the logits")
     ap.add_argument("--backend", default=None, choices=("torch", "triton"),
                     help="force the backend of ours (fused linear)")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads")
-    ap.add_argument("--from-csv", default=None,
+    ap.add_argument("--from_csv", default=None,
                     help="measure nothing: print the table (and --plot) of the latest rows of "
                          "this CSV that match the selection (--kernels/--providers/--modes/...)")
-    ap.add_argument("--cpu-budget", type=float, default=2.0,
+    ap.add_argument("--cpu_budget", type=float, default=2.0,
                     help="CPU: seconds of timed calls per measurement (3 to 15 calls)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     return ap.parse_args(argv)
 
 
@@ -125,6 +131,8 @@ def show_csv(args, heads, tokens, modes) -> int:
     """--from-csv: the latest row per (kernel, provider, mode, shape, dtype) that matches, in
     file order; ceilings (latest of each) first."""
     latest: dict[tuple, dict] = {}
+    if not os.path.isfile(args.from_csv):
+        raise MissingPathError(f"--from_csv {args.from_csv!r}: no such file")
     for r in read_csv(args.from_csv):
         if r["kernel"] != "ceiling" and not (
             r["kernel"] in _csv_list(args.kernels) and r["provider"] in _csv_list(args.providers)
@@ -150,18 +158,30 @@ def show_csv(args, heads, tokens, modes) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    return run_cli("python -m benchmarks", lambda: _main(argv), argv)
+
+
+def _main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
+        raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     defaults = (CUDA_QUICK if args.quick else CUDA_FULL) if device.type == "cuda" else CPU_QUICK
     heads = _csv_list(args.heads or defaults["heads"])
-    tokens = [int(x) for x in _csv_list(args.tokens or defaults["tokens"])]
+    try:
+        tokens = [int(x) for x in _csv_list(args.tokens or defaults["tokens"])]
+    except ValueError as err:
+        raise UsageError(f"--tokens: expected comma-separated integers, got {args.tokens!r}") \
+            from err
     modes = _csv_list(args.modes or defaults["modes"])
     for name, given, allowed in (("head", heads, HEADS), ("mode", modes, MODES),
                                  ("kernel", _csv_list(args.kernels), KERNELS),
                                  ("provider", _csv_list(args.providers), NAMES)):
         bad = [x for x in given if x not in allowed]
         if bad:
-            raise SystemExit(f"unknown {name}(s) {bad}; choose from {list(allowed)}")
+            raise UsageError(f"--{name}s: unknown {name}(s) {bad}; choose from {list(allowed)}")
     dtype = getattr(torch, args.dtype)
     if args.from_csv:
         return show_csv(args, heads if args.heads else None,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_train.cli import UsageError
+
 from . import MODES, Shape, flops, logits_bytes
 from .measure import MiB, is_oom, memory_cpu, memory_cuda, release_memory, time_call
 from .providers import GRADED, Case, LossConfig, Provider
@@ -37,8 +39,8 @@ class CsvLog:
             with self.path.open(newline="") as f:
                 header = next(csv.reader(f), [])
             if header != COLUMNS:
-                raise ValueError(f"{self.path} has other columns than this harness writes; "
-                                 "move it aside or pass another --out")
+                raise UsageError(f"--out/--csv: {str(self.path)!r} has other columns than this "
+                                 "harness writes; move it aside or pass another --out")
         else:
             with self.path.open("w", newline="") as f:
                 csv.writer(f).writerow(COLUMNS)

@@ -31,7 +31,6 @@ benchmarks/results/<device>-trainer.csv with the device, versions, commit and co
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime as dt
 import json
@@ -43,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from grpo_train.cli import Parser, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/trainer_step.py` from anywhere
@@ -245,8 +246,8 @@ def versions(provider: str) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv):
+    parser = Parser("python -m benchmarks.trainer_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--provider", choices=("fused", "reference", "trl"), required=True)
     parser.add_argument("--tiny", action="store_true",
                         help="tiny model and sizes (CPU smoke test; not a Qwen2.5 measurement)")
@@ -263,18 +264,40 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                         help="grpo_train's fused-loss backend (auto: Triton on CUDA)")
-    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", "--results", dest="out", default=".", metavar="DIR",
+                        help="the CSV <device>-trainer.csv is appended in this directory "
+                             "(default: the current directory; the committed rows were written "
+                             "with --out benchmarks/results)")
     parser.add_argument("--no_record", action="store_true", help="print only, write no CSV")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
     defaults = dict(num_generations=(8, 4), completion_tokens=(1024, 16), prompt_tokens=(64, 16))
     for name, (full, tiny) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
-    if args.prompt_tokens < 2:
-        parser.error("--prompt_tokens must be >= 2")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    for name, low in (("prompt_tokens", 2), ("completion_tokens", 1), ("num_generations", 2),
+                      ("steps", 1), ("warmup", 0)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    return args
+
+
+def main(argv=None) -> dict | int:
+    """The result row (a dict); as a command, the exit status (2 for a bad argument)."""
+    outcome = {}
+
+    def run() -> int:
+        outcome["row"] = measure(parse_args(argv), argv)
+        return 0
+
+    status = run_cli("python -m benchmarks.trainer_step", run, argv)
+    return outcome.get("row", status)
+
+
+def measure(args, argv) -> dict:
+    cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
 
     from benchmarks import device_label, device_slug, git_commit
@@ -314,7 +337,7 @@ def main(argv=None) -> dict:
     }
     print(json.dumps(row, indent=1))
     if not args.no_record:
-        path = Path(args.results) / f"{device_slug(device)}-trainer.csv"
+        path = Path(args.out) / f"{device_slug(device)}-trainer.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         append_row(path, row)
         print(f"appended to {path}")
@@ -322,4 +345,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

@@ -18,6 +18,7 @@ import copy
 import time
 
 import torch
+import transformers
 
 from grpo_kernels import FusedLinearGRPOLoss
 from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
@@ -65,6 +66,9 @@ def sample(model, tokenizer, prompts):
 
 
 def main() -> None:
+    # only this script's lines: no transformers logging (generation notices) or progress bars
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer)

@@ -20,10 +20,14 @@ import tempfile
 import time
 import warnings
 
+import datasets
+import transformers
 from datasets import Dataset
+from transformers import PrinterCallback
 from trl import GRPOConfig
 
 from grpo_kernels.trl import GRPOTrainer  # was: from trl import GRPOTrainer
+from grpo_train.cli import Parser  # the flag convention of grpo-train and the benchmarks
 from grpo_train.tiny import save_tiny_model
 
 PAIRS = [(12, 30), (7, 5), (40, 2), (3, 3), (9, 9), (21, 21), (1, 8), (6, 4)]
@@ -48,6 +52,7 @@ def train(trainer_cls, model_path: str, out_dir: str, opts: argparse.Namespace):
     )
     trainer = trainer_cls(model=model_path, reward_funcs=digits_reward, args=args,
                           train_dataset=dataset)
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict; we print our own lines
     trainer.train()
     return trainer
 
@@ -57,15 +62,20 @@ def losses(trainer) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser("examples/trl_swap.py", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    parser.add_argument("--loss-type", default="dapo",
+    parser.add_argument("--loss_type", default="dapo",
                         help="TRL loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
     parser.add_argument("--compare", action="store_true",
                         help="also run trl.GRPOTrainer from the same seed and compare")
     opts = parser.parse_args()
-    # transformers 5 deprecation notices about argument names TRL still uses; not ours to fix
+    # only this script's lines: no progress bars (weights, shards, dataset maps) or library
+    # logging; transformers 5 deprecation notices about argument names TRL still uses
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     with tempfile.TemporaryDirectory() as tmp:
         save_tiny_model(f"{tmp}/model")

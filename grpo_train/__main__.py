@@ -1,7 +1,9 @@
 """`python -m grpo_train` / `grpo-train`: parse the configuration, train, report.
 
 With no arguments it runs the embedded default (tiny model, generated arithmetic task, CPU).
-Exit status: 0 when training finished, 130 when it was interrupted (after saving a checkpoint).
+Exit status: 0 when training finished; 2 for a bad argument or input (one line
+`grpo-train: error: ...` on stderr; `--debug` shows the traceback); 130 when it was interrupted
+(after saving a checkpoint).
 """
 
 from __future__ import annotations
@@ -10,9 +12,18 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import run_cli
+
+    return run_cli("grpo-train", lambda: _main(argv), argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from .config import parse_config
 
     cfg = parse_config(argv)
+    from .checkpoint import check_output_dir
+
+    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # before the heavy imports
     from .trainer import train  # imported after argument parsing: --help stays fast
 
     result = train(cfg)

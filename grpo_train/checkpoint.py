@@ -12,12 +12,18 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .cli import MissingPathError, UsageError
+
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+# What a run writes into OUTPUT_DIR (and what --overwrite deletes: nothing else).
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "curves.png", "checkpoints", "initial_model",
+             "final_model")
 
 
 def capture_rng() -> dict:
@@ -94,7 +100,7 @@ def find_checkpoint(resume: str | None, output_dir) -> Path | None:
     if resume in ("auto", "last", "latest"):
         found = list_checkpoints(checkpoint_dir(output_dir))
         if not found and resume != "auto":
-            raise FileNotFoundError(f"--resume {resume}: no checkpoint in "
+            raise MissingPathError(f"--resume {resume}: no checkpoint in "
                                     f"{checkpoint_dir(output_dir)}")
         return found[-1] if found else None
     path = Path(resume)
@@ -104,11 +110,56 @@ def find_checkpoint(resume: str | None, output_dir) -> Path | None:
         found = list_checkpoints(path) or list_checkpoints(checkpoint_dir(path))
         if found:
             return found[-1]
-        raise FileNotFoundError(f"--resume {resume!r}: no step_*.pt checkpoint in that directory")
-    raise FileNotFoundError(f"--resume {resume!r}: no such checkpoint file or run directory "
+        raise MissingPathError(f"--resume {resume!r}: no step_*.pt checkpoint in that directory")
+    raise MissingPathError(f"--resume {resume!r}: no such checkpoint file or run directory "
                             "(expected a step_*.pt file, a run directory, or 'auto')")
 
 
 def load_checkpoint(path) -> dict:
     # Our own files: they hold numpy/python RNG states, which weights_only loading rejects.
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---- the output directory -----------------------------------------------------------------------
+
+
+def check_output_dir(output_dir, resume: str | None, overwrite: bool) -> None:
+    """Refuse to start a new run over files already in OUTPUT_DIR (they would be mixed with or
+    replaced by this run's), unless --overwrite (they are deleted first, see `clear_run_files`)
+    or --resume (this run continues them) says what to do with them."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output_dir {str(out)!r} is a file; expected a directory")
+    if overwrite or not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if resume:
+        if resume == "auto" and not list_checkpoints(checkpoint_dir(out)) and any(
+                name in RUN_FILES for name in entries):
+            raise UsageError(
+                f"--resume auto: {str(out)!r} holds a previous run's files but no checkpoint to "
+                "continue from; pass --overwrite to replace that run, or another --output_dir")
+        return
+    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    raise UsageError(
+        f"--output_dir {str(out)!r} already holds files ({shown}); pass --resume auto to continue "
+        "that run, --overwrite to delete its files and start again, or another --output_dir")
+
+
+def clear_run_files(output_dir) -> list[str]:
+    """--overwrite: delete what an earlier run wrote into OUTPUT_DIR (RUN_FILES only; other files
+    are left alone). Returns the names deleted."""
+    out = Path(output_dir)
+    deleted = []
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        deleted.append(name)
+    return deleted

@@ -16,6 +16,9 @@ import re
 
 import numpy as np
 
+from .cli import UsageError
+from .config import LOCAL_DATASET_FORMATS, check_dataset_source
+
 # ---- the embedded task --------------------------------------------------------------------------
 
 
@@ -28,12 +31,12 @@ def arithmetic_task(max_operand: int = 9, eval_fraction: float = 0.25, seed: int
     template renders the prompt "3+0+2+1" as "3+0+2+1=", and the expected completion is "6" EOS.
     """
     if max_operand < 1 or terms < 2:
-        raise ValueError(f"--task_max_operand must be >= 1 and --task_terms >= 2, got "
+        raise UsageError(f"--task_max_operand must be >= 1 and --task_terms >= 2, got "
                          f"{max_operand} and {terms}")
     if not 0 < eval_fraction < 1:
-        raise ValueError(f"--task_eval_fraction must be in (0, 1), got {eval_fraction}")
+        raise UsageError(f"--task_eval_fraction must be in (0, 1), got {eval_fraction}")
     if (max_operand + 1) ** terms > 200_000:
-        raise ValueError("the embedded task would have more than 200,000 problems; lower "
+        raise UsageError("the embedded task would have more than 200,000 problems; lower "
                          "--task_terms or --task_max_operand")
     problems = list(itertools.product(range(max_operand + 1), repeat=terms))
     random.Random(seed).shuffle(problems)
@@ -69,7 +72,7 @@ def parse_gsm8k_answer(text: str) -> str:
 
 # ---- datasets -----------------------------------------------------------------------------------
 
-_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_LOCAL_FORMATS = LOCAL_DATASET_FORMATS
 
 
 def _read_local(path: str) -> list[dict]:
@@ -103,14 +106,17 @@ def _read_hub(name: str, config: str | None, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError as err:
-        raise ImportError(
+        raise UsageError(
             f"--dataset {name!r} is not a local file, and loading hub datasets needs `datasets` "
             "(pip install 'grpo-kernels[train]')"
         ) from err
+    from .models import check_hub_reachable
+
+    check_hub_reachable("--dataset", name, "a local .json/.jsonl/.csv/.parquet file")
     try:
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as err:  # noqa: BLE001 - re-raised with the argument named
-        raise ValueError(
+        raise UsageError(
             f"--dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: "
             f"{type(err).__name__}: {err}. Expected a local .json/.jsonl/.csv/.parquet file or a "
             "hub dataset id"
@@ -121,11 +127,17 @@ def read_rows(name: str, config: str | None, split: str) -> list[dict]:
     ext = os.path.splitext(name)[1].lower()
     if os.path.isfile(name):
         if ext not in _LOCAL_FORMATS:
-            raise ValueError(f"--dataset {name!r}: unsupported file type {ext!r}; expected one "
+            raise UsageError(f"--dataset {name!r}: unsupported file type {ext!r}; expected one "
                              f"of {sorted(_LOCAL_FORMATS)}")
-        return _read_local(name)
-    if ext in _LOCAL_FORMATS or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"--dataset {name!r}: no such file")
+        try:
+            rows = _read_local(name)
+        except Exception as err:  # noqa: BLE001 - JSON/CSV/parquet/encoding errors alike
+            raise UsageError(f"--dataset {name!r} could not be read as {ext[1:]}: "
+                             f"{type(err).__name__}: {err}") from err
+        if not all(isinstance(row, dict) for row in rows):
+            raise UsageError(f"--dataset {name!r}: expected one object (column: value) per row")
+        return rows
+    check_dataset_source(name)
     return _read_hub(name, config, split)
 
 
@@ -133,14 +145,14 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
                 where: str) -> list[dict]:
     """Rows -> examples; a clear error when the named columns are missing."""
     if not rows:
-        raise ValueError(f"{where} has no rows")
+        raise UsageError(f"{where} has no rows")
     columns = list(rows[0])
     missing = [(flag, col) for flag, col in (("--prompt_column", prompt_column),
                                              ("--answer_column", answer_column))
                if col and col not in columns]
     if missing:
         named = ", ".join(f"{flag} {col!r}" for flag, col in missing)
-        raise ValueError(f"{where} has no column {named}; its columns are {columns}")
+        raise UsageError(f"{where} has no column {named}; its columns are {columns}")
     examples = []
     for row in rows:
         ex = dict(row)
@@ -166,7 +178,7 @@ def load_examples(cfg) -> tuple[list[dict], list[dict]]:
     if cfg.eval_size <= 0:
         return train, []
     if cfg.eval_size >= len(train):
-        raise ValueError(f"--eval_size {cfg.eval_size} leaves no training rows out of "
+        raise UsageError(f"--eval_size {cfg.eval_size} leaves no training rows out of "
                          f"{len(train)}; lower it or pass --eval_split")
     order = list(range(len(train)))
     random.Random(cfg.seed).shuffle(order)
@@ -187,7 +199,7 @@ class PromptSampler:
 
     def __init__(self, num_examples: int, seed: int):
         if num_examples < 1:
-            raise ValueError("the training set is empty")
+            raise UsageError("the training set is empty")
         self.n, self.seed = num_examples, seed
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
@@ -211,7 +223,7 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n:
-            raise ValueError(f"checkpoint was written for {state['n']} training examples, "
-                             f"this run has {self.n}")
+            raise UsageError(f"--resume: the checkpoint was written for {state['n']} training "
+                             f"examples, this run has {self.n}")
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
         self._order = self._permutation(self.epoch)

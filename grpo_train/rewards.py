@@ -20,6 +20,8 @@ from fractions import Fraction
 
 import torch
 
+from .cli import UsageError
+
 # ---- answer extraction and comparison -----------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -127,13 +129,13 @@ def _import_function(target: str, spec: str) -> Callable:
             module = importlib.import_module(module_name)
         fn = getattr(module, fn_name)
     except Exception as err:  # noqa: BLE001 - any import failure is the spec's fault
-        raise ValueError(
+        raise UsageError(
             f"--reward {spec!r}: cannot import {fn_name!r} from {module_name!r} "
             f"({type(err).__name__}: {err}). Expected a built-in {sorted(BUILTIN)} or "
             "'module:function[:weight]' / 'path/to/file.py:function[:weight]'"
         ) from err
     if not callable(fn):
-        raise ValueError(f"--reward {spec!r}: {module_name}:{fn_name} is not callable")
+        raise UsageError(f"--reward {spec!r}: {module_name}:{fn_name} is not callable")
     return fn
 
 
@@ -148,11 +150,11 @@ def parse_reward_spec(spec: str) -> RewardSpec:
         except ValueError:
             pass
     if not math.isfinite(weight):
-        raise ValueError(f"--reward {spec!r}: weight must be finite")
+        raise UsageError(f"--reward {spec!r}: weight must be finite")
     if target in BUILTIN:
         return RewardSpec(target, BUILTIN[target], weight)
     if ":" not in target:
-        raise ValueError(f"--reward {spec!r}: unknown built-in; expected one of {sorted(BUILTIN)} "
+        raise UsageError(f"--reward {spec!r}: unknown built-in; expected one of {sorted(BUILTIN)} "
                          "or 'module:function[:weight]'")
     return RewardSpec(target.rpartition(":")[2], _import_function(target, spec), weight)
 

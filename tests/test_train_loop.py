@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from grpo_train import TrainConfig, main, train
+from grpo_train import TrainConfig, main, parse_config, train
+from grpo_train.cli import UsageError
 from grpo_train.logs import read_metrics
 from grpo_train.tiny import save_tiny_model
 
@@ -226,28 +227,32 @@ def test_failing_reward_functions_leave_completions_unscored(tmp_path, capsys):
     assert "unscored completions" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, error, match", [
-    (["--model", "/no/such/model_dir"], FileNotFoundError, "--model"),
-    (["--num_generations", "1"], ValueError, "--num_generations must be >= 2"),
-    (["--num_prompts", "3", "--num_generations", "4", "--micro_batch_size", "5"], ValueError,
+@pytest.mark.parametrize("argv, match", [
+    (["--num_prompts", "3", "--num_generations", "4", "--micro_batch_size", "5"],
      "--micro_batch_size 5 must divide"),
-    (["--reward", "no_such_module_abc:fn"], ValueError, "--reward"),
-    (["--dataset", "/no/such/file.jsonl"], FileNotFoundError, "--dataset"),
+    (["--model", "EMPTY_DIR"], "--model 'EMPTY_DIR' (local directory) could not be loaded"),
+    (["--dataset", "BROKEN_FILE"], "--dataset 'BROKEN_FILE' could not be read as jsonl"),
+    (["--dataset", "NO_COLUMNS"], "--prompt_column 'question', --answer_column 'answer'"),
+    (["--reward", "no_such_module_abc:fn"], "--reward 'no_such_module_abc:fn': cannot import"),
 ])
-def test_bad_inputs_are_clear_errors(tmp_path, argv, error, match):
-    with pytest.raises(error, match=match):
-        main(["--output_dir", str(tmp_path / "run"), "--backend", "torch", *argv])
-
-
-def test_bad_model_dir_and_dataset_columns(tmp_path):
-    empty = tmp_path / "empty_model"
-    empty.mkdir()
-    with pytest.raises(ValueError, match="--model"):
-        main(["--model", str(empty), "--output_dir", str(tmp_path / "r1")])
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
-    with pytest.raises(ValueError, match="--prompt_column 'question'.*--answer_column 'answer'"):
-        main(["--dataset", str(data), "--output_dir", str(tmp_path / "r2")])
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, argv, match):
+    """`main` turns each into one stderr line and exit status 2 (subprocess versions of these
+    and more: tests/test_cli.py); the library raises UsageError, a ValueError."""
+    paths = {"EMPTY_DIR": tmp_path / "empty_model", "BROKEN_FILE": tmp_path / "broken.jsonl",
+             "NO_COLUMNS": tmp_path / "d.jsonl"}
+    paths["EMPTY_DIR"].mkdir()
+    paths["BROKEN_FILE"].write_text("{not json\n")
+    paths["NO_COLUMNS"].write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
+    argv = [str(paths.get(a, a)) for a in argv]
+    match = match.replace("EMPTY_DIR", str(paths["EMPTY_DIR"])).replace(
+        "BROKEN_FILE", str(paths["BROKEN_FILE"]))
+    capsys.readouterr()
+    assert main(["--output_dir", str(tmp_path / "run"), "--backend", "torch", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("grpo-train: error: ") and match in err[0], err
+    with pytest.raises(UsageError, match="--"):  # the library raises; only the CLI prints
+        train(parse_config(["--output_dir", str(tmp_path / "run2"), "--backend", "torch",
+                            *argv]))
 
 
 @pytest.mark.slow
