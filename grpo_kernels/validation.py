@@ -37,17 +37,27 @@ def _float(name: str, x: torch.Tensor) -> None:
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device,
-                    vocab_from: str = "weight.shape[0]") -> torch.Tensor:
-    """Integer ids of `shape` in [0, vocab_size); returns them as contiguous int64."""
+                    vocab_from: str = "weight.shape[0]", check_values: bool = True) -> torch.Tensor:
+    """Integer ids of `shape` in [0, vocab_size); returns them as contiguous int64.
+    check_values=False leaves the range check to the caller (the custom ops run it in their
+    eager implementation, so that torch.compile never reads a tensor's value)."""
     _tensor(name, ids)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor (int64), got {ids.dtype}")
     if tuple(ids.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(ids.shape)}")
     _same_device(name, ids, device, "hidden")
+    if check_values:
+        check_token_id_values(name, ids, vocab_size, vocab_from)
+    return ids.to(torch.int64).contiguous()
+
+
+def check_token_id_values(name: str, ids: torch.Tensor, vocab_size: int,
+                          vocab_from: str = "weight.shape[0]") -> None:
+    """Every id in [0, vocab_size): an out-of-range id would read out of bounds."""
     if ids.numel():
         lo, hi = torch.aminmax(ids)
-        lo, hi = int(lo), int(hi)  # one host sync: an out-of-range id would read out of bounds
+        lo, hi = int(lo), int(hi)  # one host sync
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(
@@ -55,11 +65,17 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device
                 f"{vocab_from}); padded positions need a valid id such as the pad token, "
                 "not -100"
             )
-    return ids.to(torch.int64).contiguous()
+
+
+def check_finite_advantages(advantages: torch.Tensor) -> None:
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
+                         "scored (GRPO_SPEC.md: nan_to_num)")
 
 
 def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
-    """hidden [..., D], weight [V, D], bias [V] | None: same dtype and device."""
+    """hidden [..., D], weight [V, D], bias [V] | None on one device; hidden and weight of one
+    dtype, or 16-bit hidden with a float32 weight; bias in weight's dtype."""
     _tensor(hidden_name, hidden)
     _tensor("weight", weight, ndim=2)
     _float(hidden_name, hidden)
@@ -72,9 +88,11 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
     if weight.shape[0] == 0:
         raise ValueError("weight must have at least one vocabulary row, got shape "
                          f"{tuple(weight.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"{hidden_name} ({hidden.dtype}) and weight ({weight.dtype}) must have the "
-                        "same dtype; cast one of them (e.g. weight.to(hidden.dtype))")
+    if hidden.dtype != weight.dtype and not _mixed_head(hidden.dtype, weight.dtype):
+        raise TypeError(
+            f"{hidden_name} ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype, "
+            "or be 16-bit (float16/bfloat16) with a float32 weight (mixed head precision); "
+            "cast one of them (e.g. weight.to(hidden.dtype))")
     _same_device("weight", weight, hidden.device, hidden_name)
     if bias is not None:
         _tensor("bias", bias, ndim=1)
@@ -148,9 +166,11 @@ def _per_token(name, x, B, T, device, allow_seq: bool, ref_name: str = "hidden")
 def check_loss_inputs(
     B: int, T: int, device, params, completion_mask, advantages, old_logps, ref_logps,
     importance_sampling_ratio, num_items_in_batch, ref_name: str = "hidden",
+    check_values: bool = True,
 ) -> LossInputs:
     """Validates the per-token loss inputs against [B, T] and the device of `ref_name` (the
-    tensor the loss is computed from: hidden or logits)."""
+    tensor the loss is computed from: hidden or logits). check_values=False skips the finite
+    check of the advantages (the custom ops run it; see check_token_ids)."""
 
     def per_token(name, x, allow_seq):
         return _per_token(name, x, B, T, device, allow_seq, ref_name)
@@ -165,9 +185,8 @@ def check_loss_inputs(
         _same_device("completion_mask", completion_mask, device, ref_name)
         mask = completion_mask.float()
     adv = per_token("advantages", advantages, allow_seq=True)
-    if not bool(torch.isfinite(adv).all()):
-        raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
-                         "scored (GRPO_SPEC.md: nan_to_num)")
+    if check_values:
+        check_finite_advantages(adv)
     old = None if old_logps is None else per_token("old_logps", old_logps, False)
     ref = None
     if params.beta != 0.0:
@@ -195,23 +214,23 @@ def check_loss_inputs(
 
 def check_logits_loss_inputs(
     logits, completion_ids, params, completion_mask, advantages, old_logps, ref_logps,
-    importance_sampling_ratio, num_items_in_batch,
+    importance_sampling_ratio, num_items_in_batch, check_values: bool = True,
 ) -> tuple[torch.Tensor, LossInputs]:
     """Validates the inputs of a GRPO loss from logits [B, T, V]; returns (completion_ids [B, T]
     int64, LossInputs). Shared by `grpo_loss` and its reference so both fail the same way."""
     check_logits(logits, ndim=3)
     B, T, V = logits.shape
     ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device,
-                          "logits.shape[-1]")
+                          "logits.shape[-1]", check_values)
     inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
-                               num_items_in_batch, ref_name="logits")
+                               num_items_in_batch, ref_name="logits", check_values=check_values)
     return ids, inputs
 
 
 def check_linear_loss_inputs(
     hidden, weight, bias, completion_ids, params, completion_mask, advantages, old_logps,
-    ref_logps, importance_sampling_ratio, num_items_in_batch,
+    ref_logps, importance_sampling_ratio, num_items_in_batch, check_values: bool = True,
 ) -> tuple[torch.Tensor, LossInputs]:
     """Validates the inputs of a GRPO loss from hidden [B, T, D] and a head weight [V, D] (and
     bias [V]); returns (completion_ids [B, T] int64, LossInputs). Shared by
@@ -220,8 +239,9 @@ def check_linear_loss_inputs(
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
     B, T, _ = hidden.shape
-    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], (B, T), hidden.device)
+    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], (B, T), hidden.device,
+                          check_values=check_values)
     inputs = check_loss_inputs(B, T, hidden.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
-                               num_items_in_batch)
+                               num_items_in_batch, check_values=check_values)
     return ids, inputs

@@ -72,6 +72,40 @@ def test_bf16(backend, loss_type, level):
           hyper(loss_type, level, 0.04, 0.7, 1.5), bias=True, seed=1)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_head_precision(backend, level):
+    """bf16 hidden with a float32 head weight and bias: loss, metrics and gradients near the
+    float32 head's (the split dot), each gradient in its input's dtype."""
+    B, T, D, V = 3, 47, 31, 123
+    hidden, weight, b, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=1, bias=True,
+                                       scale=3.0)
+    hidden = hidden.bfloat16().float()  # the bf16 values, so every path sees the same inputs
+    kw = hyper("dapo", level, 0.04, 0.7, 1.5)
+    batch = make_grpo_batch(hidden, weight, b, ids, seed=1, temperature=0.7)
+    truth = run(reference.fused_linear_grpo_loss, hidden, weight, b, ids, batch, kw,
+                torch.float64)
+    fp32_head = run(reference.fused_linear_grpo_loss, hidden, weight, b, ids, batch, kw,
+                    torch.float32)
+    mask, adv, old, ref = batch
+    h, w, bb = leaf(hidden, torch.bfloat16), leaf(weight), leaf(b)
+    with gk.force_backend(backend):
+        loss, metrics = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, bb, **kw)
+    loss.backward()
+    tol = 1e-4
+    assert max_err(loss, truth[0]) <= 2 * max_err(fp32_head[0], truth[0]) + tol * (
+        1 + truth[0].abs().item()), "loss"
+    for key, value in truth[1].items():
+        assert max_err(metrics[key], value) <= 2 * max_err(fp32_head[1][key], value) + tol, key
+    for name, o, s, t, dtype in zip(["d hidden", "d weight", "d bias"], [h.grad, w.grad, bb.grad],
+                                    fp32_head[2], truth[2],
+                                    [torch.bfloat16, torch.float32, torch.float32]):
+        assert o.dtype == dtype, name
+        scale = max(t.abs().max().item(), 1e-3)
+        assert max_err(o, t) <= 2 * max_err(s.to(dtype), t) + tol * scale, (
+            f"{name}: ours {max_err(o, t):.3g} vs fp32 head {max_err(s, t):.3g}")
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "sapo"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_several_vocabulary_tiles(backend, loss_type):

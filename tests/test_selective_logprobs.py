@@ -187,3 +187,37 @@ def test_backward_mode_is_selected_by_environment(monkeypatch):
     monkeypatch.setenv("GRPO_KERNELS_LINEAR_BACKWARD", "fast")
     with gk.force_backend("triton"), pytest.raises(ValueError, match="must be one of"):
         gk.selective_logprobs(leaf(hidden), weight, ids).sum().backward()
+
+
+# Mixed head precision (a float32 lm_head with 16-bit hidden): the kernels split the weight into
+# two pieces of the hidden's dot format (precision.split_dot). Measured here (interpreter, the
+# SHAPES[0] head with bias, τ=0.7, errors against float64 on the same 16-bit hidden values):
+# logp off by 3.0e-4 (bf16 hidden, bf16 hi+lo split) and 5.8e-6 (fp16 hidden, TF32 hi+lo split),
+# against 5.1e-6 for an all-float32 PyTorch head and 0.11 / 0.013 for a head cast to 16 bits.
+MIXED_TOL = {torch.bfloat16: 1e-4, torch.float16: 2e-5}
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_head_precision(backend, hidden_dtype):
+    B, T, D, V = SHAPES[0]
+    hidden, weight, b, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=7, bias=True,
+                                       scale=4.0)
+    hidden = hidden.to(hidden_dtype)
+    coef = torch.randn(2, B, T, generator=torch.Generator().manual_seed(3))
+    truth = _run(reference.selective_logprobs, hidden.double(), weight.double(), b.double(), ids,
+                 0.7, coef.double())
+    fp32_head = _run(reference.selective_logprobs, hidden.float(), weight, b, ids, 0.7, coef)
+    head16 = _run(reference.selective_logprobs, hidden, weight.to(hidden_dtype),
+                  b.to(hidden_dtype), ids, 0.7, coef)
+    with gk.force_backend(backend):
+        ours = _run(gk.selective_logprobs, hidden, weight, b, ids, 0.7, coef)
+    names = ["logp", "entropy", "d hidden", "d weight", "d bias"]
+    for name, o, s, h16, t in zip(names, ours, fp32_head, head16, truth):
+        # each gradient in its input's dtype: d hidden 16-bit, d weight and d bias float32
+        assert o.dtype == (hidden_dtype if name == "d hidden" else torch.float32), name
+        scale = max(1.0, t.abs().max().item())
+        bound = 2 * max_err(s.to(o.dtype), t) + MIXED_TOL[hidden_dtype] * scale
+        assert max_err(o, t) <= bound, f"{name}: ours {max_err(o, t):.3g} vs {bound:.3g}"
+        if name != "d hidden":  # far better than casting the head to 16 bits
+            assert max_err(o, t) < 0.1 * max_err(h16, t), name

@@ -31,6 +31,12 @@ CASES = [
      "hidden size D"),
     ("dtype mismatch", lambda k: k.update(weight=k["weight"].double()), TypeError,
      "same dtype"),
+    ("16-bit weight, fp32 hidden", lambda k: k.update(weight=k["weight"].bfloat16()), TypeError,
+     "16-bit (float16/bfloat16) with a float32 weight"),
+    ("fp64 hidden, fp32 weight", lambda k: k.update(hidden=k["hidden"].double()), TypeError,
+     "same dtype"),
+    ("bias dtype", lambda k: k.update(bias=torch.zeros(V, dtype=torch.float16)), TypeError,
+     "bias (torch.float16) must have weight's dtype"),
     ("int hidden", lambda k: k.update(hidden=k["hidden"].long()), TypeError,
      "hidden must be a floating-point"),
     ("weight 1-d", lambda k: k.update(weight=k["weight"][0]), ValueError, "weight must have 2"),
@@ -90,6 +96,17 @@ def test_selective_logprobs_errors():
     with pytest.raises(ValueError, match="backend must be one of"):
         with gk.force_backend("cuda"):
             pass
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16])
+def test_mixed_head_precision_is_accepted(hidden_dtype):
+    """16-bit hidden with a float32 lm_head (and bias) passes validation on every public entry
+    (accuracy: test_selective_logprobs.py / test_fused_linear_grpo.py test_mixed_head_precision)."""
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu")
+    logp = gk.selective_logprobs(hidden.to(hidden_dtype), weight, ids, torch.zeros(V) + 0.1)
+    assert logp.dtype == torch.float32 and bool(torch.isfinite(logp).all())
+    loss, _ = gk.fused_linear_grpo_loss(hidden.to(hidden_dtype), weight, ids, torch.randn(B))
+    assert bool(torch.isfinite(loss))
 
 
 def test_forcing_triton_on_float64_is_refused():
