@@ -52,14 +52,22 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def require_process_group() -> None:
+    """--fsdp's launch check (before anything heavy is loaded)."""
+    if not dist.is_available() or not dist.is_initialized():
+        from .cli import UsageError  # a ValueError: one-line message from the CLI
+
+        raise UsageError("--fsdp needs several processes: launch with `accelerate launch "
+                         "--num_processes N -m grpo_train ...` or `torchrun --nproc_per_node N "
+                         "-m grpo_train ...` (one process: leave out --fsdp)")
+
+
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
     """Shards `model` (a transformers CausalLM, unwrapped) in place over all processes of the
     default process group and returns it. Call before building the optimizer (the parameters
     become DTensor shards). Every process must call it with the same architecture; the main
     process' values are broadcast first, as DDP does."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("--fsdp needs a process group: launch with `accelerate launch "
-                           "--num_processes N` or `torchrun --nproc_per_node N`")
+    require_process_group()
     if is_sharded(model):
         raise ValueError(f"{type(model).__name__} is already sharded")
     # the hidden-state path checks the head once with a nested forward of the model; do it

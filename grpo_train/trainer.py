@@ -80,6 +80,8 @@ def _train(cfg) -> dict:
         raise UsageError("--device cuda: no CUDA device is available")
     accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     rank, world, device = accel.process_index, accel.num_processes, accel.device
+    if cfg.fsdp:
+        sharding.require_process_group()
     say = _printer(accel.is_main_process)
     if cfg.overwrite and accel.is_main_process:
         deleted = clear_run_files(cfg.output_dir)
