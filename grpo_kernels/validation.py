@@ -73,6 +73,12 @@ def check_finite_advantages(advantages: torch.Tensor) -> None:
                          "scored (GRPO_SPEC.md: nan_to_num)")
 
 
+def _mixed_head(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """16-bit hidden states with a float32 lm_head (the "fp32 head" recipe): the kernels keep
+    the 16-bit tensor cores by splitting the weight (precision.split_dot)."""
+    return hidden_dtype in (torch.float16, torch.bfloat16) and weight_dtype == torch.float32
+
+
 def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
     """hidden [..., D], weight [V, D], bias [V] | None on one device; hidden and weight of one
     dtype, or 16-bit hidden with a float32 weight; bias in weight's dtype."""
