@@ -1,69 +1,157 @@
 """Chunked PyTorch path for CPUs without the Triton interpreter.
 
 Same contract as the Triton launchers in `linear_logprobs.py` and `logits_logprobs.py`: selective
-log-prob and entropy, and their backward, over chunks of tokens so that at most [chunk, V]
-float32 temporaries exist at any time (never [N, V]). The trainer uses it on a laptop.
+log-prob and entropy, and their backward, from per-token statistics only (lse and entropy are
+saved, logits never are). The trainer uses it on a laptop.
+
+Linear head: the logits z = (hidden @ weight.T + bias) / τ are produced one [rows, cols] tile at a
+time (vocabulary tiles outer, token blocks inner), so at most two tiles of float32 exist at once
+and each weight tile is read from memory once per pass:
+- forward keeps an online softmax per token (running max m, Σ e^(z-m) and Σ e^(z-m)·(z-m)), so
+  lse and the entropy come out of one pass over the vocabulary;
+- backward recomputes each tile, turns it into d z in place and feeds it straight to the two
+  GEMMs (d hidden += d z @ W_tile, d W_tile += d z^T @ hidden). Tokens with no gradient (padding)
+  are dropped before the tiles, and the target's one-hot term is added outside them.
+Logits always accumulate in float32 (float64 for float64 inputs), whatever the input dtype: half
+operands are upcast a tile at a time (and hidden once, [N, D]), never the whole [V, D] weight.
+A float32 weight with bf16/fp16 hidden (mixed head precision) gives the fp32 head's logits of the
+hidden states as given; each gradient comes back in its input's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Elements of one [chunk, V] float32 temporary (a few of them are alive at once): 2^24 = 64 MiB.
-CHUNK_ELEMENTS = 2**24
+# Logits input: elements of one [rows, V] block (two float32 buffers of it are alive): 4 MiB.
+CHUNK_ELEMENTS = 2**20
+# Linear head: tokens per tile and elements per [rows, cols] logits tile (float32: 32 MiB; two
+# are alive). 256 tokens reuse each weight tile enough for the GEMMs to stay compute-bound. Tiles
+# are large on purpose: every elementwise op is one parallel region, and on a busy machine each
+# region waits for all of its threads to be scheduled, so fewer, larger ops are faster.
+TILE_ROWS = 256
+TILE_ELEMENTS = 2**23
 
 
 def _chunk_rows(V: int, chunk_elements: int | None) -> int:
     return max(1, (chunk_elements or CHUNK_ELEMENTS) // max(V, 1))
 
 
-def _upcast(z: torch.Tensor, inv_t: float) -> torch.Tensor:
-    return z.to(torch.promote_types(z.dtype, torch.float32)) * inv_t  # [C, V], >= float32
+def _tile_shape(N: int, V: int, chunk_elements: int | None) -> tuple[int, int]:
+    """(rows, cols) of a linear-head logits tile: rows·cols <= the element budget (>= 1 each)."""
+    rows = max(1, min(N, TILE_ROWS))
+    cols = max(1, min(V, (chunk_elements or TILE_ELEMENTS) // rows))
+    return rows, cols
 
 
-def _stats(z: torch.Tensor, targets: torch.Tensor):
-    """z [C, V] (already / τ) -> logp, entropy, lse: [C] each."""
-    lse = torch.logsumexp(z, dim=-1)
-    log_p = z - lse[:, None]
-    ent = -(log_p.exp() * log_p).sum(-1)
-    return log_p.gather(1, targets[:, None]).squeeze(1), ent, lse
-
-
-def _dz(z, targets, lse, ent, g, gh, inv_t):
-    """d z-input for Σ g·logp + Σ gh·H:  [g·(onehot - p) - gh·p·(log p + H)] / τ, [C, V]."""
-    log_p = z - lse[:, None]
-    p = log_p.exp()
-    dz = -g[:, None] * p
-    dz.scatter_add_(1, targets[:, None], g[:, None].to(dz.dtype))
-    if gh is not None:
-        dz -= gh[:, None] * p * (log_p + ent[:, None])
-    return dz * inv_t
-
-
-def _busy(g, gh) -> bool:
-    return bool(g.any()) or (gh is not None and bool(gh.any()))
-
-
-def _head_logits(h, weight, bias, inv_t):
-    z = h @ weight.T
-    return _upcast(z if bias is None else z + bias, inv_t)
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half inputs accumulate in float32)."""
+    dtypes = [t.dtype for t in tensors if t is not None]
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _empty_stats(N, device):
     return tuple(torch.empty(N, device=device, dtype=torch.float32) for _ in range(3))
 
 
+def _tile_update(z, scratch, m, s, t, first: bool) -> None:
+    """Online softmax over one tile. z [r, c] (consumed), scratch [r, c]; state [r] each:
+    m = running max, s = Σ e^(z-m), t = Σ e^(z-m)·(z-m), all relative to the current m."""
+    tile_max = z.amax(dim=1)
+    m_new = tile_max if first else torch.maximum(m, tile_max)
+    z.sub_(m_new[:, None])  # z - m_new <= 0
+    e = torch.exp(z, out=scratch)
+    tile_s = e.sum(dim=1)
+    tile_t = e.mul_(z).sum(dim=1)
+    if first:
+        m.copy_(m_new), s.copy_(tile_s), t.copy_(tile_t)
+        return
+    shift = m - m_new  # <= 0: move the old sums to the new max
+    alpha = shift.exp()
+    t.add_(shift * s).mul_(alpha).add_(tile_t)
+    s.mul_(alpha).add_(tile_s)
+    m.copy_(m_new)
+
+
+def _finish_stats(m, s, t, picked, out) -> None:
+    """lse = m + log s; entropy = log s - E[z - m] (no cancellation for peaked rows);
+    logp = z_target - lse. Written into out = (logp, entropy, lse), float32 [r] each."""
+    log_s = s.log()
+    lse = m + log_s
+    out[0].copy_(picked - lse)
+    out[1].copy_(log_s - t / s)
+    out[2].copy_(lse)
+
+
+def _scaled_hidden(hidden, dtype, inv_t):
+    """hidden [N, D] in the compute dtype, times 1/τ (so z = h' @ W^T + b/τ); a copy only when
+    needed (half hidden, or τ != 1)."""
+    h = hidden.to(dtype)
+    return h if inv_t == 1.0 else h * inv_t
+
+
+def _target_logits(h, weight, b, targets, rows):
+    """z at the target, [N], computed from the gathered weight rows (no logits tile needed)."""
+    out = torch.empty(h.shape[0], dtype=h.dtype, device=h.device)
+    for r0 in range(0, h.shape[0], rows):
+        t = targets[r0:r0 + rows]
+        w = weight[t].to(h.dtype)  # [r, D]
+        out[r0:r0 + rows] = torch.bmm(h[r0:r0 + rows, None, :], w[:, :, None]).view(-1)
+        if b is not None:
+            out[r0:r0 + rows] += b[t]
+    return out
+
+
+def _logits_tile(h, w, b, out):
+    """out [r, c] = h [r, D] @ w [c, D]^T (+ b [c])."""
+    if b is None:
+        return torch.mm(h, w.T, out=out)
+    return torch.addmm(b, h, w.T, out=out)
+
+
 def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]
     -> float32 (logp, entropy, lse), each [N]."""
-    C = _chunk_rows(weight.shape[0], chunk_elements)
-    out = _empty_stats(hidden.shape[0], hidden.device)
+    N, V = hidden.shape[0], weight.shape[0]
+    out = _empty_stats(N, hidden.device)
+    if N == 0:
+        return out
+    dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
+    rows, cols = _tile_shape(N, V, chunk_elements)
     with torch.no_grad():
-        for i in range(0, hidden.shape[0], C):
-            z = _head_logits(hidden[i:i + C], weight, bias, 1.0 / temperature)
-            for dst, src in zip(out, _stats(z, targets[i:i + C])):
-                dst[i:i + C] = src
+        h = _scaled_hidden(hidden, dtype, inv_t)
+        b = None if bias is None else bias.to(dtype) * inv_t
+        m, s, t = (torch.empty(N, dtype=dtype, device=h.device) for _ in range(3))
+        z_buf, e_buf = (torch.empty(rows * cols, dtype=dtype, device=h.device) for _ in range(2))
+        for v0 in range(0, V, cols):
+            w = weight[v0:v0 + cols].to(dtype)  # [c, D]: a copy only for half weights
+            bt = None if b is None else b[v0:v0 + cols]
+            c = w.shape[0]
+            for r0 in range(0, N, rows):
+                r = min(rows, N - r0)
+                z = _logits_tile(h[r0:r0 + r], w, bt, z_buf[:r * c].view(r, c))
+                sl = slice(r0, r0 + r)
+                _tile_update(z, e_buf[:r * c].view(r, c), m[sl], s[sl], t[sl], first=v0 == 0)
+        picked = _target_logits(h, weight, b, targets, rows)
+        _finish_stats(m, s, t, picked, out)
     return out
+
+
+def _dz_tile(z, scratch, lse, ent, g, gh):
+    """z [r, c] (scaled logits; overwritten) -> d z without the one-hot term, for
+    Σ g·logp + Σ gh·H:  -p·(g + gh·(log p + H)); lse, ent, g, gh [r]."""
+    z.sub_(lse[:, None])  # log p
+    if gh is None:
+        return z.exp_().mul_(-g[:, None])
+    p = torch.exp(z, out=scratch)
+    return z.add_(ent[:, None]).mul_(gh[:, None]).add_(g[:, None]).mul_(p).neg_()
+
+
+def _active_rows(g, gh):
+    """Indices of tokens with a non-zero gradient coefficient (None: all of them)."""
+    busy = g != 0 if gh is None else (g != 0) | (gh != 0)
+    if bool(busy.all()):
+        return None
+    return busy.nonzero().squeeze(1)
 
 
 def linear_logprob_backward(
@@ -73,30 +161,93 @@ def linear_logprob_backward(
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward).
 
     Always exact: gradient filtering (`grad_filter`) saves work only in the Triton atomic
-    backward; here every chunk is one dense matmul either way."""
-    C = _chunk_rows(weight.shape[0], chunk_elements)
-    inv_t = 1.0 / temperature
-    acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    dh = torch.zeros_like(hidden) if needs[0] else None
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs[1] else None
-    db = torch.zeros(weight.shape[0], device=weight.device, dtype=acc_dtype)
+    backward; here every tile is one dense matmul either way."""
+    want_dh, want_dw = bool(needs[0]), bool(needs[1])
+    want_db = bias is not None and bool(needs[2])
+    dh = torch.zeros_like(hidden) if want_dh else None
+    dw = torch.zeros_like(weight) if want_dw else None
+    db = torch.zeros_like(bias) if want_db else None
+    idx = _active_rows(g_logp, g_ent)
+    if (idx is not None and idx.numel() == 0) or not (want_dh or want_dw or want_db):
+        return dh, dw, db  # masked tokens only: no work
+    dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
+
+    def pick(x):  # [N, ...] -> the active tokens' rows
+        return x if x is None or idx is None else x[idx]
+
     with torch.no_grad():
-        for i in range(0, hidden.shape[0], C):
-            g, gh = g_logp[i:i + C], None if g_ent is None else g_ent[i:i + C]
-            if not _busy(g, gh):
-                continue  # masked tokens: no work
-            h = hidden[i:i + C]
-            z = _head_logits(h, weight, bias, inv_t)
-            dz = _dz(z, targets[i:i + C], lse[i:i + C], ent[i:i + C], g, gh, inv_t)
-            dz = dz.to(hidden.dtype)
-            if needs[0]:
-                dh[i:i + C] = dz @ weight
-            if needs[1]:
-                dw += (dz.T @ h).to(acc_dtype)
-            if bias is not None and needs[2]:
-                db += dz.sum(0).to(acc_dtype)
-    return (dh if needs[0] else None, dw.to(weight.dtype) if needs[1] else None,
-            db.to(bias.dtype) if bias is not None and needs[2] else None)
+        h = _scaled_hidden(pick(hidden), dtype, inv_t)  # [Na, D]
+        tg, g, gh = pick(targets), pick(g_logp).to(dtype), pick(g_ent)
+        lse_a, ent_a = pick(lse).to(dtype), pick(ent).to(dtype)
+        gh = None if gh is None else gh.to(dtype)
+        b = None if bias is None else bias.to(dtype) * inv_t
+        Na, V = h.shape[0], weight.shape[0]
+        rows, cols = _tile_shape(Na, V, chunk_elements)
+        # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]
+        direct_dh = want_dh and idx is None and dh.dtype == dtype
+        dh_acc = dh if direct_dh else (torch.zeros_like(h) if want_dh else None)
+        db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
+        z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
+        e_buf = None if b is None and gh is None else torch.empty_like(z_buf)
+        # Without bias and entropy gradient, d z = -sign(g)·exp(z - lse + log|g|): the per-token
+        # constants ride in the GEMM's input, -sign(g) moves onto hidden (for d W) and onto d
+        # hidden at the end, so a tile is one addmm, one exp_ and the two gradient GEMMs.
+        fast = b is None and gh is None
+        if fast:
+            row_shift = (g.abs().log() - lse_a)[:, None]  # [Na, 1]; g != 0 on active rows
+            neg_sign = -g.sign()
+            h_dw = h * neg_sign[:, None] if want_dw else None
+        for v0 in range(0, V, cols):
+            w = weight[v0:v0 + cols].to(dtype)  # [c, D]
+            c = w.shape[0]
+            bt = None if b is None else b[v0:v0 + c]
+            # d W of this tile accumulates over token blocks, then is written once
+            dw_tile = None
+            if want_dw:
+                dw_tile = dw[v0:v0 + c] if dw.dtype == dtype else torch.zeros_like(w)
+            for r0 in range(0, Na, rows):
+                r = min(rows, Na - r0)
+                sl = slice(r0, r0 + r)
+                z = z_buf[:r * c].view(r, c)
+                if fast:
+                    dz = torch.addmm(row_shift[sl], h[sl], w.T, out=z).exp_()  # = |d z|
+                else:
+                    dz = _dz_tile(_logits_tile(h[sl], w, bt, z), e_buf[:r * c].view(r, c),
+                                  lse_a[sl], ent_a[sl], g[sl], None if gh is None else gh[sl])
+                if dh_acc is not None:
+                    dh_acc[sl].addmm_(dz, w)
+                if dw_tile is not None:
+                    dw_tile.addmm_(dz.T, h_dw[sl] if fast else h[sl])
+                if db_acc is not None:
+                    db_acc[v0:v0 + c] += dz.sum(dim=0)
+            if dw_tile is not None:
+                _add_target_rows(dw_tile, tg, g, h, v0, c)
+                if dw_tile.dtype != dw.dtype:
+                    dw[v0:v0 + c] = dw_tile
+        if fast and dh_acc is not None:
+            dh_acc.mul_(neg_sign[:, None])
+        # one-hot term of d z (g at each token's target): linear, so added outside the tiles
+        if dh_acc is not None:
+            for r0 in range(0, Na, rows):
+                sl = slice(r0, r0 + rows)
+                dh_acc[sl].addcmul_(g[sl, None], weight[tg[sl]].to(dtype))
+            dh_acc.mul_(inv_t)  # z = (h W^T + b) / τ
+            if not direct_dh:
+                if idx is None:
+                    dh.copy_(dh_acc)
+                else:
+                    dh.index_copy_(0, idx, dh_acc.to(dh.dtype))
+        if db_acc is not None:
+            db_acc.index_add_(0, tg, g)
+            db.copy_(db_acc.mul_(inv_t))
+    return dh, dw, db
+
+
+def _add_target_rows(dw_tile, tg, g, h, v0, c):
+    """dw_tile [c, D] += g_i · h_i for every token i whose target lies in [v0, v0 + c)."""
+    sel = ((tg >= v0) & (tg < v0 + c)).nonzero().squeeze(1)
+    if sel.numel():
+        dw_tile.index_add_(0, tg[sel] - v0, h[sel] * g[sel, None])
 
 
 def _row_blocks(B: int, T: int, C: int):
@@ -113,16 +264,29 @@ def _row_blocks(B: int, T: int, C: int):
                 yield slice(b, b + 1), slice(t, t + C), b * T + t
 
 
+def _scaled_block(x, buf, inv_t):
+    """x [n, V] (any float dtype, maybe strided) -> buf [n, V] = x / τ in the compute dtype."""
+    buf.copy_(x)
+    return buf if inv_t == 1.0 else buf.mul_(inv_t)
+
+
 def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
     """logits [B, T, V], targets [B·T] -> float32 (logp, entropy, lse), each [B·T]."""
     B, T, V = logits.shape
     out = _empty_stats(B * T, logits.device)
+    dtype, inv_t = _compute_dtype(logits), 1.0 / temperature
+    C = _chunk_rows(V, chunk_elements)
     with torch.no_grad():
-        for bs, ts, i in _row_blocks(B, T, _chunk_rows(V, chunk_elements)):
+        z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
+                        for _ in range(2))
+        for bs, ts, i in _row_blocks(B, T, C):
             x = logits[bs, ts].reshape(-1, V)
             n = x.shape[0]
-            for dst, src in zip(out, _stats(_upcast(x, 1.0 / temperature), targets[i:i + n])):
-                dst[i:i + n] = src
+            z = _scaled_block(x, z_buf[:n * V].view(n, V), inv_t)
+            picked = z.gather(1, targets[i:i + n, None]).squeeze(1)
+            m, s, t = (torch.empty(n, dtype=dtype, device=z.device) for _ in range(3))
+            _tile_update(z, e_buf[:n * V].view(n, V), m, s, t, first=True)
+            _finish_stats(m, s, t, picked, [o[i:i + n] for o in out])
     return out
 
 
@@ -131,16 +295,21 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself)."""
     B, T, V = logits.shape
     dx3 = torch.empty_like(logits) if out is None else out
-    inv_t = 1.0 / temperature
+    dtype, inv_t = _compute_dtype(logits), 1.0 / temperature
+    C = _chunk_rows(V, chunk_elements)
     with torch.no_grad():
-        for bs, ts, i in _row_blocks(B, T, _chunk_rows(V, chunk_elements)):
+        z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
+                        for _ in range(2))
+        for bs, ts, i in _row_blocks(B, T, C):
             x, dx = logits[bs, ts].reshape(-1, V), dx3[bs, ts]
             n = x.shape[0]
-            g, gh = g_logp[i:i + n], None if g_ent is None else g_ent[i:i + n]
-            if not _busy(g, gh):
+            g, gh = g_logp[i:i + n].to(dtype), None if g_ent is None else g_ent[i:i + n]
+            if not (bool(g.any()) or (gh is not None and bool(gh.any()))):
                 dx.zero_()
                 continue
-            dz = _dz(_upcast(x, inv_t), targets[i:i + n], lse[i:i + n], ent[i:i + n], g, gh,
-                     inv_t)
-            dx.copy_(dz.reshape(dx.shape))
+            z = _scaled_block(x, z_buf[:n * V].view(n, V), inv_t)
+            dz = _dz_tile(z, e_buf[:n * V].view(n, V), lse[i:i + n].to(dtype),
+                          ent[i:i + n].to(dtype), g, None if gh is None else gh.to(dtype))
+            dz.scatter_add_(1, targets[i:i + n, None], g[:, None])
+            dx.copy_(dz.mul_(inv_t).view(dx.shape))
     return dx3

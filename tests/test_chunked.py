@@ -1,0 +1,182 @@
+"""The chunked PyTorch path (grpo_kernels/chunked.py) against a float64 truth on the same values.
+
+Half inputs: logits must accumulate in float32 (GRPO_SPEC.md), so the chunked path's error is
+bounded by PyTorch's float32 error on the same half values, not by half precision; the bf16
+reference (which rounds logits to bf16) is the positive control that this bound can fail.
+Mixed head precision (float32 weight, half hidden) gives the fp32 head's logits of the hidden
+states as given, and each gradient in its input's dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import leaf, make_head, scaled_err
+
+import grpo_kernels as gk
+from benchmarks.measure import LiveStorageTracker
+from grpo_kernels import chunked, reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _coefficients(N, seed, entropy=True, masked=True):
+    """g_logp, g_entropy [N] with every third token's gradient zero (padding)."""
+    g = torch.Generator().manual_seed(seed)
+    g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    if masked:
+        g_logp[::3], g_ent[::3] = 0.0, 0.0
+    return g_logp, g_ent if entropy else None
+
+
+def _truth(hidden, weight, bias, ids, temperature, g_logp, g_ent):
+    """float64 on exactly the given values: (logp, entropy, d hidden, d weight, d bias)."""
+    h, w = leaf(hidden, torch.float64), leaf(weight, torch.float64)
+    b = leaf(bias, torch.float64)
+    z = (h @ w.T + (0.0 if b is None else b)) / temperature
+    log_p = z.log_softmax(-1)
+    logp = log_p.gather(1, ids[:, None]).squeeze(1)
+    ent = -(log_p.exp() * log_p).sum(-1)
+    loss = (g_logp.double() * logp).sum()
+    if g_ent is not None:
+        loss = loss + (g_ent.double() * ent).sum()
+    loss.backward()
+    return logp, ent, h.grad, w.grad, None if b is None else b.grad
+
+
+def _chunked(hidden, weight, bias, ids, temperature, g_logp, g_ent, chunk_elements=None):
+    logp, ent, lse = chunked.linear_logprob_forward(hidden, weight, bias, ids, temperature,
+                                                    chunk_elements=chunk_elements)
+    grads = chunked.linear_logprob_backward(hidden, weight, bias, ids, lse, ent, g_logp, g_ent,
+                                            temperature, chunk_elements=chunk_elements)
+    return (logp, ent, *grads)
+
+
+def _head(dtype, weight_dtype=None, bias=False, N=96, D=32, V=300, seed=0):
+    hidden, weight, b, ids = make_head(1, N, D, V, torch.float32, "cpu", seed=seed, bias=bias,
+                                       scale=4.0)
+    wdt = weight_dtype or dtype
+    return (hidden[0].to(dtype), weight.to(wdt), None if b is None else b.to(wdt), ids[0])
+
+
+# every [rows, cols] tiling: one tile, several vocabulary tiles, several token blocks too
+@pytest.mark.parametrize("chunk_elements", [None, 7 * 96, 50])
+@pytest.mark.parametrize("bias,temperature,entropy", [(False, 1.0, False), (False, 0.7, False),
+                                                      (True, 0.7, True), (False, 1.0, True)])
+def test_float32_matches_truth(chunk_elements, bias, temperature, entropy):
+    """float32 inputs, forward and every gradient, with the fast (no bias, no entropy gradient)
+    and the general backward: within a small multiple of float32 rounding."""
+    hidden, weight, b, ids = _head(torch.float32, bias=bias)
+    g_logp, g_ent = _coefficients(ids.numel(), 1, entropy)
+    ours = _chunked(hidden, weight, b, ids, temperature, g_logp, g_ent, chunk_elements)
+    truth = _truth(hidden, weight, b, ids, temperature, g_logp, g_ent)
+    for name, o, t in zip(["logp", "entropy", "d hidden", "d weight", "d bias"], ours, truth):
+        assert (o is None) == (t is None), name
+        if t is not None:
+            assert o.dtype == torch.float32, name
+            assert scaled_err(o, t) < 2e-5, name
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("entropy", [False, True])
+def test_half_logits_accumulate_in_float32(dtype, entropy):
+    """Issue 9, fix 3: with bf16/fp16 inputs, logp and entropy are as accurate as float32
+    arithmetic on the same half values; the bf16/fp16 reference, which rounds the logits to the
+    input dtype, is far outside that bound (so the bound can fail)."""
+    hidden, weight, b, ids = _head(dtype, bias=True)
+    g_logp, g_ent = _coefficients(ids.numel(), 2, entropy)
+    truth = _truth(hidden, weight, b, ids, 0.8, g_logp, g_ent)
+    upcast = [x.float() for x in (hidden, weight, b)]
+    fp32 = _chunked(*upcast, ids, 0.8, g_logp, g_ent)  # PyTorch float32 on the same values
+    ours = _chunked(hidden, weight, b, ids, 0.8, g_logp, g_ent)
+    rounded, rounded_ent = reference.selective_logprobs(hidden, weight, ids, b, temperature=0.8,
+                                                        return_entropy=True)
+    for i, name in enumerate(["logp", "entropy"]):
+        bound = 4 * scaled_err(fp32[i], truth[i]) + 1e-6
+        assert ours[i].dtype == torch.float32
+        assert scaled_err(ours[i], truth[i]) <= bound, name
+        control = rounded if i == 0 else rounded_ent
+        assert scaled_err(control, truth[i]) > 10 * bound, name  # positive control
+    # gradients: float32 arithmetic, rounded once to the input dtype at the end
+    eps = torch.finfo(dtype).eps
+    for name, o, f, t in zip(["d hidden", "d weight", "d bias"], ours[2:], fp32[2:], truth[2:]):
+        assert o.dtype == dtype, name
+        assert scaled_err(o, t) <= eps + 4 * scaled_err(f, t), name
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_mixed_head_precision(dtype):
+    """float32 weight and bias with half hidden: the fp32 head applied to the hidden states as
+    given; d hidden in the hidden's dtype, d weight and d bias in float32 at float32 accuracy."""
+    hidden, weight, b, ids = _head(dtype, weight_dtype=torch.float32, bias=True, seed=3)
+    g_logp, g_ent = _coefficients(ids.numel(), 4)
+    ours = _chunked(hidden, weight, b, ids, 1.0, g_logp, g_ent, chunk_elements=40 * 96)
+    truth = _truth(hidden, weight, b, ids, 1.0, g_logp, g_ent)
+    for name, o, t in zip(["logp", "entropy", "d weight", "d bias"], ours[:2] + ours[3:],
+                          truth[:2] + truth[3:]):
+        assert o.dtype == torch.float32, name
+        assert scaled_err(o, t) < 2e-5, name
+    assert ours[2].dtype == dtype
+    assert scaled_err(ours[2], truth[2]) <= torch.finfo(dtype).eps + 2e-5
+
+
+def test_fully_masked_and_empty():
+    hidden, weight, b, ids = _head(torch.float32, bias=True, N=8)
+    lse = torch.zeros(8)
+    zeros = torch.zeros(8)
+    dh, dw, db = chunked.linear_logprob_backward(hidden, weight, b, ids, lse, lse, zeros, None,
+                                                 1.0)
+    assert not dh.any() and not dw.any() and not db.any()
+    out = chunked.linear_logprob_forward(hidden[:0], weight, b, ids[:0], 1.0)
+    assert all(x.shape == (0,) for x in out)
+
+
+def test_public_api_on_the_chunked_backend_in_bf16():
+    """gk.selective_logprobs forced onto the chunked backend: bf16 logp at float32 accuracy."""
+    hidden, weight, _, ids = _head(torch.bfloat16, seed=6)
+    with gk.force_backend("torch"):
+        ours = gk.selective_logprobs(hidden, weight, ids)
+    truth = _truth(hidden, weight, None, ids, 1.0, torch.zeros(ids.numel()), None)[0]
+    assert ours.dtype == torch.float32 and scaled_err(ours, truth) < 2e-6
+
+
+def test_linear_head_never_holds_logits():
+    """Live tensor storage during forward + backward stays a small fraction of one [N, V]
+    float32 logits tensor: the tiles bound it, not N·V."""
+    N, D, V = 1024, 16, 4096
+    hidden, weight, _, ids = make_head(1, N, D, V, torch.float32, "cpu", seed=7)
+    h, w = leaf(hidden[0]), leaf(weight)
+    g_logp, _ = _coefficients(N, 8, entropy=False)
+    with LiveStorageTracker() as tracker:
+        _chunked(h.detach(), w.detach(), None, ids[0], 1.0, g_logp, None,
+                 chunk_elements=2**16)
+    assert tracker.peak < N * V * 4 / 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_logits_path_matches_truth(dtype, inplace):
+    """Logits input [B, T, V] (a sliced, non-contiguous view), temperature, entropy gradient and
+    a fully masked sequence; the gradient in the logits' dtype, optionally over the logits."""
+    g = torch.Generator().manual_seed(9)
+    full = (torch.randn(3, 9, 70, generator=g) * 3).to(dtype)
+    logits = full[:, 1:8]  # [3, 7, 70], non-contiguous
+    ids = torch.randint(0, 70, (21,), generator=g)
+    g_logp, g_ent = _coefficients(21, 10)
+    g_logp[7:14], g_ent[7:14] = 0.0, 0.0  # sequence 1 fully masked
+    x = leaf(logits, torch.float64)
+    log_p = (x.reshape(21, 70) / 0.7).log_softmax(-1)
+    t_logp = log_p.gather(1, ids[:, None]).squeeze(1)
+    t_ent = -(log_p.exp() * log_p).sum(-1)
+    ((g_logp.double() * t_logp).sum() + (g_ent.double() * t_ent).sum()).backward()
+    # chunk_elements small enough for pieces of one sequence and for whole sequences
+    for ce in (None, 3 * 70, 20 * 70):
+        lp, en, lse = chunked.logits_logprob_forward(logits, ids, 0.7, chunk_elements=ce)
+        assert scaled_err(lp, t_logp) < 1e-6 and scaled_err(en, t_ent) < 1e-6
+        target = logits.clone() if inplace else None
+        dx = chunked.logits_logprob_backward(logits, ids, lse, en, g_logp, g_ent, 0.7,
+                                             out=target, chunk_elements=ce)
+        assert dx.dtype == dtype and (target is None or dx is target)
+        assert scaled_err(dx, x.grad) <= torch.finfo(dtype).eps + 1e-5
+        assert not dx[1].any()
