@@ -20,18 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tile_configs
 from .linear_logprobs import grouped_program
 from .precision import dot_precision, tile_dot
-
-
-def _config(device: torch.device) -> dict:
-    # TODO(tile_configs): move to tile_configs.accumulate_mm once its owner adds it; compile_check
-    # should list this kernel (bf16/fp16, A_T True and False) from there.
-    if device.type != "cuda":  # the interpreter: several tiles per dimension in small tests
-        return dict(BLOCK_M=16, BLOCK_D=16, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1)
-    # a plain 16-bit GEMM tile (128 x 128 output, K in steps of 64): 64 KB of float32
-    # accumulator per program in registers with 8 warps, 3 pipeline stages of 32 KB
-    return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["M", "K", "m_blocks", "d_blocks"])
@@ -92,7 +83,7 @@ def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         raise ValueError(f"accumulate_mm: a must be row-major or a transpose, strides {a.stride()}")
     if b.stride(1) != 1 or acc.stride(1) != 1:
         raise ValueError("accumulate_mm: b and acc must have contiguous rows")
-    cfg = dict(config or _config(acc.device))
+    cfg = dict(config or tile_configs.accumulate_mm(a.dtype, acc.device))
     m_blocks = triton.cdiv(M, cfg["BLOCK_M"])
     d_blocks = triton.cdiv(D, cfg["BLOCK_D"])
     _accumulate_mm_kernel[(m_blocks * d_blocks,)](

@@ -102,11 +102,56 @@ def grouped_program(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
     return first_n + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
+# The forward works in base-2 units, z2 = z·log2(e), so that each element's exponential is one
+# exp2 (the hardware's ex2) with no multiply; lse and entropy are turned back into nats per token.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _online_softmax_tile(z2, m, s, t, v_mask, MASK_V: tl.constexpr):
+    """Folds one [BLOCK_N, BLOCK_V] tile of base-2 logits into the running per-token
+    m = max z2, s = Σ 2^(z2 - m), t = Σ 2^(z2 - m)·(z2 - m). MASK_V: the tile reaches past V (only
+    the last one); its columns there get NEG_BIG, so that 2^(NEG_BIG - m) = 0 and the product
+    0·(NEG_BIG - m) stays 0 (with -inf it would be NaN). Full tiles skip the select."""
+    if MASK_V:
+        z2 = tl.where(v_mask[None, :], z2, NEG_BIG)
+    m_new = tl.maximum(m, tl.max(z2, axis=1))
+    zc = z2 - m_new[:, None]
+    p = tl.exp2(zc)
+    alpha = tl.exp2(m - m_new)
+    # re-centre the running sums on the new max: Σ 2^(z2-m_new)(z2-m_new) over the old tiles
+    # = alpha·(t + (m - m_new)·s), plus this tile's terms
+    t = alpha * (t + (m - m_new) * s) + tl.sum(p * zc, axis=1)
+    s = alpha * s + tl.sum(p, axis=1)
+    return m_new, s, t
+
+
+@triton.jit
+def _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_temp,
+                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """z[n, target_n] = (hidden[n] · weight[target_n] + bias[target_n]) / τ  [BLOCK_N] float32,
+    once per token instead of a compare and select on every logit of every tile. Products and
+    sums are float32 (the tile's dot sums in another order: the two agree to float32 rounding,
+    and with TF32 tiles this value is the more accurate one)."""
+    rows_t = tgt.to(tl.int64) * stride_wv
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = n_mask[:, None] & (offs_d < D)[None, :]
+        h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + rows_t[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + tgt, mask=n_mask, other=0.0).to(tl.float32)
+    return acc * inv_temp
+
+
 @triton.jit(do_not_specialize=["N", "n_blocks", "n_splits", "tiles_per_split"])
 def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
-    part_ptr,  # [4, S, N] float32: running max m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
-    lse_ptr, ent_ptr, logp_ptr,  # [N] float32
+    part_ptr,  # [3, S, N] float32, base 2: running max m, Σ 2^(z2-m), Σ 2^(z2-m)(z2-m)
+    lse_ptr, ent_ptr, logp_ptr,  # [N] float32 (split: split 0 leaves the target logit in logp)
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
     eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
     N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, n_splits, tiles_per_split,
@@ -124,32 +169,29 @@ def _linear_logprob_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows_h = offs_n.to(tl.int64) * stride_hn
-    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+    inv_temp2 = inv_temp * LOG2E  # logit_tile then returns base-2 logits z2 = z·log2(e)
 
-    m = tl.full([BLOCK_N], NEG_BIG, tl.float32)  # running max of z
-    s = tl.zeros([BLOCK_N], tl.float32)  # Σ e^(z - m)
-    t = tl.zeros([BLOCK_N], tl.float32)  # Σ e^(z - m)·(z - m); entropy H = log s - t / s
-    z_tgt = tl.zeros([BLOCK_N], tl.float32)
+    m = tl.full([BLOCK_N], NEG_BIG, tl.float32)  # running max of z2
+    s = tl.zeros([BLOCK_N], tl.float32)  # Σ 2^(z2 - m)
+    t = tl.zeros([BLOCK_N], tl.float32)  # Σ 2^(z2 - m)·(z2 - m)
     n_tiles = tl.cdiv(V, BLOCK_V)
     tile_lo = pid_s * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
-    for tile in range(tile_lo, tile_hi):
+    full_hi = tl.minimum(tile_hi, V // BLOCK_V)  # tiles lying entirely inside V
+    every_v = tl.full([BLOCK_V], 1, tl.int1)  # full tiles: loads need no vocabulary mask
+    for tile in range(tile_lo, full_hi):
+        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        z2 = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
+                        n_mask, every_v, D, inv_temp2, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
+                        DOT_PREC)  # [BLOCK_N, BLOCK_V]
+        m, s, t = _online_softmax_tile(z2, m, s, t, every_v, False)
+    for tile in range(tl.maximum(full_hi, tile_lo), tile_hi):  # the last, partial tile (0 or 1)
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
-        rows_w = offs_v.to(tl.int64) * stride_wv
-        z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
-                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)  # [BLOCK_N, BLOCK_V]
-        z_tgt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
-        z = tl.where(v_mask[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        alpha = tl.exp(m - m_new)
-        zc = tl.where(v_mask[None, :], z - m_new[:, None], 0.0)
-        p = tl.exp(z - m_new[:, None])
-        # re-centre the running sums on the new max: Σ e^(z-m_new)(z-m_new) =
-        #   alpha·(t + (m - m_new)·s) over the old tiles, plus this tile's terms
-        t = alpha * (t + (m - m_new) * s) + tl.sum(p * zc, axis=1)
-        s = alpha * s + tl.sum(p, axis=1)
-        m = m_new
+        z2 = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
+                        n_mask, v_mask, D, inv_temp2, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
+                        DOT_PREC)
+        m, s, t = _online_softmax_tile(z2, m, s, t, v_mask, True)
 
     if SPLIT:
         base = pid_s * N + offs_n
@@ -157,11 +199,19 @@ def _linear_logprob_fwd_kernel(
         tl.store(part_ptr + base, m, mask=n_mask)
         tl.store(part_ptr + plane + base, s, mask=n_mask)
         tl.store(part_ptr + 2 * plane + base, t, mask=n_mask)
-        tl.store(part_ptr + 3 * plane + base, z_tgt, mask=n_mask)
+        if pid_s == 0:  # one split per token block computes the target logit
+            tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+            z_tgt = _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv,
+                                  inv_temp, HAS_BIAS, BLOCK_N, BLOCK_D)
+            tl.store(logp_ptr + offs_n, z_tgt, mask=n_mask)  # the combine kernel reads it
     else:
-        log_s = tl.log(s)
+        tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+        z_tgt = _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_temp,
+                              HAS_BIAS, BLOCK_N, BLOCK_D)
+        log2_s = tl.log2(s)
         _store_token_results(
-            offs_n, n_mask, m + log_s, log_s - t / s, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+            offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
+            lse_ptr, ent_ptr, logp_ptr,
             old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
             eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
             EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
@@ -178,7 +228,8 @@ def _combine_splits_kernel(
     HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
     HAS_ISR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # Merge S vocabulary-split partials [S, N] into lse, entropy and logp, then the epilogue.
+    # Merge S vocabulary-split partials [3, S, N] (base 2) into lse, entropy and logp (the
+    # target logit waits in logp), then the epilogue.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_s = tl.arange(0, BLOCK_S)
@@ -188,15 +239,16 @@ def _combine_splits_kernel(
     m_i = tl.load(part_ptr + idx, mask=msk, other=NEG_BIG)
     s_i = tl.load(part_ptr + plane + idx, mask=msk, other=0.0)
     t_i = tl.load(part_ptr + 2 * plane + idx, mask=msk, other=0.0)
-    z_tgt = tl.sum(tl.load(part_ptr + 3 * plane + idx, mask=msk, other=0.0), axis=1)
+    z_tgt = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)
     m = tl.max(m_i, axis=1)
-    scale = tl.exp(m_i - m[:, None])
+    scale = tl.exp2(m_i - m[:, None])
     s = tl.sum(s_i * scale, axis=1)
     t = tl.sum(scale * (t_i + (m_i - m[:, None]) * s_i), axis=1)
     s = tl.where(n_mask, s, 1.0)  # rows past N have no partials: keep log and t / s finite
-    log_s = tl.log(s)
+    log2_s = tl.log2(s)
     _store_token_results(
-        offs_n, n_mask, m + log_s, log_s - t / s, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+        offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
+        lse_ptr, ent_ptr, logp_ptr,
         old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
         eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
         EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
@@ -233,7 +285,7 @@ def linear_logprob_forward(
     S = splits or tile_configs.num_splits(n_blocks, n_tiles, cfg["GROUP_N"], dev)
     tiles_per_split = triton.cdiv(n_tiles, S)
     S = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
-    part = torch.empty((4, S, N), **f32) if S > 1 else logp
+    part = torch.empty((3, S, N), **f32) if S > 1 else logp
     ep = epilogue or _NO_EPILOGUE(logp)
     flags = dict(
         EPILOGUE=epilogue is not None, LOSS_KIND=ep["LOSS_KIND"], HAS_OLD=ep["HAS_OLD"],
@@ -249,10 +301,9 @@ def linear_logprob_forward(
         **flags, **cfg,
     )
     if S > 1:
-        block = 64
-        _combine_splits_kernel[(triton.cdiv(N, block),)](
-            part, lse, ent, logp, *ep["tensors"], *ep["scalars"], N, S,
-            BLOCK_N=block, BLOCK_S=triton.next_power_of_2(S), **flags,
+        ccfg = tile_configs.combine(S, dev)
+        _combine_splits_kernel[(triton.cdiv(N, ccfg["BLOCK_N"]),)](
+            part, lse, ent, logp, *ep["tensors"], *ep["scalars"], N, S, **flags, **ccfg,
         )
     return logp, ent, lse
 

@@ -269,3 +269,56 @@ def test_accumulate_mm_sums_in_float32(dtype):
         accumulate_mm(acc0.half(), a, b)
     with pytest.raises(TypeError, match="share a dtype"):
         accumulate_mm(acc0, a, b.float())
+
+
+# ---- forward: full tiles without the vocabulary mask, the target logit as one dot per token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("V_", [128, 150])  # 4 full tiles of 32; 4 full + a partial one
+def test_forward_tiles_and_splits_match_float64_truth(dtype, V_):
+    """Every split count puts the partial tile (if any) in the last split only; targets include
+    the first and the last vocabulary row, and a token whose target dominates (logp near 0)."""
+    hidden, weight, b, ids = make_head(1, 37, 40, V_, torch.float32, "cpu", seed=8, bias=True,
+                                       scale=4.0)
+    h2, ids2 = hidden.reshape(37, 40), ids.reshape(37).clone()
+    ids2[0], ids2[1], ids2[2] = 0, V_ - 1, 5
+    b[5] += 30.0  # token 2's target (and every token's argmax): p ≈ 1 there
+    truth = reference.selective_logprobs(h2.double(), weight.double(), ids2, b.double(),
+                                         temperature=0.7, return_entropy=True)
+    same = reference.selective_logprobs(h2.to(dtype), weight.to(dtype), ids2, b.to(dtype),
+                                        temperature=0.7, return_entropy=True)
+    lse_truth = torch.logsumexp((h2.double() @ weight.double().T + b.double()) / 0.7, dim=-1)
+    for splits in (1, 2, 3, 5):
+        logp, ent, lse = linear_logprobs.linear_logprob_forward(
+            h2.to(dtype), weight.to(dtype), b.to(dtype), ids2, 0.7, splits=splits)
+        for name, o, s, t in (("logp", logp, same[0], truth[0]),
+                              ("entropy", ent, same[1], truth[1])):
+            assert max_err(o, t) <= 2 * max_err(s, t) + TOL[dtype] * max(1.0, t.abs().max()), (
+                name, splits)
+        assert max_err(lse, lse_truth) <= 2 * max_err(same[0], truth[0]) + TOL[dtype] * (
+            lse_truth.abs().max().item())
+        assert abs(logp[2].item()) < 1e-5  # the dominant target: logp = z_t - lse ≈ 0
+
+
+def test_split_forward_with_the_fused_epilogue(monkeypatch):
+    """Vocabulary splits (as on a GPU) with the GRPO epilogue in the combine kernel: the loss
+    and gradients match the unsplit run."""
+    from helpers import hyper, make_grpo_batch
+
+    from grpo_kernels import tile_configs
+
+    hidden, weight, b, ids = make_head(2, 21, 24, 150, torch.float32, "cpu", seed=9, bias=True,
+                                       scale=3.0)
+    mask, adv, old, ref = make_grpo_batch(hidden, weight, b, ids)
+    kw = hyper("dapo", "token", 0.04, 0.8, None)
+    runs = []
+    for splits in (1, 3):
+        monkeypatch.setattr(tile_configs, "num_splits", lambda *a, s=splits, **k: s)
+        h, w = leaf(hidden), leaf(weight)
+        with gk.force_backend("triton"):
+            loss, metrics = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, b, **kw)
+        loss.backward()
+        runs.append((loss.detach(), h.grad, w.grad))
+    for x, y in zip(*runs):
+        assert max_err(x, y) <= 1e-5 * max(1.0, y.abs().max().item())
