@@ -193,8 +193,9 @@ def test_benchmark_clis_share_the_conventions(tmp_path):
                           "python -m benchmarks")
     assert "--from_csv" in line and "no such file" in line
     prog = "python -m benchmarks.trainer_step"
-    line = one_line_error(run(["--provid", "fused"], module="benchmarks.trainer_step"), prog)
-    assert "unrecognized arguments: --provid" in line
+    line = one_line_error(run(["--provider", "fused", "--tin"],
+                              module="benchmarks.trainer_step"), prog)
+    assert "unrecognized arguments: --tin" in line  # not taken as --tiny
     line = one_line_error(run(["--provider", "fused", "--prompt-tokens", "1"],
                               module="benchmarks.trainer_step"), prog)
     assert "--prompt_tokens must be >= 2" in line
