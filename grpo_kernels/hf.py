@@ -16,9 +16,14 @@ or a head that transforms the body's output before its output embedding (BERT-st
 Old/reference scoring: `causal_lm_logprobs` (no grad); `completion_logprobs` is the same with grad.
 
 Precision of the lm_head projection ("head dtype"): under autocast it runs in the autocast dtype,
-as the model's own `lm_head` would; otherwise in the dtype of the head's weight (hidden states are
-cast to it, as e.g. TRL's `cast_lm_head_to_fp32` does). `head_dtype=` overrides both. The kernels
-accumulate in float32 whatever the head dtype.
+as the model's own `lm_head` would; otherwise in the dtype of the head's weight. `head_dtype=`
+overrides both. Hidden states are cast to the head dtype, except 16-bit ones with a float32 head
+(TRL's `cast_lm_head_to_fp32`), which the kernels take as they are (mixed head precision: float32
+logits of the float32 head, tensor cores kept). The kernels accumulate in float32 always.
+
+PEFT adapters on the output embedding: a LoRA adapter is folded into the fused call (extra hidden
+and weight columns, `head_adapters`), so the logits are the wrapped model's and the adapter
+trains; `modules_to_save` heads use the copy in use; other adapter types raise.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from .fused_linear_grpo import fused_linear_grpo_loss_with_params
+from .head_adapters import ResolvedHead, fold_lora, resolve_head
 from .modules import FusedLinearGRPOLoss
 from .selective_logprobs import selective_logprobs
 
@@ -51,18 +57,23 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight [V, D], bias [V] | None) of the model's output embedding."""
+def resolved_head(model: nn.Module) -> ResolvedHead:
+    """What the model's output embedding computes: base weight [V, D], bias [V] | None and any
+    active PEFT LoRA terms (`head_adapters`). Raises for heads the fused path cannot reproduce:
+    none at all, a sharded (empty) weight, logit soft-capping/scaling in the config, or an
+    adapter other than plain LoRA (the error names the module)."""
     inner = unwrap_model(model)
     get = getattr(inner, "get_output_embeddings", None)
     head = get() if get is not None else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+    if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() "
                          "returned None): it is not a causal language model")
-    if head.weight.dim() != 2 or head.weight.numel() == 0:
+    resolved = resolve_head(head, f"{type(inner).__name__}.{_module_name(inner, head)}")
+    weight = resolved.weight
+    if weight.dim() != 2 or weight.numel() == 0:
         # DeepSpeed ZeRO-3 and some FSDP set-ups leave an empty local shard outside the forward
         raise ValueError(f"the output embedding of {type(inner).__name__} has weight shape "
-                         f"{tuple(head.weight.shape)}, not a full [V, D] matrix (sharded "
+                         f"{tuple(weight.shape)}, not a full [V, D] matrix (sharded "
                          "parameters are not supported)")
     config = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -73,7 +84,28 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
                 f"{type(inner).__name__} transforms its logits ({name}={value}); the fused linear "
                 "loss computes plain hidden @ lm_head.weight.T and would be wrong for it"
             )
-    return head.weight, getattr(head, "bias", None)
+    return resolved
+
+
+def _module_name(root: nn.Module, module: nn.Module) -> str:
+    """Qualified name of `module` inside `root` (for error messages), else its class name."""
+    for name, m in root.named_modules():
+        if m is module:
+            return name
+    return type(module).__name__
+
+
+def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [V, D], bias [V] | None) of the model's output embedding (for a PEFT
+    `modules_to_save` head, the copy in use). A head with an active LoRA adapter is not one
+    weight: this raises then, and `head_for` folds the adapter in."""
+    resolved = resolved_head(model)
+    if resolved.lora:
+        names = ", ".join(t.adapter for t in resolved.lora)
+        raise ValueError(f"the output embedding of {type(unwrap_model(model)).__name__} carries "
+                         f"active LoRA adapters ({names}): its logits are not hidden @ weight.T; "
+                         "use grpo_kernels.hf.head_for(hidden, model), which folds them in")
+    return resolved.weight, resolved.bias
 
 
 def _body(inner: nn.Module) -> nn.Module:
@@ -154,7 +186,7 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -
     body's output as is (checked with one short forward of `input_ids` [B, L], default a
     2-token dummy). Cached per model; `completion_hidden_states` runs the same check."""
     inner = unwrap_model(model)
-    output_head(inner)
+    resolved_head(inner)
     if input_ids is None:
         device = next(inner.parameters()).device
         input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
@@ -202,9 +234,16 @@ def completion_hidden_states(
 
 
 def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):
-    """(hidden, weight, bias) of `model`'s output embedding, all cast to the head dtype (see the
-    module docstring): hidden [B, T, D], weight [V, D], bias [V] | None."""
-    weight, bias = output_head(model)
+    """(hidden', weight, bias) for one fused linear call that reproduces `model`'s output
+    embedding on `hidden` [B, T, D] (the body's output).
+
+    weight [V, D'] and bias [V] | None are in the head dtype (see the module docstring). hidden'
+    [B, T, D'] is cast to the head dtype too, except 16-bit hidden states with a float32 head
+    (e.g. TRL's `cast_lm_head_to_fp32`), which stay as they are: the kernels take that pair
+    (mixed head precision) and keep the matmul on tensor cores. A PEFT LoRA adapter on the head
+    adds its rank as extra columns (D' = D + r, `head_adapters.fold_lora`)."""
+    resolved = resolved_head(model)
+    weight = resolved.weight
     if head_dtype is None:
         device = hidden.device.type
         if torch.is_autocast_enabled(device):  # the model's own lm_head would run in this dtype
@@ -213,8 +252,9 @@ def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | N
             head_dtype = weight.dtype
     if weight.device != hidden.device:  # device_map: the body may end on another device
         hidden = hidden.to(weight.device)
-    cast = lambda x: x if x is None or x.dtype == head_dtype else x.to(head_dtype)
-    return cast(hidden), cast(weight), cast(bias)
+    mixed = head_dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
+    kernel_hidden = hidden if mixed or hidden.dtype == head_dtype else hidden.to(head_dtype)
+    return fold_lora(resolved, hidden, kernel_hidden, head_dtype)
 
 
 def _no_autocast(x: torch.Tensor):

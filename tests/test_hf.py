@@ -28,6 +28,7 @@ from grpo_kernels.hf import (  # noqa: E402
     check_output_head,
     completion_hidden_states,
     completion_logprobs,
+    head_for,
     output_head,
     unwrap_model,
 )
@@ -229,15 +230,34 @@ def test_autocast_runs_head_in_autocast_dtype(qwen):
     assert h.shape == (B, T, qwen.config.hidden_size)
 
 
+def _mixed_head_refused():
+    """Why the kernels refuse 16-bit hidden with a float32 weight, or None if they take it."""
+    from grpo_kernels.validation import check_linear_head
+
+    try:
+        check_linear_head(torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(3, 4), None)
+    except TypeError as exc:
+        return f"check_linear_head refuses mixed head precision in this checkout: {exc}"
+    return None
+
+
 def test_mixed_dtypes_use_the_head_dtype():
-    """A bf16 body with a float32 head (TRL's cast_lm_head_to_fp32): the hidden states are cast
-    up to the head's dtype; head_dtype= overrides it."""
+    """A bf16 body with a float32 head (TRL's cast_lm_head_to_fp32): the hidden states go to the
+    kernels as bf16 with the float32 weight (mixed head precision, no up-cast copy), giving the
+    float32 head's logits; head_dtype= overrides the head dtype."""
+    if (why := _mixed_head_refused()) is not None:
+        pytest.skip(why)
     model = tiny_neox().to(torch.bfloat16)
     model.lm_head.float()
+    with torch.no_grad():  # a float32 head that bf16 cannot represent (trained in float32)
+        w = model.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(6)) * 1e-2)
     batch = make_batch(60, seed=5)
     with torch.no_grad():
         hidden = completion_hidden_states(model, batch["ids"], batch["am"], T)
         assert hidden.dtype == torch.bfloat16
+        h2, w2, _ = head_for(hidden, model)
+        assert h2 is hidden and w2.dtype == torch.float32  # passed as is, not cast up
         w = model.lm_head.weight
         want = reference.selective_logprobs(hidden.float(), w, batch["ids"][:, -T:])
         want16 = reference.selective_logprobs(hidden, w.bfloat16(), batch["ids"][:, -T:])

@@ -1,0 +1,158 @@
+"""Output heads with PEFT adapters, folded into one fused linear call.
+
+A LoRA adapter on the output embedding changes the logits (PEFT's `lora.Linear.forward`):
+
+    z = h·Wᵀ + b + Σ_a s_a·(drop_a(h)·A_aᵀ)·B_aᵀ  (+ s_a·b_a with lora_bias)
+
+with A_a [r_a, D], B_a [V, r_a], scaling s_a and the adapter's own dropout. Each adapter becomes
+r_a extra hidden columns and r_a extra weight columns, so the kernels still see one linear head:
+
+    hidden' = [h, s_1·drop_1(h)·A_1ᵀ, ...]     [..., D + Σ r_a]
+    weight' = [W, B_1, ...]                    [V, D + Σ r_a]      hidden'·weight'ᵀ = z
+
+No merged W + s·B·A ([V, D]) is formed and no logits exist; autograd through the two
+concatenations trains A (through hidden') and B (through weight'). Dropout: the adapter's own
+`lora_dropout` module is applied to h exactly where PEFT applies it (identity in eval mode or at
+p = 0; in training mode a fresh mask from the same distribution as the model's own forward).
+
+PEFT `modules_to_save` heads resolve to the copy the wrapper would run (the trained one, or the
+original when adapters are disabled). Anything else PEFT can put on a head (DoRA or another LoRA
+variant, LoHa/LoKr/IA3/..., trainable token indices, a quantized base layer) raises a
+`NotImplementedError` naming the module: never a silently untrained adapter.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LoraTerm:
+    """One active LoRA adapter of the head: z += scaling·up(down(dropout(h)))."""
+
+    adapter: str
+    down: nn.Linear  # lora_A: D -> r
+    up: nn.Linear  # lora_B: r -> V (weight [V, r], bias [V] with lora_bias)
+    dropout: nn.Module
+    scaling: float
+
+
+@dataclass
+class ResolvedHead:
+    """The linear map an output embedding applies: base weight [V, D], bias [V] | None, and the
+    active LoRA terms on top (empty for a plain head)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora: list[LoraTerm] = field(default_factory=list)
+
+
+def _peft():
+    """The peft package if it is already imported (a PEFT-wrapped model implies it is)."""
+    return sys.modules.get("peft")
+
+
+def _base_linear(layer: nn.Module, where: str) -> nn.Module:
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise NotImplementedError(
+            f"the output embedding {where} has a base layer {type(base).__name__} without a "
+            "floating-point weight (quantized?); the fused head needs a plain [V, D] weight")
+    return base
+
+
+def _lora_terms(layer: nn.Module, where: str) -> list[LoraTerm]:
+    """The active LoRA adapters of a peft lora.Linear, checked to be reproducible."""
+    if layer.disable_adapters or layer.merged:
+        return []  # PEFT runs the base layer only (a merged adapter is inside its weight)
+    terms = []
+    variants = getattr(layer, "lora_variant", {})  # peft >= 0.15: DoRA, aLoRA, ...
+    use_dora = getattr(layer, "use_dora", {})  # older peft
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue  # PEFT skips an active adapter this layer does not have
+        if name in variants or use_dora.get(name, False):
+            kind = type(variants[name]).__name__ if name in variants else "DoRA"
+            raise NotImplementedError(
+                f"the output embedding {where} carries a LoRA variant ({kind}, adapter "
+                f"{name!r}); the fused head reproduces plain LoRA only. Leave the head out of "
+                "target_modules or use plain LoRA on it")
+        down, up = layer.lora_A[name], layer.lora_B[name]
+        if type(down) is not nn.Linear or type(up) is not nn.Linear:
+            raise NotImplementedError(
+                f"the output embedding {where} has LoRA factors of types "
+                f"{type(down).__name__}/{type(up).__name__} (adapter {name!r}); only nn.Linear "
+                "factors are supported")
+        terms.append(LoraTerm(name, down, up, layer.lora_dropout[name],
+                              float(layer.scaling[name])))
+    return terms
+
+
+def resolve_head(head: nn.Module, where: str) -> ResolvedHead:
+    """What `head` (a model's output embedding) computes, as base weight, bias and LoRA terms.
+
+    `where` names the module in error messages (e.g. "Qwen2ForCausalLM.lm_head").
+    Raises NotImplementedError for adapters the fused head cannot reproduce.
+    """
+    peft = _peft()
+    if peft is not None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
+
+        if isinstance(head, ModulesToSaveWrapper):
+            active = head.active_adapters
+            if head.disable_adapters or not active or any(a not in head.modules_to_save
+                                                          for a in active):
+                return resolve_head(head.original_module, f"{where}.original_module")
+            return resolve_head(head.modules_to_save[active[0]],
+                                f"{where}.modules_to_save.{active[0]}")
+        wrapper_base = getattr(getattr(peft.utils, "other", None), "AuxiliaryTrainingWrapper",
+                               ())
+        if wrapper_base and isinstance(head, wrapper_base):
+            raise NotImplementedError(
+                f"the output embedding {where} is wrapped by PEFT's {type(head).__name__} "
+                "(e.g. trainable_token_indices); the fused head does not reproduce it")
+        if isinstance(head, BaseTunerLayer):
+            from peft.tuners.lora.layer import Linear as LoraLinear
+
+            if type(head) is not LoraLinear:
+                raise NotImplementedError(
+                    f"the output embedding {where} carries a PEFT {type(head).__module__}."
+                    f"{type(head).__name__} adapter; the fused head reproduces plain LoRA on a "
+                    "linear layer only")
+            base = _base_linear(head, where)
+            return ResolvedHead(base.weight, getattr(base, "bias", None),
+                                _lora_terms(head, where))
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"the output embedding {where} ({type(head).__name__}) has no weight")
+    return ResolvedHead(weight, getattr(head, "bias", None))
+
+
+def fold_lora(resolved: ResolvedHead, body_out: torch.Tensor, hidden: torch.Tensor,
+              head_dtype: torch.dtype):
+    """(hidden', weight', bias') for one fused linear call that reproduces the head.
+
+    body_out: the head's input as the model gives it ([..., D], what the LoRA branch sees);
+    hidden: the same states as the kernel takes them (possibly cast); head_dtype: the dtype of
+    weight' and bias'. Without LoRA terms this is (hidden, weight, bias) in head_dtype, no copy
+    beyond the cast. With them: hidden' [..., D + R] in hidden's dtype, weight' [V, D + R].
+    """
+    cast = lambda x: x if x is None or x.dtype == head_dtype else x.to(head_dtype)  # noqa: E731
+    weight, bias = cast(resolved.weight), cast(resolved.bias)
+    if not resolved.lora:
+        return hidden, weight, bias
+    columns, ups = [hidden], [weight]
+    for term in resolved.lora:
+        x = body_out.to(term.down.weight.dtype)  # PEFT casts the input to lora_A's dtype
+        columns.append((term.down(term.dropout(x)) * term.scaling).to(hidden.dtype))
+        ups.append(cast(term.up.weight))
+        if term.up.bias is not None:  # lora_bias: s·b_B adds to the logits
+            extra = cast(term.up.bias) * term.scaling
+            bias = extra if bias is None else bias + extra
+    return torch.cat(columns, dim=-1), torch.cat(ups, dim=1), bias
