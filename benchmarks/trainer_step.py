@@ -34,7 +34,9 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -87,7 +89,8 @@ def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
     return model_dir, data, text
 
 
-def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device) -> list[dict]:
+def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
+                   recorder) -> list[dict]:
     """Steps of our trainer; per-step numbers from its metrics.jsonl."""
     from grpo_train import phases
     from grpo_train.config import TrainConfig
@@ -106,7 +109,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device) -> 
         model_dtype=args.model_dtype, reward=[f"{Path(__file__).resolve()}:length_reward"],
         eval_every=0, save_every=0, plot=False, save_final_model=False, progress=False,
         seed=args.seed, device="cuda" if cuda else "cpu", backend=args.backend)
-    with phases.recording(phases.PhaseRecorder(device)) as recorder:
+    with phases.recording(recorder):
         train(cfg)
     steps = [dict(step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
                   peak_gib=r["peak_memory_gib"], completion_length=r["completion_length"])
@@ -114,7 +117,8 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device) -> 
     return steps, recorder
 
 
-def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> list[dict]:
+def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
+            recorder) -> list[dict]:
     """Steps of TRL's GRPOTrainer, timed and measured by a callback around each step."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -166,7 +170,7 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device) -> l
     trainer = _metered_grpo_trainer(GRPOTrainer)(
         model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
         processing_class=tokenizer, callbacks=[StepMeter()])
-    with phases.recording(phases.PhaseRecorder(device)) as recorder:
+    with phases.recording(recorder):
         trainer.train()
     return per_step, recorder
 
@@ -203,14 +207,19 @@ def _metered_grpo_trainer(base):
 PHASES = ("generation", "scoring", "loss", "optimizer", "step")
 
 
-def phase_columns(recorder, warmup: int) -> dict:
-    """<phase>_peak_gib, <phase>_rise_gib and <phase>_s over the timed steps (after warm-up)."""
-    summary = recorder.summary(skip_steps=warmup)
+def phase_columns(recorder, warmup: int, partial: bool = False) -> dict:
+    """<phase>_peak_gib, <phase>_rise_gib and <phase>_s over the timed steps (after warm-up).
+    `partial` (a run stopped midway): running phases count as far as they got, missing ones
+    are left blank."""
+    summary = recorder.summary(skip_steps=warmup, include_open=partial)
     missing = [p for p in PHASES if p not in summary]
-    if missing:  # a phase that never ran would silently read as zero memory
+    if missing and not partial:  # a phase that never ran would silently read as zero memory
         raise RuntimeError(f"no memory recorded for phases {missing} in the timed steps")
     cols = {}
     for name in PHASES:
+        if name not in summary:
+            cols.update({f"{name}_peak_gib": "", f"{name}_rise_gib": "", f"{name}_s": ""})
+            continue
         cols[f"{name}_peak_gib"] = round(summary[name]["peak_bytes"] / 2**30, 3)
         cols[f"{name}_rise_gib"] = round(summary[name]["rise_bytes"] / 2**30, 3)
         cols[f"{name}_s"] = round(summary[name]["seconds"], 3)
@@ -269,6 +278,9 @@ def parse_args(argv):
                              "(default: the current directory; the committed rows were written "
                              "with --out benchmarks/results)")
     parser.add_argument("--no_record", action="store_true", help="print only, write no CSV")
+    parser.add_argument("--max_rss_gib", type=float, default=None,
+                        help="CPU: stop the run when the process' RSS passes this (a shared "
+                             "machine's guard); the row says where it stopped")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
     defaults = dict(num_generations=(8, 4), completion_tokens=(1024, 16), prompt_tokens=(64, 16))
@@ -299,16 +311,14 @@ def main(argv=None) -> dict | int:
 def measure(args, argv) -> dict:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
-
-    from benchmarks import device_label, device_slug, git_commit
-
     with tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
+        recorder = make_recorder(args, argv, device, workdir)
         if args.provider == "trl":
-            steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device)
+            steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device, recorder)
         else:
-            steps, recorder = run_grpo_train(args, model_dir, data, workdir, device)
+            steps, recorder = run_grpo_train(args, model_dir, data, workdir, device, recorder)
     timed = steps[args.warmup:]
     if not timed:
         raise RuntimeError(f"no timed steps ({len(steps)} steps ran, --warmup {args.warmup})")
@@ -316,6 +326,22 @@ def measure(args, argv) -> dict:
     if lengths and min(lengths) != args.completion_tokens:  # the work must be what we claim
         raise RuntimeError(f"completions were {lengths} tokens, not {args.completion_tokens}")
     row = {
+        **describe(args, cuda), "status": "ok", "timed_steps": len(timed),
+        "step_time_s_median": round(statistics.median(s["step_time_s"] for s in timed), 4),
+        "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),
+        **phase_columns(recorder, args.warmup),
+        "phase_memory_kind": "max_memory_allocated" if cuda else "RSS sampled every 2 ms",
+        "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
+        "peak_memory_kind": "max_memory_allocated" if cuda else "process lifetime peak RSS",
+        **environment(args, argv, device),
+    }
+    report(args, device, row)
+    return row
+
+
+def describe(args, cuda: bool) -> dict:
+    """The row's leading columns: what was run."""
+    return {
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "provider": {"fused": "grpo_train+fused", "reference": "grpo_train+reference",
                      "trl": "trl GRPOTrainer"}[args.provider],
@@ -324,24 +350,52 @@ def measure(args, argv) -> dict:
         "completion_tokens": args.completion_tokens,
         "bf16_autocast": cuda and not args.no_bf16,
         "gradient_checkpointing": not args.no_gradient_checkpointing,
-        "model_dtype": args.model_dtype, "timed_steps": len(timed),
-        "step_time_s_median": round(statistics.median(s["step_time_s"] for s in timed), 4),
-        "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),
-        **phase_columns(recorder, args.warmup),
-        "phase_memory_kind": "max_memory_allocated" if cuda else "RSS sampled every 2 ms",
-        "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
-        "peak_memory_kind": "max_memory_allocated" if cuda else "process lifetime peak RSS",
-        "device": device_label(device), **versions(args.provider), "commit": git_commit(),
-        "command": "python -m benchmarks.trainer_step " + shlex.join(sys.argv[1:] if argv is None
-                                                                     else argv),
+        "model_dtype": args.model_dtype,
     }
-    print(json.dumps(row, indent=1))
+
+
+def environment(args, argv, device) -> dict:
+    from benchmarks import device_label, git_commit
+
+    return {"device": device_label(device), **versions(args.provider), "commit": git_commit(),
+            "command": "python -m benchmarks.trainer_step " + shlex.join(
+                sys.argv[1:] if argv is None else argv)}
+
+
+def report(args, device, row: dict) -> None:
+    from benchmarks import device_slug
+
+    print(json.dumps(row, indent=1), flush=True)
     if not args.no_record:
         path = Path(args.out) / f"{device_slug(device)}-trainer.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         append_row(path, row)
-        print(f"appended to {path}")
-    return row
+        print(f"appended to {path}", flush=True)
+
+
+def make_recorder(args, argv, device, workdir: Path):
+    """The phase recorder; with --max_rss_gib on CPU, one that stops the process when its RSS
+    passes the limit, after writing a row with what was measured up to there."""
+    from grpo_train import phases
+
+    if args.max_rss_gib is None or device.type == "cuda":
+        return phases.PhaseRecorder(device)
+
+    def stop(recorder, seen: int) -> None:  # runs on the sampling thread
+        where = "/".join(recorder.open_phases()) or "no phase"
+        step = recorder.current_step
+        row = {**describe(args, False),
+               "status": f"stopped: RSS passed {args.max_rss_gib} GiB "
+                         f"({seen / 2**30:.2f} GiB) in {where} of step {step}",
+               **phase_columns(recorder, args.warmup if step > args.warmup else 0,
+                               partial=True),
+               "phase_memory_kind": "RSS sampled every 2 ms", **environment(args, argv, device)}
+        report(args, device, row)
+        shutil.rmtree(workdir, ignore_errors=True)  # the exit skips TemporaryDirectory's clean-up
+        os._exit(3)
+
+    return phases.PhaseRecorder(device, limit_bytes=int(args.max_rss_gib * 2**30),
+                                on_limit=stop)
 
 
 if __name__ == "__main__":

@@ -116,9 +116,16 @@ class PhaseRecord:
 class PhaseRecorder:
     """Collects PhaseRecords; see the module docstring for what is measured."""
 
-    def __init__(self, device: torch.device | str = "cpu", interval_s: float = 0.002):
+    def __init__(self, device: torch.device | str = "cpu", interval_s: float = 0.002,
+                 limit_bytes: int | None = None, on_limit=None):
+        """`limit_bytes` / `on_limit(recorder, seen_bytes)`: called once, from the sampling
+        thread, when the memory first exceeds the limit (CPU: a guard that can stop a run before
+        it exhausts a shared machine; the main thread may be inside one long operation)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if (limit_bytes is None) != (on_limit is None):
+            raise ValueError("limit_bytes and on_limit go together")
+        self.limit_bytes, self.on_limit, self._tripped = limit_bytes, on_limit, False
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.interval_s = interval_s
@@ -147,6 +154,10 @@ class PhaseRecorder:
             for rec in (self._stack[-1] if self._stack else None, self._step):
                 if rec is not None and seen > rec.peak_bytes:
                     rec.peak_bytes = seen
+            trip = self.limit_bytes is not None and seen > self.limit_bytes and not self._tripped
+            self._tripped = self._tripped or trip
+        if trip:
+            self.on_limit(self, seen)
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -218,12 +229,26 @@ class PhaseRecorder:
             self._step = None
 
     # ---- results -------------------------------------------------------------------------------
-    def summary(self, skip_steps: int = 0) -> dict[str, dict[str, float]]:
+    @property
+    def current_step(self) -> int:
+        """The step running now (1-based; 0 before the first)."""
+        return self._steps
+
+    def open_phases(self) -> list[str]:
+        """Names of the phases running now, outermost first."""
+        return [r.phase for r in self._stack]
+
+    def summary(self, skip_steps: int = 0, include_open: bool = False
+                ) -> dict[str, dict[str, float]]:
         """Per phase name (and "step"), over the steps after the first `skip_steps`: the highest
         peak and rise (bytes) and the median of the per-step total seconds. A phase run several
-        times in a step (num_iterations > 1) counts with its highest peak and rise."""
+        times in a step (num_iterations > 1) counts with its highest peak and rise.
+        `include_open`: phases still running count with what was seen so far."""
+        now = time.perf_counter()
+        running = [dataclasses.replace(r, seconds=now - r.t0 - r.nested_s)
+                   for r in self._stack + ([self._step] if self._step else [])]
         per_step: dict[tuple[int, str], list[PhaseRecord]] = {}
-        for rec in self.records:
+        for rec in self.records + (running if include_open else []):
             if rec.step > skip_steps:
                 per_step.setdefault((rec.step, rec.phase), []).append(rec)
         out: dict[str, dict[str, list[float]]] = {}

@@ -62,11 +62,12 @@ def require_process_group() -> None:
                          "-m grpo_train ...` (one process: leave out --fsdp)")
 
 
-def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+def shard_model(model: nn.Module, device: torch.device, frozen: bool = False) -> nn.Module:
     """Shards `model` (a transformers CausalLM, unwrapped) in place over all processes of the
     default process group and returns it. Call before building the optimizer (the parameters
     become DTensor shards). Every process must call it with the same architecture; the main
-    process' values are broadcast first, as DDP does."""
+    process' values are broadcast first, as DDP does. `frozen` (a reference model, never
+    differentiated): the root is resharded after every forward too, as nothing follows."""
     require_process_group()
     if is_sharded(model):
         raise ValueError(f"{type(model).__name__} is already sharded")
@@ -81,7 +82,9 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
     for module in model.modules():
         if type(module).__name__ in block_names and module is not model:
             fully_shard(module, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # root: needed again at once
+    # the policy's root is needed again at once by the backward: FSDP's default keeps it
+    model._grpo_root_reshard = frozen
+    fully_shard(model, mesh=mesh, reshard_after_forward=frozen)
 
     def loss_method(self, *args, **kwargs):
         return hf.causal_lm_grpo_loss(self, *args, **kwargs)
@@ -134,7 +137,7 @@ def full_parameters(model: nn.Module):
     finally:
         model._grpo_full_parameters = False
         model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)  # the root's setting, as built
+        model.set_reshard_after_forward(model._grpo_root_reshard, recurse=False)  # as built
         for unit in units:
             unit.reshard()
 

@@ -122,7 +122,7 @@ def _train(cfg) -> dict:
     if cfg.fsdp:  # shard in place before the optimizer sees the parameters (see sharding.py)
         model = sharding.shard_model(model, device)
         if ref_model is not None:
-            ref_model = sharding.shard_model(ref_model, device)
+            ref_model = sharding.shard_model(ref_model, device, frozen=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
