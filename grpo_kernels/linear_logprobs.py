@@ -103,21 +103,27 @@ def grouped_program(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
 
 
 # The forward works in base-2 units, z2 = z·log2(e), so that each element's exponential is one
-# exp2 (the hardware's ex2) with no multiply; lse and entropy are turned back into nats per token.
+# exp2 (the hardware's ex2) with no extra multiply, and 1/τ is folded into the same FMA; lse and
+# entropy are turned back into nats once per token.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _online_softmax_tile(z2, m, s, t, v_mask, MASK_V: tl.constexpr):
-    """Folds one [BLOCK_N, BLOCK_V] tile of base-2 logits into the running per-token
-    m = max z2, s = Σ 2^(z2 - m), t = Σ 2^(z2 - m)·(z2 - m). MASK_V: the tile reaches past V (only
-    the last one); its columns there get NEG_BIG, so that 2^(NEG_BIG - m) = 0 and the product
-    0·(NEG_BIG - m) stays 0 (with -inf it would be NaN). Full tiles skip the select."""
+def _online_softmax_tile(y, scale2, m, s, t, v_mask, MASK_V: tl.constexpr):
+    """Folds one [BLOCK_N, BLOCK_V] tile of unscaled logits y = hidden @ weight^T + bias into the
+    running per-token m = max z2, s = Σ 2^(z2 - m), t = Σ 2^(z2 - m)·(z2 - m) of the base-2
+    logits z2 = y·scale2 (scale2 = log2(e) / τ > 0).
+    Full tiles: max z2 = scale2·max y exactly (rounding is monotonic), and z2 - m is one FMA.
+    MASK_V (only the last tile, which reaches past V): columns past V get NEG_BIG, so that
+    2^(NEG_BIG - m) = 0 and 0·(NEG_BIG - m) stays 0 (with -inf it would be NaN)."""
     if MASK_V:
-        z2 = tl.where(v_mask[None, :], z2, NEG_BIG)
-    m_new = tl.maximum(m, tl.max(z2, axis=1))
-    zc = z2 - m_new[:, None]
+        z2 = tl.where(v_mask[None, :], y * scale2, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(z2, axis=1))
+        zc = z2 - m_new[:, None]
+    else:
+        m_new = tl.maximum(m, tl.max(y, axis=1) * scale2)
+        zc = y * scale2 - m_new[:, None]
     p = tl.exp2(zc)
     alpha = tl.exp2(m - m_new)
     # re-centre the running sums on the new max: Σ 2^(z2-m_new)(z2-m_new) over the old tiles
@@ -169,7 +175,7 @@ def _linear_logprob_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows_h = offs_n.to(tl.int64) * stride_hn
-    inv_temp2 = inv_temp * LOG2E  # logit_tile then returns base-2 logits z2 = z·log2(e)
+    scale2 = inv_temp * LOG2E  # base-2 logits z2 = y·scale2 (logit_tile gets τ = 1: y unscaled)
 
     m = tl.full([BLOCK_N], NEG_BIG, tl.float32)  # running max of z2
     s = tl.zeros([BLOCK_N], tl.float32)  # Σ 2^(z2 - m)
@@ -181,17 +187,16 @@ def _linear_logprob_fwd_kernel(
     every_v = tl.full([BLOCK_V], 1, tl.int1)  # full tiles: loads need no vocabulary mask
     for tile in range(tile_lo, full_hi):
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        z2 = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
-                        n_mask, every_v, D, inv_temp2, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
-                        DOT_PREC)  # [BLOCK_N, BLOCK_V]
-        m, s, t = _online_softmax_tile(z2, m, s, t, every_v, False)
+        y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
+                       n_mask, every_v, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
+                       DOT_PREC)  # [BLOCK_N, BLOCK_V]
+        m, s, t = _online_softmax_tile(y, scale2, m, s, t, every_v, False)
     for tile in range(tl.maximum(full_hi, tile_lo), tile_hi):  # the last, partial tile (0 or 1)
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
-        z2 = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
-                        n_mask, v_mask, D, inv_temp2, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
-                        DOT_PREC)
-        m, s, t = _online_softmax_tile(z2, m, s, t, v_mask, True)
+        y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
+                       n_mask, v_mask, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
+        m, s, t = _online_softmax_tile(y, scale2, m, s, t, v_mask, True)
 
     if SPLIT:
         base = pid_s * N + offs_n
