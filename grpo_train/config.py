@@ -313,14 +313,16 @@ def _coerce(name: str, value, tp, where: str):
         value = [value] if isinstance(value, str) else value
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
-    elif value is None and optional:
-        return None
-    elif base is bool and isinstance(value, bool):
-        return value
-    elif base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif isinstance(value, base) and not isinstance(value, bool) or base is str:
-        return value if base is not str or value is None else str(value)
+    elif value is None:
+        if optional:
+            return None
+    elif isinstance(value, bool):
+        if base is bool:
+            return value
+    elif base is str:
+        return str(value)
+    elif isinstance(value, base) or (base is float and isinstance(value, int)):
+        return base(value)
     elif isinstance(value, str):
         try:
             return _str2bool(value) if base is bool else base(value)

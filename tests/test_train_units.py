@@ -16,7 +16,15 @@ from grpo_train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from grpo_train.config import AUTO, TrainConfig, grad_filter_value, parse_config, resolve_auto
+from grpo_train.cli import UsageError
+from grpo_train.config import (
+    AUTO,
+    TrainConfig,
+    field_docs,
+    grad_filter_value,
+    parse_config,
+    resolve_auto,
+)
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
@@ -258,3 +266,25 @@ def test_parquet_files_load_through_datasets(tmp_path):
     datasets.Dataset.from_list([{"question": "3+4", "answer": "#### 7"}]).to_parquet(str(path))
     examples = to_examples(read_rows(str(path), None, "train"), "question", "answer", "x")
     assert examples == [{"question": "3+4", "answer": "7", "prompt": "3+4"}]
+
+
+def test_config_file_values_are_typed_like_flags(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("steps: '7'\nlearning_rate: 1\nbf16: 'yes'\nreward: format\nbeta: null\n")
+    cfg = parse_config(["--config", str(good)])
+    assert (cfg.steps, cfg.learning_rate, cfg.bf16, cfg.reward) == (7, 1.0, True, ["format"])
+    for text, field in (("steps: 2.5\n", "steps must be int"), ("bf16: 3\n", "bf16 must be bool"),
+                        ("model: null\n", "model must be str"), ("steps: [\n", "could not")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(UsageError, match=f"--config '{bad}'.*{field}"):
+            parse_config(["--config", str(bad)])
+
+
+def test_help_text_comes_from_the_config_comments():
+    docs, topics = field_docs()
+    names = [name for _, fields in topics for name in fields]
+    assert sorted(names) == sorted(TrainConfig.__dataclass_fields__)  # every field, once
+    assert docs["num_generations"] == "G: completions per prompt (a group); must be >= 2"
+    assert docs["model"].startswith("Local directory or hub id of any AutoModelForCausalLM")
+    assert all(docs[name] for name in names), [n for n in names if not docs[n]]
