@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a machine with a CUDA device (H100/H200): GPU tests, the benchmark sweep, the plot.
-# Designed to finish inside a 10-minute command limit (worst case 100+40+200+130+50 s = 520 s
+# Designed to finish inside a 10-minute command limit (worst case 100+40+200+130+50+60 s = 580 s
 # plus start-up): every step has its own `timeout`, and the
 # sweeps stop starting new (provider, shape) pairs when their --time-budget runs out. Rows are
 # appended as they are measured, so a step cut short still leaves its numbers.
@@ -20,6 +20,8 @@
 #   scaling.md               table: fwd+bwd, N = 4096..65536, three heads
 #   results/<device>.csv     every row of both sweeps (copy into benchmarks/results/)
 #   bench_fwd_bwd.png        time and memory vs N (fwd+bwd), bench_forward.png
+#   static-smN.md            compile_check --report for this GPU's architecture (the static
+#                            model next to the measured rows above)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -85,4 +87,12 @@ for csv in "$OUT"/results/*.csv; do
   timeout 25 python -m benchmarks.plot "$csv" --out "$OUT/bench_fwd_bwd.png" --mode fwd+bwd
   timeout 25 python -m benchmarks.plot "$csv" --out "$OUT/bench_forward.png" --mode forward
 done
+# The static report for this device's architecture (registers, spills, tensor-core ops and the
+# time model), to set against the measured rows; compile_check needs no GPU and no interpreter.
+stamp "static report"
+arch=$(python -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
+timeout 60 env -u TRITON_INTERPRET python -m grpo_kernels.compile_check --arch "$arch" --quick \
+  --report > "$OUT/static-sm$arch.md" 2> "$OUT/static.log"
+echo "exit $?" >> "$OUT/static.log"
+tail -n 1 "$OUT/static-sm$arch.md"
 stamp "done"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -99,6 +100,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a representative subset (CI)")
     parser.add_argument("--report", action="store_true",
                         help="print the static performance report (Markdown)")
+    parser.add_argument("--only", default="",
+                        help="compile only variants whose name matches this regular expression")
+    parser.add_argument("--default-only", action="store_true",
+                        help="compile only the variants the default configuration launches")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="compiler processes (default: all CPUs)")
     args = parser.parse_args(argv)
@@ -111,7 +116,8 @@ def main(argv=None) -> int:
         print(f"--arch must be one of {sorted(static_report.ARCH)}, got {args.arch}",
               file=sys.stderr)
         return 2
-    variants = kernel_variants.variants(args.arch, quick=args.quick)
+    variants = [v for v in kernel_variants.variants(args.arch, quick=args.quick)
+                if re.search(args.only, v.name) and (v.default or not args.default_only)]
     results = compile_all(variants, args.arch, want_sass=args.report, jobs=args.jobs)
     failures = spilled = 0
     for v, r in zip(variants, results):

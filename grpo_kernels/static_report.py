@@ -91,3 +91,56 @@ def sass_stats(cubin: bytes) -> dict:
             for op in body:
                 best[op] = best.get(op, 0) + 1
     return dict(mma_loop=best, mma_total=mma_total, atomics=atomics, spill_ops=spill_ops)
+
+
+def blocks_per_sm(arch: int, regs: int, warps: int, shared: int) -> int:
+    """Resident blocks per SM: registers (allocated per warp in units of 256), threads, shared
+    memory (plus the 1 KB the system reserves per block) and the block limit."""
+    a = ARCH[arch]
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = a["regs"] // (per_warp * warps)
+    by_threads = a["threads"] // (32 * warps)
+    by_smem = a["smem_sm"] // (shared + RESERVED_SMEM) if shared else a["blocks"]
+    return max(0, min(by_regs, by_threads, by_smem, a["blocks"]))
+
+
+def _mma_text(sass: dict) -> str:
+    if sass.get("mma_loop"):
+        return ", ".join(f"{n}× {op}" for op, n in sorted(sass["mma_loop"].items()))
+    total = sass.get("mma_total", 0)
+    return f"{total} (outside loops)" if total else "0"
+
+
+def render(arch: int, variants: list, results: list, quick: bool) -> str:
+    import triton
+
+    lines = [f"# Static performance report, sm_{arch}", "",
+             f"`python -m grpo_kernels.compile_check --arch {arch} --report"
+             f"{' --quick' if quick else ''}` with Triton {triton.__version__} on a CPU "
+             "(no GPU): each row is one compiled variant; registers, spills (bytes per thread) "
+             "and shared memory (bytes per block) from ptxas' resource report, instruction "
+             "counts from the SASS (`cuobjdump -sass`). `tensor-core ops` are per iteration of "
+             "the innermost loop that holds them; `atomics` counts ATOM/RED instructions in the "
+             "binary. `default` = launched with no opt-in setting (see "
+             "`kernel_variants.variants`).", "",
+             "| kernel | default | regs | spills | smem | blocks/SM | stages | tensor-core ops "
+             "| atomics |", "|---|---|---|---|---|---|---|---|---|"]
+    for v, r in zip(variants, results):
+        if r.error:
+            lines.append(f"| `{v.name}` | {'yes' if v.default else 'no'} | FAILED: {r.error} "
+                         "| | | | | | |")
+            continue
+        blocks = blocks_per_sm(arch, r.regs, r.num_warps, r.shared)
+        lines.append(f"| `{v.name}` | {'yes' if v.default else 'no'} | {r.regs} | "
+                     f"{r.spill_bytes} | {r.shared} | {blocks} | {r.num_stages} | "
+                     f"{_mma_text(r.sass)} | {r.sass.get('atomics', 0)} |")
+    default_rows = [(v, r) for v, r in zip(variants, results) if v.default and not r.error]
+    bwd_atomics = sum(r.sass.get("atomics", 0) for v, r in default_rows
+                      if v.kind not in ("linear_fwd", "combine", "logits_fwd"))
+    spills = sum(r.spill_bytes for _, r in default_rows)
+    lines += ["", f"Default variants: {len(default_rows)}; atomics in default backward "
+              f"variants: {bwd_atomics}; spilled bytes in default variants: {spills}."]
+    from .perf_model import model_section
+
+    lines += ["", *model_section(arch, variants, results)]
+    return "\n".join(lines)

@@ -140,7 +140,9 @@ def logits(V: int, device: torch.device | None, arch: int | None = None) -> dict
     """Logits-input kernels (`logits_logprobs`)."""
     if target_arch(device, arch) is None:
         return dict(ROWS=4, BLOCK_V=64, **_opts(4))
-    # one row per program streams V in 16-byte-per-thread chunks; small V packs rows together
-    block = min(triton.next_power_of_2(V), 8192)
-    rows = max(1, min(16, 8192 // triton.next_power_of_2(V)))
+    # one row per program streams V in chunks of 4096 (16 elements, 2-4 16-byte loads per
+    # thread); small V packs rows together. 8192-wide chunks spill on sm_80 when V is not a
+    # multiple of 16 (the loads cannot be vectorized: 128 registers + 8 B of stack).
+    block = min(triton.next_power_of_2(V), 4096)
+    rows = max(1, min(16, 4096 // triton.next_power_of_2(V)))
     return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= 4096 else 4))
