@@ -22,24 +22,28 @@ from __future__ import annotations
 
 import torch
 
-# Logits input: elements of one [rows, V] block (two float32 buffers of it are alive): 4 MiB.
-CHUNK_ELEMENTS = 2**20
-# Linear head: tokens per tile and elements per [rows, cols] logits tile (float32: 32 MiB; two
-# are alive). 256 tokens reuse each weight tile enough for the GEMMs to stay compute-bound. Tiles
-# are large on purpose: every elementwise op is one parallel region, and on a busy machine each
-# region waits for all of its threads to be scheduled, so fewer, larger ops are faster.
+# Logits input: elements of one [rows, V] float32 block (one buffer; two with an entropy
+# gradient): 16 MiB.
+CHUNK_ELEMENTS = 2**22
+# Linear head: at least TILE_ROWS tokens per tile (each weight tile is reused by that many tokens,
+# enough for the GEMMs to stay compute-bound) and TILE_ELEMENTS per [rows, cols] float32 logits
+# tile: 64 MiB, one buffer (two with an entropy gradient). Tiles are large on purpose: every
+# elementwise op is one parallel region, and on a busy machine each region waits until all its
+# threads get a core (tens of ms at a load of 10+ on 2 cores), so few large ops beat many small
+# cache-sized ones there; on an idle machine the difference is small.
 TILE_ROWS = 256
-TILE_ELEMENTS = 2**23
+TILE_ELEMENTS = 2**24
 
 
 def _chunk_rows(V: int, chunk_elements: int | None) -> int:
     return max(1, (chunk_elements or CHUNK_ELEMENTS) // max(V, 1))
 
 
-def _tile_shape(N: int, V: int, chunk_elements: int | None) -> tuple[int, int]:
-    """(rows, cols) of a linear-head logits tile: rows·cols <= the element budget (>= 1 each)."""
-    rows = max(1, min(N, TILE_ROWS))
-    cols = max(1, min(V, (chunk_elements or TILE_ELEMENTS) // rows))
+def _tile_shape(N: int, V: int, chunk_elements: int | None, buffers: int) -> tuple[int, int]:
+    """(rows, cols) of a linear-head logits tile: `buffers` such tiles fit the element budget."""
+    budget = max(1, (chunk_elements or TILE_ELEMENTS) // buffers)
+    rows = max(1, min(N, max(TILE_ROWS, budget // max(V, 1))))  # whole rows when V is small
+    cols = max(1, min(V, budget // rows))
     return rows, cols
 
 
@@ -51,6 +55,10 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 def _empty_stats(N, device):
     return tuple(torch.empty(N, device=device, dtype=torch.float32) for _ in range(3))
+
+
+def _view(buf, r, c):
+    return None if buf is None else buf[:r * c].view(r, c)
 
 
 def _tile_update(z, scratch, m, s, t, first: bool) -> None:
@@ -89,23 +97,19 @@ def _scaled_hidden(hidden, dtype, inv_t):
     return h if inv_t == 1.0 else h * inv_t
 
 
-def _target_logits(h, weight, b, targets, rows):
-    """z at the target, [N], computed from the gathered weight rows (no logits tile needed)."""
-    out = torch.empty(h.shape[0], dtype=h.dtype, device=h.device)
-    for r0 in range(0, h.shape[0], rows):
-        t = targets[r0:r0 + rows]
-        w = weight[t].to(h.dtype)  # [r, D]
-        out[r0:r0 + rows] = torch.bmm(h[r0:r0 + rows, None, :], w[:, :, None]).view(-1)
-        if b is not None:
-            out[r0:r0 + rows] += b[t]
-    return out
-
-
 def _logits_tile(h, w, b, out):
     """out [r, c] = h [r, D] @ w [c, D]^T (+ b [c])."""
     if b is None:
         return torch.mm(h, w.T, out=out)
     return torch.addmm(b, h, w.T, out=out)
+
+
+def _in_tile(targets, v0, c):
+    """Column of each token's target in the tile [v0, v0 + c) (clamped), and whether it is there:
+    [r] each. Lets one small gather/scatter per tile touch the target column."""
+    col = targets - v0
+    inside = (col >= 0) & (col < c)
+    return col.clamp_(0, c - 1)[:, None], inside
 
 
 def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None):
@@ -116,22 +120,23 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     if N == 0:
         return out
     dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
-    rows, cols = _tile_shape(N, V, chunk_elements)
+    rows, cols = _tile_shape(N, V, chunk_elements, buffers=2)
     with torch.no_grad():
         h = _scaled_hidden(hidden, dtype, inv_t)
         b = None if bias is None else bias.to(dtype) * inv_t
-        m, s, t = (torch.empty(N, dtype=dtype, device=h.device) for _ in range(3))
+        m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
         z_buf, e_buf = (torch.empty(rows * cols, dtype=dtype, device=h.device) for _ in range(2))
         for v0 in range(0, V, cols):
             w = weight[v0:v0 + cols].to(dtype)  # [c, D]: a copy only for half weights
             bt = None if b is None else b[v0:v0 + cols]
             c = w.shape[0]
+            col, inside = _in_tile(targets, v0, c)
             for r0 in range(0, N, rows):
-                r = min(rows, N - r0)
-                z = _logits_tile(h[r0:r0 + r], w, bt, z_buf[:r * c].view(r, c))
-                sl = slice(r0, r0 + r)
-                _tile_update(z, e_buf[:r * c].view(r, c), m[sl], s[sl], t[sl], first=v0 == 0)
-        picked = _target_logits(h, weight, b, targets, rows)
+                sl = slice(r0, min(r0 + rows, N))
+                r = sl.stop - r0
+                z = _logits_tile(h[sl], w, bt, _view(z_buf, r, c))
+                picked[sl] = torch.where(inside[sl], z.gather(1, col[sl]).squeeze(1), picked[sl])
+                _tile_update(z, _view(e_buf, r, c), m[sl], s[sl], t[sl], first=v0 == 0)
         _finish_stats(m, s, t, picked, out)
     return out
 
@@ -172,82 +177,73 @@ def linear_logprob_backward(
         return dh, dw, db  # masked tokens only: no work
     dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
 
-    def pick(x):  # [N, ...] -> the active tokens' rows
-        return x if x is None or idx is None else x[idx]
+    def pick(x):  # [N, ...] -> the active tokens' rows, in the compute dtype
+        if x is None:
+            return None
+        return (x if idx is None else x[idx]).to(dtype if x.is_floating_point() else x.dtype)
 
     with torch.no_grad():
         h = _scaled_hidden(pick(hidden), dtype, inv_t)  # [Na, D]
-        tg, g, gh = pick(targets), pick(g_logp).to(dtype), pick(g_ent)
-        lse_a, ent_a = pick(lse).to(dtype), pick(ent).to(dtype)
-        gh = None if gh is None else gh.to(dtype)
+        tg, g, gh, lse_a, ent_a = (pick(x) for x in (targets, g_logp, g_ent, lse, ent))
         b = None if bias is None else bias.to(dtype) * inv_t
         Na, V = h.shape[0], weight.shape[0]
-        rows, cols = _tile_shape(Na, V, chunk_elements)
+        # Without bias and entropy gradient, d z = -sign(g)·exp(z - lse + log|g|) (+ the one-hot
+        # term): the per-token constants ride in the GEMM's input and -sign(g) moves onto hidden
+        # (for d W) and onto d hidden at the end, so a tile is one addmm, one exp_, one small
+        # scatter and the two gradient GEMMs, in one buffer.
+        fast = b is None and gh is None
+        rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
+        if fast:
+            row_shift = (g.abs().log() - lse_a)[:, None]  # [Na, 1]; g != 0 on active rows
+            neg_sign = -g.sign()
+            h_dw = h * neg_sign[:, None] if want_dw else None
+            one_hot = -g.abs()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
+        else:
+            h_dw, one_hot = h, g
         # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]
         direct_dh = want_dh and idx is None and dh.dtype == dtype
         dh_acc = dh if direct_dh else (torch.zeros_like(h) if want_dh else None)
         db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
         z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
-        e_buf = None if b is None and gh is None else torch.empty_like(z_buf)
-        # Without bias and entropy gradient, d z = -sign(g)·exp(z - lse + log|g|): the per-token
-        # constants ride in the GEMM's input, -sign(g) moves onto hidden (for d W) and onto d
-        # hidden at the end, so a tile is one addmm, one exp_ and the two gradient GEMMs.
-        fast = b is None and gh is None
-        if fast:
-            row_shift = (g.abs().log() - lse_a)[:, None]  # [Na, 1]; g != 0 on active rows
-            neg_sign = -g.sign()
-            h_dw = h * neg_sign[:, None] if want_dw else None
+        e_buf = None if gh is None else torch.empty_like(z_buf)  # p, for the entropy term
         for v0 in range(0, V, cols):
             w = weight[v0:v0 + cols].to(dtype)  # [c, D]
             c = w.shape[0]
             bt = None if b is None else b[v0:v0 + c]
+            col, inside = _in_tile(tg, v0, c)
+            target_term = (one_hot * inside)[:, None]
             # d W of this tile accumulates over token blocks, then is written once
             dw_tile = None
             if want_dw:
                 dw_tile = dw[v0:v0 + c] if dw.dtype == dtype else torch.zeros_like(w)
             for r0 in range(0, Na, rows):
-                r = min(rows, Na - r0)
-                sl = slice(r0, r0 + r)
-                z = z_buf[:r * c].view(r, c)
+                sl = slice(r0, min(r0 + rows, Na))
+                r = sl.stop - r0
+                z = _view(z_buf, r, c)
                 if fast:
-                    dz = torch.addmm(row_shift[sl], h[sl], w.T, out=z).exp_()  # = |d z|
+                    dz = torch.addmm(row_shift[sl], h[sl], w.T, out=z).exp_()
                 else:
-                    dz = _dz_tile(_logits_tile(h[sl], w, bt, z), e_buf[:r * c].view(r, c),
+                    dz = _dz_tile(_logits_tile(h[sl], w, bt, z), _view(e_buf, r, c),
                                   lse_a[sl], ent_a[sl], g[sl], None if gh is None else gh[sl])
+                dz.scatter_add_(1, col[sl], target_term[sl])
                 if dh_acc is not None:
                     dh_acc[sl].addmm_(dz, w)
                 if dw_tile is not None:
-                    dw_tile.addmm_(dz.T, h_dw[sl] if fast else h[sl])
+                    dw_tile.addmm_(dz.T, h_dw[sl])
                 if db_acc is not None:
                     db_acc[v0:v0 + c] += dz.sum(dim=0)
-            if dw_tile is not None:
-                _add_target_rows(dw_tile, tg, g, h, v0, c)
-                if dw_tile.dtype != dw.dtype:
-                    dw[v0:v0 + c] = dw_tile
-        if fast and dh_acc is not None:
-            dh_acc.mul_(neg_sign[:, None])
-        # one-hot term of d z (g at each token's target): linear, so added outside the tiles
+            if dw_tile is not None and dw_tile.dtype != dw.dtype:
+                dw[v0:v0 + c] = dw_tile
         if dh_acc is not None:
-            for r0 in range(0, Na, rows):
-                sl = slice(r0, r0 + rows)
-                dh_acc[sl].addcmul_(g[sl, None], weight[tg[sl]].to(dtype))
-            dh_acc.mul_(inv_t)  # z = (h W^T + b) / τ
+            dh_acc.mul_((neg_sign * inv_t)[:, None] if fast else inv_t)  # z = (h W^T + b) / τ
             if not direct_dh:
                 if idx is None:
                     dh.copy_(dh_acc)
                 else:
                     dh.index_copy_(0, idx, dh_acc.to(dh.dtype))
         if db_acc is not None:
-            db_acc.index_add_(0, tg, g)
             db.copy_(db_acc.mul_(inv_t))
     return dh, dw, db
-
-
-def _add_target_rows(dw_tile, tg, g, h, v0, c):
-    """dw_tile [c, D] += g_i · h_i for every token i whose target lies in [v0, v0 + c)."""
-    sel = ((tg >= v0) & (tg < v0 + c)).nonzero().squeeze(1)
-    if sel.numel():
-        dw_tile.index_add_(0, tg[sel] - v0, h[sel] * g[sel, None])
 
 
 def _row_blocks(B: int, T: int, C: int):
@@ -285,7 +281,7 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
             z = _scaled_block(x, z_buf[:n * V].view(n, V), inv_t)
             picked = z.gather(1, targets[i:i + n, None]).squeeze(1)
             m, s, t = (torch.empty(n, dtype=dtype, device=z.device) for _ in range(3))
-            _tile_update(z, e_buf[:n * V].view(n, V), m, s, t, first=True)
+            _tile_update(z, _view(e_buf, n, V), m, s, t, first=True)
             _finish_stats(m, s, t, picked, [o[i:i + n] for o in out])
     return out
 
@@ -298,8 +294,8 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     dtype, inv_t = _compute_dtype(logits), 1.0 / temperature
     C = _chunk_rows(V, chunk_elements)
     with torch.no_grad():
-        z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
-                        for _ in range(2))
+        z_buf = torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
+        e_buf = None if g_ent is None else torch.empty_like(z_buf)
         for bs, ts, i in _row_blocks(B, T, C):
             x, dx = logits[bs, ts].reshape(-1, V), dx3[bs, ts]
             n = x.shape[0]
@@ -308,7 +304,7 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
                 dx.zero_()
                 continue
             z = _scaled_block(x, z_buf[:n * V].view(n, V), inv_t)
-            dz = _dz_tile(z, e_buf[:n * V].view(n, V), lse[i:i + n].to(dtype),
+            dz = _dz_tile(z, _view(e_buf, n, V), lse[i:i + n].to(dtype),
                           ent[i:i + n].to(dtype), g, None if gh is None else gh.to(dtype))
             dz.scatter_add_(1, targets[i:i + n, None], g[:, None])
             dx.copy_(dz.mul_(inv_t).view(dx.shape))
