@@ -93,6 +93,16 @@ def _lora_terms(layer: nn.Module, where: str) -> list[LoraTerm]:
     return terms
 
 
+def has_tuner_adapter(head: nn.Module | None) -> bool:
+    """Whether a PEFT tuner layer (LoRA, DoRA, IA3, ...) sits on this module."""
+    peft = _peft()
+    if peft is None or head is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(head, BaseTunerLayer)
+
+
 def resolve_head(head: nn.Module, where: str) -> ResolvedHead:
     """What `head` (a model's output embedding) computes, as base weight, bias and LoRA terms.
 
@@ -105,7 +115,9 @@ def resolve_head(head: nn.Module, where: str) -> ResolvedHead:
         from peft.utils.other import ModulesToSaveWrapper
 
         if isinstance(head, ModulesToSaveWrapper):
-            active = head.active_adapters
+            active = getattr(head, "active_adapters", None)
+            if active is None:  # older peft: one active adapter name
+                active = [head.active_adapter]
             if head.disable_adapters or not active or any(a not in head.modules_to_save
                                                           for a in active):
                 return resolve_head(head.original_module, f"{where}.original_module")
@@ -156,3 +168,44 @@ def fold_lora(resolved: ResolvedHead, body_out: torch.Tensor, hidden: torch.Tens
             extra = cast(term.up.bias) * term.scaling
             bias = extra if bias is None else bias + extra
     return torch.cat(columns, dim=-1), torch.cat(ups, dim=1), bias
+
+
+def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32.0, dropout: float = 0.0,
+             target_modules: str | list[str] = "all-linear", head: bool = True,
+             modules_to_save: list[str] | None = None, **lora_kwargs) -> nn.Module:
+    """Wrap a Hugging Face causal LM with a PEFT LoRA adapter the fused loss can train.
+
+    target_modules: PEFT's (names, or "all-linear": every linear layer except the output
+    embedding); head=True adds the output embedding (whatever it is called) to them.
+    Extra keywords go to `peft.LoraConfig`. Returns the `PeftModel`; raises ImportError without
+    peft, and NotImplementedError (naming the module) when the resulting head is not one the
+    fused path reproduces, e.g. use_dora=True with head=True.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError("LoRA needs PEFT: pip install grpo-kernels[lora]") from exc
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise ValueError(f"r must be a positive int, got {r!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if get is not None else None
+    if head and out is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding to put LoRA on")
+    targets = target_modules
+    head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
+    if head:
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [targets]
+        if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
+            targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                              if isinstance(m, nn.Linear) and m is not out})
+        targets = [*targets, head_name]
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_kwargs)
+    wrapped = get_peft_model(model, config)
+    inner = wrapped.get_base_model()
+    if out is not None:
+        resolve_head(inner.get_output_embeddings(), f"{type(inner).__name__}.{head_name}")
+    return wrapped

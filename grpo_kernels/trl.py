@@ -11,6 +11,11 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
   [B, T, V] logits exist.
 - Old- and reference-policy scoring (`_get_per_token_logps_and_entropies`) goes through the same
   hidden-state path (`grpo_kernels.hf.completion_logprobs`), without logits.
+- A PEFT LoRA adapter on lm_head (`peft_config` with "lm_head" in target_modules) is trained:
+  TRL 1.16 refuses one (its fused head reads lm_head.weight), ours folds it into the fused call
+  (`head_adapters`); other adapter types on the head raise, naming the module.
+- cast_lm_head_to_fp32: the float32 head takes the bf16/fp16 hidden states as they are (mixed
+  head precision in the kernels), giving the float32 head's logits as TRL's cast does.
 
 The numbers are TRL 1.16's, and the same as the standalone loss's: both follow GRPO_SPEC.md,
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
@@ -33,6 +38,8 @@ body runs as usual.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 
 import torch
@@ -46,7 +53,14 @@ except ImportError as exc:  # TRL is an optional dependency
     ) from exc
 
 from .grpo_math import clip_indicators, mean_entropy, metric_sums, per_token_loss, token_weights
-from .hf import check_output_head, completion_hidden_states, completion_logprobs, head_for
+from .head_adapters import has_tuner_adapter
+from .hf import (
+    check_output_head,
+    completion_hidden_states,
+    completion_logprobs,
+    head_for,
+    unwrap_model,
+)
 from .params import LOSS_TYPES, GRPOParams
 from .selective_logprobs import selective_logprobs
 from .validation import check_grad_filter, check_loss_inputs
@@ -97,6 +111,28 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
     return (weights * loss_tok).sum(), entropy, ratio, None if kl is None else kl.detach()
 
 
+@contextlib.contextmanager
+def _adapter_on_head_allowed(enabled: bool = True):
+    """While TRL's __init__ runs: skip its refusal of a PEFT adapter on lm_head.
+
+    TRL 1.16 refuses one because its own fused head reads lm_head.weight and would leave the
+    adapter untrained; ours folds LoRA into the fused call (`head_adapters`) and raises for the
+    adapters it cannot reproduce. The refusal is an isinstance test against the module global
+    `BaseTunerLayer` of trl.trainer.grpo_trainer, swapped for a class nothing is an instance of
+    for the duration of the constructor. enabled=False leaves TRL's checks alone.
+    """
+    module = sys.modules.get(_trl.GRPOTrainer.__module__)
+    if not enabled or module is None or not hasattr(module, "BaseTunerLayer"):
+        yield
+        return
+    original = module.BaseTunerLayer
+    module.BaseTunerLayer = type("_NoAdapterCheck", (), {})
+    try:
+        yield
+    finally:
+        module.BaseTunerLayer = original
+
+
 class GRPOTrainer(_trl.GRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
@@ -110,12 +146,30 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def __init__(self, *args, grad_filter: float | str | None = None, **kwargs):
         check_grad_filter(grad_filter, torch.bfloat16)  # fail before TRL loads the model
         self._grad_filter = grad_filter
-        super().__init__(*args, **kwargs)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        cast_head = bool(getattr(config, "cast_lm_head_to_fp32", False))
+        # TRL's float32 head cast replaces the head's forward: keep its refusal of an adapter there
+        try:
+            with _adapter_on_head_allowed(not cast_head):
+                super().__init__(*args, **kwargs)
+        except ValueError as exc:
+            if cast_head and "lm_head" in str(exc) and "PEFT" in str(exc):
+                raise ValueError("cast_lm_head_to_fp32=True cannot be combined with a PEFT "
+                                 "adapter on lm_head (TRL replaces the head's forward to cast "
+                                 "it); set cast_lm_head_to_fp32=False to train a LoRA head"
+                                 ) from exc
+            raise
         self._warned: set[str] = set()
-        # TRL's cast_lm_head_to_fp32 runs the head in float32 outside autocast; so do we
+        # TRL's cast_lm_head_to_fp32: a float32 head on the (bf16) hidden states as they are
         self._head_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
         self._grpo_params, self._loss_fallback = self._build_params()
         self._model_fallback = self._model_unsupported()
+        head = unwrap_model(self.model).get_output_embeddings()
+        if has_tuner_adapter(head) and self._model_fallback is not None:
+            # TRL's own head path would leave the adapter untrained; refuse, as TRL does
+            raise ValueError(f"the output embedding carries a PEFT adapter ({type(head).__name__})"
+                             f" and {self._model_fallback}: that case would run TRL's own lm_head "
+                             "code, which ignores the adapter. Remove the head from target_modules")
 
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
         """Our hyperparameters from TRL's, or (None, why the loss must be TRL's)."""

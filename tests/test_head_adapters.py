@@ -192,3 +192,35 @@ def test_unsupported_adapters_name_the_module(base):
         target_modules=["lm_head", "down_proj"], feedforward_modules=["down_proj"]))
     with pytest.raises(NotImplementedError, match="(?i)lm_head.*ia3"):
         check_output_head(ia3)
+
+
+def test_add_lora_puts_a_trainable_adapter_on_the_head(base):
+    from grpo_kernels.head_adapters import add_lora
+
+    model = add_lora(copy.deepcopy(base), r=2, alpha=4, init_lora_weights=False)
+    inner = model.get_base_model()
+    assert isinstance(inner.lm_head, peft.tuners.lora.layer.Linear)
+    assert isinstance(inner.model.layers[0].mlp.down_proj, peft.tuners.lora.layer.Linear)
+    with force_backend("torch"):
+        assert_matches_model(model.eval(), make_batch(base.config.vocab_size, seed=5))
+    with pytest.raises(NotImplementedError, match="lm_head"):
+        add_lora(copy.deepcopy(base), r=2, use_dora=True)
+    with pytest.raises(ValueError, match="r must be a positive int"):
+        add_lora(copy.deepcopy(base), r=0)
+
+
+@pytest.mark.slow
+def test_lora_example_runs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user runs it
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run([sys.executable, str(repo / "examples" / "lora_head.py")],
+                         capture_output=True, text=True, cwd=repo, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done:" in out.stdout and "lm_head.lora_B moved" in out.stdout

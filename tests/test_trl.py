@@ -25,7 +25,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from grpo_kernels import force_backend  # noqa: E402
-from grpo_kernels.trl import GRPOTrainer  # noqa: E402
+from grpo_kernels.trl import GRPOTrainer, _adapter_on_head_allowed  # noqa: E402
 from grpo_train.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_trainer(cls, model_dir, **overrides):
+def make_trainer(cls, model_dir, peft_config=None, **overrides):
     cfg = dict(
         output_dir=os.path.join(model_dir, "out"), report_to=[], use_cpu=True, bf16=False,
         seed=0, per_device_train_batch_size=B, num_generations=4, max_completion_length=T,
@@ -63,7 +63,7 @@ def make_trainer(cls, model_dir, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
-                   train_dataset=DATASET)
+                   train_dataset=DATASET, peft_config=peft_config)
 
 
 def make_batch(trainer, seed=0, noise=0.3):
@@ -148,6 +148,56 @@ CASES = {
 @pytest.mark.parametrize("cfg", CASES.values(), ids=CASES.keys())
 def test_compute_loss_matches_trl(model_dir, cfg):
     assert_same(*run_both(model_dir, **cfg))
+
+
+def test_lora_head_matches_trl_loss_on_the_models_own_logits(model_dir):
+    """PEFT LoRA on lm_head: TRL 1.16's own fused head reads lm_head.weight and leaves the
+    adapter out, so the truth here is TRL's `_compute_loss` on log-probs from the wrapped
+    model's real logits. Ours must match it and train the head's adapter."""
+    peft = pytest.importorskip("peft")
+    from grpo_kernels.reference import logprobs_from_logits
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"],
+                           init_lora_weights=False)
+    cfg = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05, temperature=0.9)
+    with _adapter_on_head_allowed():  # TRL refuses the adapter; its loss math is what we need
+        ref = make_trainer(trl.GRPOTrainer, model_dir, peft_config=lora, **cfg)
+    ours = make_trainer(GRPOTrainer, model_dir, peft_config=lora, **cfg)
+    ref.model.load_state_dict(ours.model.state_dict())
+
+    def scoring(model, input_ids, attention_mask, logits_to_keep, **_):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       logits_to_keep=logits_to_keep + 1).logits[:, :-1]
+        logp, ent = logprobs_from_logits(logits, input_ids[:, -logits_to_keep:],
+                                         temperature=0.9, return_entropy=True)
+        return logp, ent, None
+
+    ref._get_per_token_logps_and_entropies = scoring
+    for tr in (ref, ours):
+        tr.model.train()
+        tr.current_gradient_accumulation_steps = 2
+    inputs = make_batch(ref)
+    loss_ref = ref._compute_loss(ref.model, inputs)
+    loss_ref.backward()
+    with force_backend("torch"):
+        loss = ours._compute_loss(ours.model, inputs)
+        loss.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
+    trained = {n: p for n, p in ref.model.named_parameters() if p.requires_grad}
+    head = [n for n in trained if "lm_head.lora_" in n]
+    assert len(head) == 2
+    for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name: f"grad of {n}: {m}")
+            assert name not in head or q.grad.abs().sum() > 0, name
+
+
+def test_lora_head_with_fp32_head_cast_is_refused(model_dir):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=2, target_modules=["lm_head"])
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
+        make_trainer(GRPOTrainer, model_dir, peft_config=lora, cast_lm_head_to_fp32=True)
 
 
 def test_triton_kernels_match_trl(model_dir):
