@@ -380,6 +380,7 @@ def make_recorder(args, argv, device, workdir: Path):
 
     if args.max_rss_gib is None or device.type == "cuda":
         return phases.PhaseRecorder(device)
+    env = environment(args, argv, device)  # now: the stop must be quick (no git subprocess)
 
     def stop(recorder, seen: int) -> None:  # runs on the sampling thread
         where = "/".join(recorder.open_phases()) or "no phase"
@@ -389,7 +390,7 @@ def make_recorder(args, argv, device, workdir: Path):
                          f"({seen / 2**30:.2f} GiB) in {where} of step {step}",
                **phase_columns(recorder, args.warmup if step > args.warmup else 0,
                                partial=True),
-               "phase_memory_kind": "RSS sampled every 2 ms", **environment(args, argv, device)}
+               "phase_memory_kind": "RSS sampled every 2 ms", **env}
         report(args, device, row)
         shutil.rmtree(workdir, ignore_errors=True)  # the exit skips TemporaryDirectory's clean-up
         os._exit(3)
