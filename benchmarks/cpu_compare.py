@@ -6,13 +6,12 @@ Every provider computes the same loss (TRL's dapo, beta 0.04, eps 0.2, old/ref l
 ~25% trailing padding; inputs from `benchmarks.providers.fused_inputs`, never zeros), forward +
 backward, in its own process (so one provider's heap and caches cannot flatter or burden
 another's). Per process: one warm-up call, then `--repeats` timed calls (best and median wall
-time), and two peak-memory figures, both above the process's footprint once the inputs exist:
-- rss: peak resident set size during the warm-up and timed calls (Linux VmHWM, reset through
-  /proc/self/clear_refs after the inputs are built and freed heap is trimmed) minus the RSS just
-  before. Counts everything the process touched, allocator overhead included.
-- live: peak bytes of live tensor storage during one more call (`measure.LiveStorageTracker`;
-  misses scratch inside a single aten op, e.g. a GEMM's packing buffers).
-Both include the gradients (outputs of the call).
+time), and the peak memory above the process's footprint once the inputs exist: peak resident
+set size during the warm-up and timed calls (Linux VmHWM, reset through /proc/self/clear_refs
+after the inputs are built and freed heap is trimmed) minus the RSS just before. It counts
+everything the process touched (gradients, allocator overhead, GEMM packing buffers). Live tensor
+storage (`measure.LiveStorageTracker`) is not used: it cannot see inside grpo_kernels' custom
+operators, so it would under-count ours.
 
 Providers: eager = grpo_kernels.reference.fused_linear_grpo_loss ([N, V] logits, autograd);
 liger = liger_kernel's LigerFusedLinearGRPOLoss (chunked, gradients in forward; compiled=False on
@@ -41,7 +40,7 @@ REAL_HEAD = (4096, 896, 151936)  # Qwen2.5-0.5B's lm head
 MiB = 2**20
 FIELDS = ["utc", "machine", "cpus", "torch_threads", "torch", "commit", "load_1m_5m",
           "provider", "N", "D", "V", "dtype", "repeats", "best_s", "median_s",
-          "rss_peak_above_inputs_mib", "live_peak_above_inputs_mib", "inputs_mib", "note",
+          "warmup", "rss_peak_above_inputs_mib", "inputs_mib", "note",
           "command"]
 
 
@@ -73,12 +72,12 @@ def _trim_heap() -> None:
         pass
 
 
-def worker(provider: str, shape: tuple[int, int, int], dtype_name: str, repeats: int) -> dict:
+def worker(provider: str, shape: tuple[int, int, int], dtype_name: str, repeats: int,
+           warmup: int) -> dict:
     """Runs in a fresh process: build inputs, time fwd+bwd, measure peak memory."""
     import torch
 
     from benchmarks import make_shape
-    from benchmarks.measure import LiveStorageTracker
     from benchmarks.providers import PROVIDERS, LossConfig
 
     N, D, V = shape
@@ -98,18 +97,13 @@ def worker(provider: str, shape: tuple[int, int, int], dtype_name: str, repeats:
     _trim_heap()
     base_kib = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    call()  # warm-up (first-call allocations, thread pools)
+    for _ in range(warmup):
+        call()  # first-call allocations, thread pools
     times = [call() for _ in range(repeats)]
     rss_peak = (_status_kib("VmHWM") - base_kib) * 1024
-    for t in case.leaves:
-        t.grad = None
-    gc.collect()
-    with LiveStorageTracker() as tracker:
-        step()
     return dict(provider=provider, N=N, D=D, V=V, dtype=dtype_name, repeats=repeats,
-                best_s=min(times), median_s=statistics.median(times),
+                warmup=warmup, best_s=min(times), median_s=statistics.median(times),
                 rss_peak_above_inputs_mib=rss_peak / MiB,
-                live_peak_above_inputs_mib=tracker.peak / MiB,
                 inputs_mib=case.input_bytes / MiB, note=case.note,
                 torch_threads=torch.get_num_threads())
 
@@ -117,7 +111,8 @@ def worker(provider: str, shape: tuple[int, int, int], dtype_name: str, repeats:
 def _run_worker(provider, shape, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.cpu_compare", "--worker", provider,
            "--shapes", "x".join(map(str, shape)), "--dtype", args.dtype,
-           "--repeats", str(args.repeats if shape != REAL_HEAD else args.real_head_repeats)]
+           "--repeats", str(args.repeats if shape != REAL_HEAD else args.real_head_repeats),
+           "--warmup", str(args.warmup if shape != REAL_HEAD else 0)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     root = Path(__file__).resolve().parent.parent
@@ -161,15 +156,20 @@ def main(argv=None) -> int:
     ap.add_argument("--real-head", "--real_head", action="store_true",
                     help=f"also run N={REAL_HEAD[0]} on Qwen2.5-0.5B's head "
                          f"(D={REAL_HEAD[1]}, V={REAL_HEAD[2]}; eager needs ~8 GB)")
+    ap.add_argument("--real-head-providers", "--real_head_providers", nargs="+",
+                    choices=sorted(PROVIDER_KEYS), default=["eager", "ours"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up")
-    ap.add_argument("--real-head-repeats", "--real_head_repeats", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed calls before the timed ones (none at the real head)")
+    ap.add_argument("--real-head-repeats", "--real_head_repeats", type=int, default=1,
+                    help="timed calls at the real head (no warm-up there: each takes minutes)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     ap.add_argument("--out", default="cpu-compare.csv", help="CSV to append rows to")
     ap.add_argument("--worker", choices=sorted(PROVIDER_KEYS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.real_head_repeats < 1:
-        ap.error("--repeats and --real-head-repeats must be >= 1")
+    if args.repeats < 1 or args.real_head_repeats < 1 or args.warmup < 0:
+        ap.error("--repeats and --real-head-repeats must be >= 1, --warmup >= 0")
     if args.threads < 0:
         ap.error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
@@ -177,7 +177,8 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.shapes[0], args.dtype, args.repeats)))
+        print(json.dumps(worker(args.worker, args.shapes[0], args.dtype, args.repeats,
+                                args.warmup)))
         return 0
 
     import torch
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
                   commit=git_commit(), command=command.strip())
     rows = []
     for shape in shapes:
-        for provider in args.providers:
+        for provider in args.real_head_providers if shape == REAL_HEAD else args.providers:
             load = "/".join(f"{x:.2f}" for x in os.getloadavg()[:2])
             row = {**common, **_run_worker(provider, shape, args), "load_1m_5m": load,
                    "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")}
@@ -218,9 +219,8 @@ def _format(r: dict) -> str:
     head = f"{r['provider']:>6} N={r['N']} D={r['D']} V={r['V']}"
     if "best_s" not in r:
         return f"{head}: {r.get('note', '')}"
-    return (f"{head}: best {r['best_s']:.3f} s, median {r['median_s']:.3f} s, peak above inputs "
-            f"rss {r['rss_peak_above_inputs_mib']:.0f} MiB / live "
-            f"{r['live_peak_above_inputs_mib']:.0f} MiB (load {r['load_1m_5m']})")
+    return (f"{head}: best {r['best_s']:.3f} s, median {r['median_s']:.3f} s, peak RSS above "
+            f"inputs {r['rss_peak_above_inputs_mib']:.0f} MiB (load {r['load_1m_5m']})")
 
 
 if __name__ == "__main__":
