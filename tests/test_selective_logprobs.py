@@ -31,7 +31,8 @@ def _run(fn, hidden, weight, bias, ids, temperature, coef):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype,temperature", DTYPE_TEMPERATURES)
+@pytest.mark.parametrize("dtype,temperature", DTYPE_TEMPERATURES,
+                         ids=[f"{str(d)[6:]}-t{t}" for d, t in DTYPE_TEMPERATURES])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_float64_truth(backend, dtype, shape, bias, temperature):
     B, T, D, V = shape
@@ -152,7 +153,7 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
         assert max_err(live.grad, full[2] if frozen == "weight" else full[3]) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gemm_backward_matches_atomic_backward(dtype):
     """GRPO_KERNELS_LINEAR_BACKWARD=gemm (d logits per token chunk + GEMMs) gives the atomic
     kernel's gradients, over several chunks, with bias, entropy gradient and masked tokens."""
@@ -197,7 +198,7 @@ def test_backward_mode_is_selected_by_environment(monkeypatch):
 MIXED_TOL = {torch.bfloat16: 1e-4, torch.float16: 2e-5}
 
 
-@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_head_precision(backend, hidden_dtype):
     B, T, D, V = SHAPES[0]
