@@ -31,7 +31,10 @@ Fallbacks (a one-time warning names the reason):
   top_entropy_quantile < 1, off_policy_mask_threshold, use_adaptive_entropy.
 - TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
   logit soft-capping/scaling models, output heads with their own transform (BERT-style),
-  sharded heads (DeepSpeed ZeRO-3, FSDP).
+  heads sharded by DeepSpeed ZeRO-3 or FSDP1.
+Under FSDP2 (`fully_shard`) the fused path stays on: it runs as a registered FSDP forward method
+of the root (`run_as_forward`), so FSDP itself unshards the head for the forward and the backward
+and reduce-scatters its gradient.
 use_liger_kernel needs no fallback: in TRL >= 1.16 it only swaps layer kernels, which the model
 body runs as usual.
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 import warnings
 
 import torch
@@ -109,6 +113,51 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
     )
     weights, _ = token_weights(inputs.mask, params, inputs.num_items_in_batch)
     return (weights * loss_tok).sum(), entropy, ratio, None if kl is None else kl.detach()
+
+
+# Registered on an FSDP2 root as a forward method (`register_fsdp_forward_method`).
+_FSDP_FORWARD_METHOD = "_grpo_kernels_forward"
+
+
+def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The FSDP2 (`fully_shard`) module that owns the output head's parameters: the model or the
+    transformers model inside its wrappers; None when the model is not sharded with FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return None
+    for candidate in (model, unwrap_model(model)):
+        if isinstance(candidate, FSDPModule):
+            return candidate
+    return None
+
+
+def _call_forward(_root, call, target):
+    """The registered method: call(target), views among its outputs copied (FSDP2 hooks the
+    outputs for its backward; a view would make that hook fragile and FSDP warns about it)."""
+    out = call(target)
+    fresh = lambda x: x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x  # noqa: E731
+    return tuple(fresh(x) for x in out) if isinstance(out, tuple) else fresh(out)
+
+
+def run_as_forward(model: torch.nn.Module, fn):
+    """fn(model), run as a forward of the model's FSDP2 root when it is sharded.
+
+    The fused path reads lm_head.weight directly, which FSDP2 keeps as a shard outside a forward.
+    As a registered FSDP forward method, FSDP unshards the root's parameters (embeddings, final
+    norm, head) before fn and reshards after, the decoder layers unshard in their own forwards,
+    and the backward through fn's outputs unshards the head again and reduce-scatters its
+    gradient like any other. Without FSDP2 this is fn(model).
+    """
+    root = fsdp2_root(model)
+    if root is None:
+        return fn(model)
+    if not hasattr(root, _FSDP_FORWARD_METHOD):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        setattr(root, _FSDP_FORWARD_METHOD, types.MethodType(_call_forward, root))
+        register_fsdp_forward_method(root, _FSDP_FORWARD_METHOD)
+    return getattr(root, _FSDP_FORWARD_METHOD)(fn, model)
 
 
 @contextlib.contextmanager
@@ -203,8 +252,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
             return "the MoE auxiliary loss needs the model's own forward"
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-        if is_deepspeed_zero3_enabled() or self.is_fsdp_enabled:
-            return "the lm_head weight is sharded (DeepSpeed ZeRO-3 / FSDP)"
+        if is_deepspeed_zero3_enabled():
+            # a GatheredParameters gather ends with the forward, but our backward recomputes
+            # the logits from the full head weight and its gradient needs ZeRO's reduce hooks
+            return ("DeepSpeed ZeRO-3 shards the lm_head weight, and the fused loss's backward "
+                    "needs the full weight after the forward")
         try:  # one short forward: the head must take the body's output as is
             check_output_head(self.model)
         except (ValueError, NotImplementedError) as exc:
@@ -217,9 +269,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
             warnings.warn(f"grpo_kernels.trl.GRPOTrainer: {reason}; using TRL's implementation "
                           "for it", stacklevel=3)
 
-    def _batch_unsupported(self, batch: dict, compute_aux_loss: bool = False) -> str | None:
+    def _batch_unsupported(self, batch: dict, compute_aux_loss: bool = False,
+                           model=None) -> str | None:
         if self._model_fallback is not None:
             return self._model_fallback
+        if self.is_fsdp_enabled and model is not None and fsdp2_root(model) is None:
+            return ("FSDP1 (FullyShardedDataParallel) shards the lm_head weight; use FSDP2 "
+                    "(fsdp_version: 2), whose unshard the fused path uses")
         if compute_aux_loss:
             return "the MoE auxiliary loss needs the model's own forward"
         present = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None]
@@ -231,22 +287,26 @@ class GRPOTrainer(_trl.GRPOTrainer):
         """TRL's old/ref scoring (and the policy's, on loss fallbacks) from hidden states:
         (logps [B, T], entropies [B, T] or None, None), zero at padded completion positions as
         TRL returns them. Differentiable when grad is enabled."""
-        reason = self._batch_unsupported(multimodal, compute_aux_loss)
+        reason = self._batch_unsupported(multimodal, compute_aux_loss, model)
         if reason is not None:
             self._fallback(reason)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
-        with self.accelerator.autocast():
-            out = completion_logprobs(
-                model, input_ids, attention_mask, logits_to_keep, temperature=self.temperature,
-                batch_size=batch_size, return_entropy=compute_entropy, head_dtype=self._head_dtype)
+        def score(model):
+            with self.accelerator.autocast():
+                return completion_logprobs(
+                    model, input_ids, attention_mask, logits_to_keep,
+                    temperature=self.temperature, batch_size=batch_size,
+                    return_entropy=compute_entropy, head_dtype=self._head_dtype)
+
+        out = run_as_forward(model, score)
         logps, ents = out if compute_entropy else (out, None)
         valid = attention_mask[:, -logits_to_keep:].to(logps.device, logps.dtype)
         return logps * valid, None if ents is None else ents * valid, None
 
     def _compute_loss(self, model, inputs):
-        reason = self._batch_unsupported(inputs) or self._loss_fallback
+        reason = self._batch_unsupported(inputs, model=model) or self._loss_fallback
         if reason is not None:
             self._fallback(reason)
             return super()._compute_loss(model, inputs)
@@ -265,15 +325,19 @@ class GRPOTrainer(_trl.GRPOTrainer):
         isr = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
-        with self.accelerator.autocast():
-            hidden = completion_hidden_states(model, input_ids, attention_mask, T)
-            hidden, weight, bias = head_for(hidden, model, self._head_dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
-            policy, entropy, ratio, kl = policy_terms(
-                hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
-                inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
-                self._grpo_params, num_items, isr, self._grad_filter,
-            )
+
+        def terms(model):
+            with self.accelerator.autocast():
+                hidden = completion_hidden_states(model, input_ids, attention_mask, T)
+                hidden, weight, bias = head_for(hidden, model, self._head_dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                return policy_terms(
+                    hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
+                    inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
+                    self._grpo_params, num_items, isr, self._grad_filter,
+                )
+
+        policy, entropy, ratio, kl = run_as_forward(model, terms)
         loss = policy * scale
         maskf = mask.to(entropy.dtype)
         if self._entropy_bonus_enabled:

@@ -337,3 +337,61 @@ def test_example_runs(name, args):
         line = next(x for x in out.stdout.splitlines() if x.startswith("vs trl.GRPOTrainer"))
         d_loss, d_param = (float(x.split()[-1].rstrip(",")) for x in line.split(", "))
         assert d_loss < 1e-5 and d_param < 1e-4, line
+
+
+def test_fsdp2_sharded_head_runs_the_fused_path(tmp_path):
+    """Unit level, one CPU process (gloo): a model sharded with FSDP2's fully_shard keeps its
+    head as a DTensor shard outside a forward; `run_as_forward` runs the fused policy terms as a
+    registered FSDP forward of the root, giving the unsharded model's loss and gradients. (The
+    multi-process FSDP run is grpo_train's tests/test_train_fsdp.py; the TRL trainer under
+    accelerate's FSDP2 is not run here.)"""
+    import copy
+
+    import torch.distributed as dist
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "register_fsdp_forward_method") or dist.is_initialized():
+        pytest.skip("needs torch >= 2.6 FSDP2 and no process group in this test process")
+    from grpo_kernels.hf import completion_hidden_states, head_for
+    from grpo_kernels.params import GRPOParams
+    from grpo_kernels.trl import policy_terms, run_as_forward
+    from grpo_train.tiny import build_tiny_model
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        base = build_tiny_model(build_tokenizer(), hidden_size=32, num_layers=2,
+                                tie_word_embeddings=False, seed=1)
+        sharded = copy.deepcopy(base)
+        for layer in sharded.model.layers:
+            fsdp.fully_shard(layer)
+        fsdp.fully_shard(sharded)
+        assert type(sharded.lm_head.weight).__name__ == "DTensor"
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(8, 100, (B, P + T), generator=g)
+        am = torch.ones_like(ids)
+        am[1, -3:] = 0
+        adv, mask = torch.randn(B, 1, generator=g), am[:, -T:].float()
+        params = GRPOParams(loss_type="dapo", beta=0.0)
+
+        seen = []
+
+        def terms(model):
+            hidden = completion_hidden_states(model, ids, am, T)
+            hidden, weight, bias = head_for(hidden, model)
+            seen.append(type(weight).__name__)
+            return policy_terms(hidden, weight, bias, ids[:, -T:], mask, adv, None, None, params)
+
+        with force_backend("torch"):
+            want = run_as_forward(base, terms)[0]
+            want.backward()
+            got = run_as_forward(sharded, terms)[0]
+            got.backward()
+        # inside the registered forward FSDP had unsharded the head: a plain [V, D] parameter
+        assert seen[-1] != "DTensor" and type(sharded.lm_head.weight).__name__ == "DTensor"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        for (name, p), q in zip(base.named_parameters(), sharded.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name: f"grad of {n}: {m}")
+    finally:
+        dist.destroy_process_group()
