@@ -89,7 +89,7 @@ def test_extras_and_several_tiles(backend, extra):
     check(backend, torch.float32, 2, 9, 300, hyper("dapo", "token", 0.04, 0.7, None, **extra))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_from_logits(backend, dtype):
     g = torch.Generator().manual_seed(3)
