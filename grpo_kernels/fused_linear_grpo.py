@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from . import fallback
-from .autograd import LinearHeadOp, SelectiveLogprob
+from . import custom_ops
 from .epilogue import loss_kind
-from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
+from .grpo_math import grpo_loss_from_logps
 from .params import GRPOParams
-from .selective_logprobs import IMPLS, backend_for, linear_inputs
-from .validation import LossInputs, check_grad_filter, check_linear_loss_inputs
+from .selective_logprobs import backend_for, linear_inputs, linear_logprobs_2d
+from .validation import (
+    LossInputs,
+    check_finite_advantages,
+    check_grad_filter,
+    check_linear_loss_inputs,
+)
 
 
 def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) -> dict:
@@ -52,49 +56,19 @@ def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) 
     )
 
 
-def grpo_loss_on_op(op, targets, tensors, inputs: LossInputs, params: GRPOParams, fused: bool):
-    """The GRPO loss on top of a selective log-prob op (linear head or logits).
-
-    fused: token-level ratios on the Triton backend, where the epilogue runs inside the forward
-    kernel; otherwise the differentiable log-probs go through `grpo_math` on [B, T].
-    """
-    B, T = inputs.mask.shape
-    if fused and op.failed(tensors[0]):
-        op, fused = op.on_torch(), False  # the Triton kernels failed earlier (fallback.py)
-    if fused:
-        try:
-            return _fused_loss(op, targets, tensors, inputs, params)
-        except Exception as exc:
-            # the epilogue runs only inside the Triton forward: a kernel that fails to compile
-            # or launch re-runs unfused on the chunked PyTorch backend (fallback.py)
-            x = tensors[0]
-            if not fallback.note_failure(exc, op.family, x.device, x.dtype,
-                                         f"{op.family} forward with the GRPO epilogue"):
-                raise
-        op = op.on_torch()
-    logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *tensors)
-    return grpo_loss_from_logps(
-        logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages,
-        inputs.old_logps, inputs.ref_logps, params, inputs.num_items_in_batch,
-        inputs.importance_sampling_ratio,
-    )
+def loss_op_args(inputs: LossInputs, params: GRPOParams) -> tuple:
+    """The GRPO inputs and hyperparameters of a loss op, in its schema's order (custom_ops)."""
+    n = inputs.num_items_in_batch
+    tensor_n = n if isinstance(n, torch.Tensor) else None
+    value_n = None if n is None or tensor_n is not None else float(n)
+    return (inputs.mask, inputs.advantages, inputs.old_logps, inputs.ref_logps,
+            inputs.importance_sampling_ratio, tensor_n, value_n, *custom_ops.hyper_args(params))
 
 
-def _fused_loss(op, targets, tensors, inputs: LossInputs, params: GRPOParams):
-    """Token-level loss with the epilogue inside the Triton forward kernel."""
-    B, T = inputs.mask.shape
-    weights, ent_norm = token_weights(inputs.mask, params, inputs.num_items_in_batch)
-    epilogue = epilogue_args(params, inputs, weights)
-    _, ent, loss = SelectiveLogprob.apply(op, targets, epilogue, *tensors)
-    kl, ratio = epilogue["tensors"][7:9]  # filled by the kernel, [N]
-    ent = ent.reshape(B, T)
-    if params.entropy_coef != 0.0:
-        loss = loss - params.entropy_coef * (ent * inputs.mask).sum() / ent_norm
-    metrics = grpo_metrics(
-        ent.detach(), ratio.reshape(B, T), kl.reshape(B, T) if params.beta != 0.0 else None,
-        inputs.advantages, inputs.mask, params,
-    )
-    return loss, metrics
+def loss_and_metrics(outputs, params: GRPOParams):
+    """(loss, metrics dict) from a loss op's outputs (metrics: one float32 tensor [K])."""
+    loss, metrics = outputs[0], outputs[1]
+    return loss, dict(zip(custom_ops.metric_names(params), metrics.unbind(0)))
 
 
 def fused_linear_grpo_loss(
@@ -141,7 +115,13 @@ def fused_linear_grpo_loss(
     Returns:
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
     """
-    params = GRPOParams.pick(locals())
+    params = GRPOParams(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     return fused_linear_grpo_loss_with_params(
         hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps, bias,
         params, num_items_in_batch, importance_sampling_ratio, grad_filter,
@@ -156,11 +136,36 @@ def fused_linear_grpo_loss_with_params(
     """`fused_linear_grpo_loss` with a prebuilt GRPOParams (what the nn.Module calls)."""
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch)
+                                           importance_sampling_ratio, num_items_in_batch,
+                                           check_values=False)  # the op checks values
     B, T, D = hidden.shape
+    eps = check_grad_filter(grad_filter, hidden.dtype)
     backend = backend_for(hidden)
-    fused = backend == "triton" and params.importance_sampling_level == "token"
-    op = LinearHeadOp(IMPLS[backend], params.temperature,
-                      check_grad_filter(grad_filter, hidden.dtype))
-    tensors = linear_inputs(hidden.reshape(B * T, D), weight, bias)
-    return grpo_loss_on_op(op, ids.reshape(-1), tensors, inputs, params, fused)
+    if backend == "triton" and params.importance_sampling_level == "token":
+        outputs = custom_ops.OPS.linear_grpo_loss(
+            *linear_inputs(hidden.reshape(B * T, D), weight, bias), ids.reshape(-1),
+            *loss_op_args(inputs, params), eps, backend)
+        return loss_and_metrics(outputs, params)
+    logp, ent = linear_logprobs_2d(hidden.reshape(B * T, D), weight, bias, ids.reshape(-1),
+                                   params.temperature, backend, eps, "completion_ids")
+    return unfused_loss(logp, ent, inputs, params)
+
+
+def unfused_loss(logp, ent, inputs: LossInputs, params: GRPOParams):
+    """Sequence-level ratios, or the chunked PyTorch backend: the differentiable log-probs of the
+    selective op (which checks the token ids) go through `grpo_math` on [B, T] (traceable)."""
+    check_finite_traceable(inputs.advantages)
+    B, T = inputs.mask.shape
+    return grpo_loss_from_logps(
+        logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages,
+        inputs.old_logps, inputs.ref_logps, params, inputs.num_items_in_batch,
+        inputs.importance_sampling_ratio)
+
+
+def check_finite_traceable(advantages: torch.Tensor) -> None:
+    """The finite-advantages check; under torch.compile an in-graph assertion (no graph break)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(torch.isfinite(advantages).all(),
+                            "advantages contain NaN or inf (GRPO_SPEC.md: nan_to_num)")
+    else:
+        check_finite_advantages(advantages)

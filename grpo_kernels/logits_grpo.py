@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .autograd import LogitsOp, SelectiveLogprob
-from .fused_linear_grpo import grpo_loss_on_op
+from . import custom_ops
+from .fused_linear_grpo import loss_and_metrics, loss_op_args, unfused_loss
 from .params import GRPOParams
-from .selective_logprobs import IMPLS, backend_for
+from .selective_logprobs import backend_for
 from .validation import (
     check_logits,
     check_logits_loss_inputs,
@@ -32,6 +32,12 @@ def _as_btv(logits: torch.Tensor) -> torch.Tensor:
     elif logits.dim() > 3:
         logits = logits.reshape(-1, *logits.shape[-2:])
     return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def _eager(inplace: bool) -> bool:
+    """`inplace` holds in eager mode; a compiled graph allocates d logits itself (an in-place
+    write into a forward input from the backward graph is not something it can express)."""
+    return bool(inplace) and not torch.compiler.is_compiling()
 
 
 def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=False,
@@ -54,10 +60,10 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=Fal
     temperature = check_temperature(temperature)
     lead = logits.shape[:-1]
     ids = check_token_ids("targets", targets, logits.shape[-1], lead, logits.device,
-                          "logits.shape[-1]")
+                          "logits.shape[-1]", check_values=False)  # the op checks the range
     x = _as_btv(logits)
-    op = LogitsOp(IMPLS[backend_for(x)], temperature, inplace)
-    logp, ent, _ = SelectiveLogprob.apply(op, ids.reshape(-1), None, x)
+    logp, ent, _ = custom_ops.OPS.logits_logprobs(x, ids.reshape(-1), temperature,
+                                                  backend_for(x), "targets", _eager(inplace))
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
 
@@ -94,7 +100,13 @@ def grpo_loss(
     Returns:
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
     """
-    params = GRPOParams.pick(locals())
+    params = GRPOParams(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     return grpo_loss_with_params(logits, completion_ids, advantages, completion_mask, old_logps,
                                  ref_logps, params, num_items_in_batch,
                                  importance_sampling_ratio, inplace)
@@ -106,12 +118,18 @@ def grpo_loss_with_params(logits, completion_ids, advantages, completion_mask, o
     """`grpo_loss` with a prebuilt GRPOParams (what `GRPOLoss` calls)."""
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch)
+                                           importance_sampling_ratio, num_items_in_batch,
+                                           check_values=False)  # the op checks values
     x = _as_btv(logits)
     backend = backend_for(x)
-    fused = backend == "triton" and params.importance_sampling_level == "token"
-    op = LogitsOp(IMPLS[backend], params.temperature, inplace)
-    return grpo_loss_on_op(op, ids.reshape(-1), (x,), inputs, params, fused)
+    if backend == "triton" and params.importance_sampling_level == "token":
+        outputs = custom_ops.OPS.logits_grpo_loss(x, ids.reshape(-1),
+                                                  *loss_op_args(inputs, params), backend,
+                                                  _eager(inplace))
+        return loss_and_metrics(outputs, params)
+    logp, ent, _ = custom_ops.OPS.logits_logprobs(x, ids.reshape(-1), params.temperature,
+                                                  backend, "completion_ids", _eager(inplace))
+    return unfused_loss(logp, ent, inputs, params)
 
 
 class GRPOLoss(nn.Module):

@@ -15,10 +15,9 @@ from types import SimpleNamespace
 
 import torch
 
-from . import chunked, linear_backward_gemm
+from . import chunked, custom_ops, linear_backward_gemm
 from . import linear_logprobs as triton_impl
 from . import logits_logprobs as logits_impl
-from .autograd import LinearHeadOp, SelectiveLogprob
 from .validation import (
     check_grad_filter,
     check_linear_head,
@@ -109,10 +108,13 @@ def backend_for(x: torch.Tensor) -> str:
     return "triton" if triton_ok else "torch"
 
 
-def linear_logprobs_2d(hidden, weight, bias, targets, temperature, backend, grad_filter=None):
-    """Unchecked core: [N, D] hidden and int64 [N] targets -> (logp, entropy), each [N]."""
-    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
-    logp, ent, _ = SelectiveLogprob.apply(op, targets, None, *linear_inputs(hidden, weight, bias))
+def linear_logprobs_2d(hidden, weight, bias, targets, temperature, backend, grad_filter=None,
+                       ids_name="targets"):
+    """[N, D] hidden and int64 [N] targets -> (logp, entropy), each [N], through the custom
+    operator grpo_kernels::linear_logprobs (which checks the id range)."""
+    logp, ent, _ = custom_ops.OPS.linear_logprobs(
+        *linear_inputs(hidden, weight, bias), targets, temperature, grad_filter, backend,
+        ids_name)
     return logp, ent
 
 
@@ -154,7 +156,8 @@ def selective_logprobs(
     check_linear_head(hidden, weight, bias)
     temperature = check_temperature(temperature)
     lead = hidden.shape[:-1]
-    ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device)
+    ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device,
+                          check_values=False)  # the op checks the range (torch.compile)
     eps = check_grad_filter(grad_filter, hidden.dtype)
     logp, ent = linear_logprobs_2d(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, ids.reshape(-1), temperature,

@@ -1,0 +1,174 @@
+"""torch.compile: the public losses are custom operators (grpo_kernels/custom_ops.py), so a
+compiled training step that calls them traces with fullgraph=True (no graph break anywhere in
+validation or dispatch) and gives eager's loss, metrics and gradients; `torch.library.opcheck`
+checks each operator's schema, fake (meta) implementation and autograd registration.
+
+Runs on both backends: the Triton kernels in the interpreter and the chunked PyTorch path."""
+
+import pytest
+import torch
+from helpers import leaf, make_grpo_batch, make_head
+
+import grpo_kernels as gk
+from grpo_kernels import custom_ops
+from grpo_kernels.grpo_math import grpo_metrics
+from grpo_kernels.params import GRPOParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BACKENDS = ["triton", "torch"]
+KW = dict(beta=0.04, epsilon_high=0.28, entropy_coef=0.01)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def problem(seed=0, B=2, T=5, D=8, V=37):
+    hidden, weight, bias, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=seed, bias=True,
+                                          scale=2.0)
+    return (hidden, weight, bias, ids), make_grpo_batch(hidden, weight, bias, ids, seed=seed)
+
+
+def linear_step(h, w, b, ids, mask, adv, old, ref, **kw):
+    loss, metrics = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, b, **{**KW, **kw})
+    return loss * 1.0, metrics
+
+
+def module_step(h, w, b, ids, mask, adv, old, ref, loss_fn):
+    return loss_fn(h, w, ids, adv, mask, old, ref, b)
+
+
+def logits_step(h, w, b, ids, mask, adv, old, ref, **kw):
+    loss, metrics = gk.grpo_loss(h @ w.T + b, ids, adv, mask, old, ref, **{**KW, **kw})
+    return loss, metrics
+
+
+def logprob_step(h, w, b, ids, *_):
+    logp, ent = gk.selective_logprobs(h, w, ids, b, temperature=0.7, return_entropy=True)
+    logp2 = gk.logprobs_from_logits(h @ w.T + b, ids, temperature=0.7)
+    return (logp * 0.3 + logp2).sum() + 0.1 * ent.sum(), {}
+
+
+def run(step, compiled, head, grpo, **kw):
+    hidden, weight, bias, ids = head
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+    fn = torch.compile(step, fullgraph=True, backend=compiled) if compiled else step
+    loss, metrics = fn(h, w, b, ids, *grpo, **kw)
+    loss.backward()
+    return [loss.detach(), *metrics.values(), h.grad, w.grad, b.grad], list(metrics)
+
+
+def assert_same(ours, want, exact):
+    (o_vals, o_keys), (w_vals, w_keys) = ours, want
+    assert o_keys == w_keys
+    for o, w in zip(o_vals, w_vals):
+        if exact:
+            assert torch.equal(o, w), (o, w)
+        else:  # inductor may fuse the surrounding PyTorch ops differently
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
+
+
+STEPS = {
+    "fused_linear_grpo_loss": (linear_step, {}),
+    "fused_linear_grpo_loss-sequence": (linear_step, dict(importance_sampling_level="sequence")),
+    "fused_linear_grpo_loss-cispo": (linear_step, dict(loss_type="cispo", epsilon_high=4.0)),
+    "grpo_loss": (logits_step, {}),
+    "selective_logprobs+logprobs_from_logits": (logprob_step, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_eager_backend_matches_eager(backend, name):
+    step, kw = STEPS[name]
+    head, grpo = problem()
+    with gk.force_backend(backend):
+        want = run(step, None, head, grpo, **kw)
+        ours = run(step, "eager", head, grpo, **kw)
+    assert_same(ours, want, exact=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modules_compile(backend):
+    head, grpo = problem(seed=1)
+    with gk.force_backend(backend):
+        loss_fn = gk.FusedLinearGRPOLoss(beta=0.04, loss_type="grpo", grad_filter="auto")
+        want = run(module_step, None, head, grpo, loss_fn=loss_fn)
+        ours = run(module_step, "eager", head, grpo, loss_fn=loss_fn)
+    assert_same(ours, want, exact=True)
+
+
+@pytest.mark.slow
+def test_inductor_matches_eager():
+    """The default backend (inductor, C++ codegen on CPU) around the fused loss."""
+    head, grpo = problem(seed=2)
+    want = run(linear_step, None, head, grpo)
+    ours = run(linear_step, "inductor", head, grpo)
+    assert_same(ours, want, exact=False)
+
+
+def test_no_recompile_for_new_values_and_value_errors_inside_the_op():
+    """Token ids and advantages are checked inside the op: a compiled step still raises the
+    eager error naming the argument, and new values reuse the graph."""
+    head, grpo = problem(seed=3)
+    hidden, weight, bias, ids = head
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    fn = torch.compile(linear_step, fullgraph=True, backend="eager")
+    fn(hidden, weight, bias, ids, *grpo)
+    fn(hidden, weight, bias, (ids + 1) % weight.shape[0], *grpo)
+    assert counts["stats"]["unique_graphs"] == 1
+    with pytest.raises(ValueError, match=r"completion_ids has token id \d+ outside \[0, 37\)"):
+        fn(hidden, weight, bias, ids + weight.shape[0], *grpo)
+    mask, adv, old, ref = grpo
+    with pytest.raises(ValueError, match="advantages contain NaN"):
+        fn(hidden, weight, bias, ids, mask, adv * float("nan"), old, ref)
+
+
+@pytest.mark.parametrize("loss_type", gk.LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_metric_names_follow_grpo_metrics(loss_type, beta):
+    params = GRPOParams(loss_type=loss_type, beta=beta, max_completion_length=4)
+    x = torch.rand(2, 3)
+    keys = grpo_metrics(x, x + 0.5, x if beta else None, torch.randn(2, 1), torch.ones(2, 3),
+                        params).keys()
+    assert custom_ops.metric_names(params) == tuple(keys)
+
+
+def _opcheck(op, args, all_checks=True):
+    tests = ["test_autograd_registration", "test_aot_dispatch_dynamic"]
+    tests += ["test_schema", "test_faketensor"] * all_checks
+    result = torch.library.opcheck(op, args, test_utils=tests)
+    assert len(result) == len(tests)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_selective_ops(backend):
+    (hidden, weight, bias, ids), _ = problem(B=1, T=3, D=4, V=5)
+    h, w, b = (leaf(x).reshape(-1, x.shape[-1]) if x.dim() > 1 else leaf(x)
+               for x in (hidden, weight, bias))
+    flat = ids.reshape(-1)
+    _opcheck(custom_ops.OPS.linear_logprobs.default,
+             (h.detach().requires_grad_(), w, b, flat, 0.7, None, backend, "targets"))
+    logits = leaf(hidden @ weight.T).detach().requires_grad_()
+    _opcheck(custom_ops.OPS.logits_logprobs.default,
+             (logits, flat, 0.7, backend, "targets", False))
+
+
+@pytest.mark.parametrize("backend", ["triton"])  # the loss ops run the fused token-level path
+def test_opcheck_loss_ops(backend):
+    (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(B=2, T=2, D=4, V=5)
+    params = GRPOParams(beta=0.04, entropy_coef=0.01)
+    grpo = (mask, adv.reshape(-1, 1), old, ref, None, None, None,
+            *custom_ops.hyper_args(params))
+    h = leaf(hidden.reshape(-1, 4))
+    fused = True
+    _opcheck(custom_ops.OPS.linear_grpo_loss.default,
+             (h, leaf(weight), leaf(bias), ids.reshape(-1), *grpo, None, backend), fused)
+    logits = leaf(hidden @ weight.T)
+    _opcheck(custom_ops.OPS.logits_grpo_loss.default,
+             (logits, ids.reshape(-1), *grpo, backend, False), fused)
