@@ -154,18 +154,9 @@ def fused_linear_grpo_loss_with_params(
 def unfused_loss(logp, ent, inputs: LossInputs, params: GRPOParams):
     """Sequence-level ratios, or the chunked PyTorch backend: the differentiable log-probs of the
     selective op (which checks the token ids) go through `grpo_math` on [B, T] (traceable)."""
-    check_finite_traceable(inputs.advantages)
+    check_finite_advantages(inputs.advantages)  # in-graph under torch.compile
     B, T = inputs.mask.shape
     return grpo_loss_from_logps(
         logp.reshape(B, T), ent.reshape(B, T), inputs.mask, inputs.advantages,
         inputs.old_logps, inputs.ref_logps, params, inputs.num_items_in_batch,
         inputs.importance_sampling_ratio)
-
-
-def check_finite_traceable(advantages: torch.Tensor) -> None:
-    """The finite-advantages check; under torch.compile an in-graph assertion (no graph break)."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(torch.isfinite(advantages).all(),
-                            "advantages contain NaN or inf (GRPO_SPEC.md: nan_to_num)")
-    else:
-        check_finite_advantages(advantages)

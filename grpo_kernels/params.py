@@ -75,7 +75,8 @@ class GRPOParams:
     @classmethod
     def pick(cls, namespace: dict) -> GRPOParams:
         """Build from the hyperparameters found in `namespace` (e.g. a function's locals())."""
-        return cls(**{f.name: namespace[f.name] for f in fields(cls) if f.name in namespace})
+        # a constant tuple of names, not dataclasses.fields(): torch.compile traces this
+        return cls(**{name: namespace[name] for name in FIELD_NAMES if name in namespace})
 
     @property
     def eps_high(self) -> float:
@@ -84,3 +85,6 @@ class GRPOParams:
     @property
     def is_clipped(self) -> bool:
         return self.loss_type in CLIPPED_LOSS_TYPES
+
+
+FIELD_NAMES = tuple(f.name for f in fields(GRPOParams))

@@ -54,7 +54,12 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device
 
 def check_token_id_values(name: str, ids: torch.Tensor, vocab_size: int,
                           vocab_from: str = "weight.shape[0]") -> None:
-    """Every id in [0, vocab_size): an out-of-range id would read out of bounds."""
+    """Every id in [0, vocab_size): an out-of-range id would read out of bounds. Under
+    torch.compile (code traced around the ops, e.g. the reference) an in-graph assertion."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
+                            f"{name} has a token id outside [0, {vocab_size}) ({vocab_from})")
+        return
     if ids.numel():
         lo, hi = torch.aminmax(ids)
         lo, hi = int(lo), int(hi)  # one host sync
@@ -68,6 +73,11 @@ def check_token_id_values(name: str, ids: torch.Tensor, vocab_size: int,
 
 
 def check_finite_advantages(advantages: torch.Tensor) -> None:
+    """No NaN/inf; under torch.compile an in-graph assertion (no graph break)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(torch.isfinite(advantages).all(),
+                            "advantages contain NaN or inf (GRPO_SPEC.md: nan_to_num)")
+        return
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
                          "scored (GRPO_SPEC.md: nan_to_num)")

@@ -172,3 +172,28 @@ def test_opcheck_loss_ops(backend):
     logits = leaf(hidden @ weight.T)
     _opcheck(custom_ops.OPS.logits_grpo_loss.default,
              (logits, ids.reshape(-1), *grpo, backend, False), fused)
+
+
+def test_reference_and_unfused_paths_compile_with_in_graph_checks():
+    """Code traced around the ops (the reference; the sequence-level path) checks token ids
+    and advantages with in-graph assertions instead of a host read (no graph break)."""
+    from grpo_kernels import reference
+
+    head, (mask, adv, old, ref) = problem(seed=4)
+    hidden, weight, bias, ids = head
+
+    def ref_step(h, i, a):
+        return reference.fused_linear_grpo_loss(h, weight, i, a, mask, old, ref, bias,
+                                                beta=0.04)[0]
+
+    def seq_step(h, i, a):
+        return gk.fused_linear_grpo_loss(h, weight, i, a, mask, old, ref, bias, beta=0.04,
+                                         importance_sampling_level="sequence")[0]
+
+    for step in (ref_step, seq_step):
+        fn = torch.compile(step, fullgraph=True, backend="eager")
+        assert torch.equal(fn(hidden, ids, adv), step(hidden, ids, adv))
+        with pytest.raises(RuntimeError, match="advantages contain NaN"):
+            fn(hidden, ids, adv * float("nan"))
+    with pytest.raises(RuntimeError, match="completion_ids has a token id outside"):
+        torch.compile(ref_step, fullgraph=True, backend="eager")(hidden, ids + 37, adv)
