@@ -212,7 +212,9 @@ def main(argv=None) -> int:
 
 
 def _rounded(row: dict) -> dict:
-    return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
+    """Seconds to the millisecond, MiB to 0.1 MiB."""
+    return {k: (f"{v:.3f}" if k.endswith("_s") else f"{v:.1f}") if isinstance(v, float) else v
+            for k, v in row.items()}
 
 
 def _format(r: dict) -> str:
