@@ -6,10 +6,15 @@ step that calls them (fullgraph=True) and treats each kernel call as one opaque 
     grpo_kernels::linear_grpo_loss                                   fused_linear_grpo_loss
     grpo_kernels::logits_grpo_loss                                   grpo_loss
 
+The loss ops serve the fused token-level Triton path (GRPO epilogue inside the forward kernel).
+Sequence-level ratios and the chunked backend call the selective log-prob op and run
+`grpo_math` on [B, T] as ordinary (traceable) PyTorch around it.
+
 The public functions keep the checks that need only shapes and dtypes in Python (traceable);
-value checks (token ids in range, finite advantages) run inside the ops' eager implementations,
-so nothing reads a tensor's value while tracing. Hyperparameters are plain float/int/bool/str op
-arguments, metrics come back as one float32 tensor [K] (names: `metric_names`).
+value checks (token ids in range, finite advantages) run inside the ops' eager implementations
+(or, for code traced around them, as in-graph assertions), so nothing reads a tensor's value
+while tracing. Hyperparameters are plain float/int/bool/str op arguments, metrics come back as
+one float32 tensor [K] (names: `metric_names`).
 
 The eager implementations run the launchers through `autograd.LinearHeadOp`/`LogitsOp` (with the
 fallback of `fallback.py`). A loss op returns, besides the loss, the per-token statistics and the
@@ -23,9 +28,8 @@ import importlib
 
 import torch
 
-from . import autograd
+from . import autograd, fallback
 from .autograd import LinearHeadOp, LogitsOp
-from .epilogue import loss_kind
 from .grpo_math import grpo_loss_from_logps, grpo_metrics, token_weights
 from .params import GRPOParams
 from .validation import LossInputs, check_finite_advantages, check_token_id_values
@@ -240,10 +244,11 @@ def grpo_loss_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams
     entropy [N], dloss/dlogp [N], dloss/dentropy [N] or None when entropy_coef == 0).
 
     fused (token level on Triton): the epilogue inside the forward kernel gives weight·ℓ and
-    weight·dℓ/dlogp per token; otherwise `grpo_math` runs on [B, T] and torch.func.grad gives
-    the coefficients (the same operations autograd would record)."""
-    from . import fallback  # noqa: PLC0415  (fallback imports nothing of ours at import time)
-
+    weight·dℓ/dlogp per token. Otherwise (a loss op called on the torch backend, or the fused
+    kernel failed and fell back) `grpo_math` runs on [B, T] and torch.func.grad gives the
+    coefficients (the operations autograd would record). That branch runs eagerly only: under
+    AOTAutograd's tracing modes torch.func cannot see through the op's inputs, which is why
+    the public functions route every unfused case around the loss ops."""
     fused = fused and params.importance_sampling_level == "token"
     if fused and op.failed(tensors[0]):
         op, fused = op.on_torch(), False  # the Triton kernels failed earlier (fallback.py)
@@ -273,12 +278,11 @@ def grpo_loss_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams
 
 
 def _fused_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams):
-    from .fused_linear_grpo import epilogue_args  # noqa: PLC0415  (it imports this module)
+    from .fused_linear_grpo import epilogue_args  # late: fused_linear_grpo imports this module
 
     B, T = inputs.mask.shape
     weights, ent_norm = token_weights(inputs.mask, params, inputs.num_items_in_batch)
     epilogue = epilogue_args(params, inputs, weights)
-    assert epilogue["LOSS_KIND"] == loss_kind(params.loss_type)
     _, ent, lse = op.forward(targets, epilogue, *tensors)
     lossw, coef_logp, kl, ratio = epilogue["tensors"][5:9]  # filled by the kernel, [N]
     loss = lossw.sum()

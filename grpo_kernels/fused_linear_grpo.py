@@ -1,10 +1,11 @@
 """Fused linear GRPO loss: hidden states + lm_head weight -> GRPO loss, without [N, V] logits.
 
 Token-level importance sampling on the Triton backend runs the GRPO epilogue inside the forward
-kernel (per-token loss and dℓ/dlogp in one pass); backward is one recompute-and-accumulate kernel
+kernel (per-token loss and dℓ/dlogp in one pass), as the custom operator
+grpo_kernels::linear_grpo_loss (custom_ops.py); backward is one recompute-and-accumulate kernel
 driven by that saved coefficient. Sequence-level (GSPO) ratios need every token of a sequence
 first, so that case, and the chunked PyTorch backend, use the differentiable selective log-prob
-plus `grpo_math` on [B, T].
+op plus `grpo_math` on [B, T].
 """
 
 from __future__ import annotations
