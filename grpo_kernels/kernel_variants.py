@@ -160,6 +160,17 @@ def _tag(epi: tuple) -> str:
     return "+".join([kind, *flags])
 
 
+def forward_grid(arch: int, N: int, D: int, V: int, dtype) -> tuple:
+    """(token blocks, vocabulary tiles, splits S, tiles per split) as the forward launcher
+    computes them, on a GPU with the typical SM count of `arch`."""
+    cfg = tile_configs.linear_fwd(N, V, D, dtype, None, arch=arch)
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    n_tiles = triton.cdiv(V, cfg["BLOCK_V"])
+    S = tile_configs.num_splits(n_blocks, n_tiles, cfg["GROUP_N"], None, sms=SMS[arch])
+    per_split = triton.cdiv(n_tiles, S)
+    return n_blocks, n_tiles, triton.cdiv(n_tiles, per_split), per_split
+
+
 def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
             defaults: set):
     """The linear head's forward and backward kernels at one shape, for hidden dtype `hdt` and
@@ -168,11 +179,7 @@ def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
     dt = h if h == w else f"{h}x{w}"
     vtag = f"V%16={V % 16}"
     fcfg, fopts = _split_cfg(tile_configs.linear_fwd(N, V, D, hdt, None, arch=arch))
-    n_blocks = triton.cdiv(N, fcfg["BLOCK_N"])
-    n_tiles = triton.cdiv(V, fcfg["BLOCK_V"])
-    S = tile_configs.num_splits(n_blocks, n_tiles, fcfg["GROUP_N"], None, sms=SMS[arch])
-    per_split = triton.cdiv(n_tiles, S)
-    S = triton.cdiv(n_tiles, per_split)
+    n_blocks, n_tiles, S, per_split = forward_grid(arch, N, D, V, hdt)
     heads = dict(h_ptr=Ptr(h), w_ptr=Ptr(w), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"),
                  ent_ptr=Ptr("fp32"), V=V, D=D, stride_hn=D, stride_wv=D, inv_temp=1.0)
     combos = itertools.product((False, True), (False, True), EPILOGUES)
@@ -256,18 +263,23 @@ def _accumulate(arch, c, dtype, a_t, rows, cols, D, N, default):
                    amm._accumulate_mm_kernel, args, aopts, "accumulate_mm", default)
 
 
-def _combine(quick: bool, arch: int):
-    """The split-combine kernel for every power-of-two BLOCK_S up to MAX_SPLITS; S itself is
-    specialized (S = 16, 32, 64 are multiples of 16, the others not)."""
-    sizes = (8, 64) if quick else tuple(2**i for i in range(1, 7))
+def _combine(quick: bool, arch: int, default_splits: set):
+    """The split-combine kernel for every power-of-two BLOCK_S up to MAX_SPLITS (--quick: the
+    default ones and the largest); S itself is specialized (S = 16, 32, 64 are multiples of
+    16, the others not). Default: the S the default forward uses at the shapes above."""
+    default_blocks = {triton.next_power_of_2(S) for S in default_splits}
+    top = triton.next_power_of_2(tile_configs.MAX_SPLITS)
+    sizes = sorted(default_blocks | {top}) if quick else [2**i for i in range(1, 7)]
     for block_s, epi in itertools.product(sizes, EPILOGUES[:2] if quick else EPILOGUES):
-        splits = sorted({block_s, block_s // 2 + 1})  # largest and smallest S of this block
-        for S in splits if not quick else splits[-1:]:
+        splits = {block_s, block_s // 2 + 1} | {S for S in default_splits
+                                                if triton.next_power_of_2(S) == block_s}
+        for S in sorted(splits) if not quick else sorted(splits & default_splits or {block_s}):
             cfg, opts = _split_cfg(tile_configs.combine(S, None, arch=arch))
             args = dict(part_ptr=Ptr("fp32"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
                         logp_ptr=Ptr("fp32"), N=16384, S=S, **_epilogue_args(epi), **cfg)
             yield Variant(f"combine[S={S},BLOCK_S={cfg['BLOCK_S']},epi={_tag(epi)}]",
-                          lin._combine_splits_kernel, args, opts, "combine", True)
+                          lin._combine_splits_kernel, args, opts, "combine",
+                          S in default_splits)
 
 
 def _logits(arch: int, V: int, dtype, quick: bool):
@@ -329,7 +341,9 @@ def variants(arch: int, quick: bool = False) -> list:
         for V in sorted({v for _, v in heads}):
             for v in _logits(arch, V, hdt, quick):
                 _add(out, seen, v)
-    for v in _combine(quick, arch):
+    default_splits = {forward_grid(arch, N, D, V, hdt)[2] for hdt, _ in pairs
+                      for (D, V), N in itertools.product(heads, TOKENS)} - {1}
+    for v in _combine(quick, arch, default_splits):
         _add(out, seen, v)
     return out
 

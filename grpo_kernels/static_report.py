@@ -55,7 +55,7 @@ def resource_usage(cubin: bytes) -> dict:
     return dict(regs=num("REG"), stack=num("STACK"), local=num("LOCAL"))
 
 
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 _MMA = re.compile(r"^(HGMMA|HMMA|UTCHMMA|UTCQMMA|UTCMMA|IMMA|QMMA|OMMA)\b")
 _ATOMIC = re.compile(r"^(ATOM|ATOMG|RED|REDG|REDUX|ATOMS|UTMAREDG)\b")
 _BRANCH_TARGET = re.compile(r"(?:0x([0-9a-f]+)|`\(\.L_x_\d+\)\s*)")
@@ -65,7 +65,10 @@ def sass_stats(cubin: bytes) -> dict:
     """Instruction mix of a cubin's SASS:
     mma_loop: tensor-core instructions per iteration of the innermost loop that has any, as
               {opcode: count} (the main loop of a tiled dot; empty when there is none);
-    mma_total, atomics (global/shared atomic and reduction instructions), spill_ops (LDL/STL)."""
+    mma_total, atomics (global/shared atomic and reduction instructions), spill_ops (LDL/STL);
+    loop_instrs: instructions per thread in one iteration of that loop; tile_instrs: those of
+    the enclosing loop outside it (per output tile: softmax, masks, stores), or of the whole
+    kernel outside it when there is no enclosing loop (one tile per program)."""
     text = _run_tool("cuobjdump", ["-sass"], cubin)
     instrs = [(int(a, 16), op, rest) for a, op, rest in _INSTR.findall(text)]
     mma_total = sum(bool(_MMA.match(op)) for _, op, _ in instrs)
@@ -79,18 +82,28 @@ def sass_stats(cubin: bytes) -> dict:
             if m and int(m.group(1), 16) <= addr:
                 loops.append((int(m.group(1), 16), addr))
     best: dict = {}
-    best_span = None
+    inner = None
     for lo, hi in loops:
         body = [op for a, op, _ in instrs if lo <= a <= hi and _MMA.match(op)]
-        if not body:
-            continue
-        span = hi - lo
-        if best_span is None or span < best_span:
-            best_span = span
+        if body and (inner is None or hi - lo < inner[1] - inner[0]):
+            inner = (lo, hi)
             best = {}
             for op in body:
                 best[op] = best.get(op, 0) + 1
-    return dict(mma_loop=best, mma_total=mma_total, atomics=atomics, spill_ops=spill_ops)
+    count = lambda lo, hi: sum(lo <= a <= hi for a, _, _ in instrs)  # noqa: E731
+    loop_instrs = tile_instrs = 0
+    if inner is not None:
+        loop_instrs = count(*inner)
+        # the tile loop around the main loop: its other instructions are the per-tile epilogue
+        outer = [(lo, hi) for lo, hi in loops if lo <= inner[0] and hi >= inner[1]
+                 and (lo, hi) != inner]
+        if outer:
+            lo, hi = min(outer, key=lambda r: r[1] - r[0])
+            tile_instrs = count(lo, hi) - loop_instrs
+        else:  # one tile per program: everything outside the main loop, once
+            tile_instrs = len(instrs) - loop_instrs
+    return dict(mma_loop=best, mma_total=mma_total, atomics=atomics, spill_ops=spill_ops,
+                loop_instrs=loop_instrs, tile_instrs=tile_instrs)
 
 
 def blocks_per_sm(arch: int, regs: int, warps: int, shared: int) -> int:
