@@ -5,7 +5,9 @@ Without a recorder installed these are no-ops costing one global read. A benchma
 `PhaseRecorder` with `recording(...)` and gets, per step and per phase:
   start_bytes  memory when the phase began,
   peak_bytes   the highest memory seen while the phase was the innermost one running,
-  end_bytes    memory when it ended, and its wall time (less that of phases nested in it).
+  end_bytes    memory when it ended, and its wall time (less that of phases nested in it),
+  rise_bytes   what its own temporaries added: the highest (peak - base) over the stretches
+               where it ran as the innermost phase, base = memory when each stretch began.
 "Memory" is, on CUDA, the caching allocator's allocated bytes (peak: max_memory_allocated, reset
 at every boundary); on CPU, the process' resident set size read from /proc/self/statm, sampled by
 a background thread every `interval_s` and at every boundary. PyTorch's large CPU tensors are
@@ -13,8 +15,8 @@ mmapped by glibc and unmapped when freed, so the RSS falls back after a phase's 
 a temporary that lives shorter than the sampling interval can be missed (peaks are lower bounds).
 
 Nesting: a phase opened inside another (TRL's generation inside its scoring) is charged its own
-samples; the outer phase resumes afterwards. The step's peak covers everything in between
-`begin_step()` and `end_step()`, phases or not.
+samples; the outer phase resumes afterwards, from the memory the inner one left as its new
+base. The step's peak covers everything between `begin_step()` and `end_step()`, phases or not.
 """
 
 from __future__ import annotations
@@ -104,13 +106,14 @@ class PhaseRecord:
     peak_bytes: int
     end_bytes: int = 0
     seconds: float = 0.0  # own wall time: nested phases' time excluded
+    rise_bytes: int = 0  # see the module docstring
     t0: float = dataclasses.field(default=0.0, repr=False)
     nested_s: float = dataclasses.field(default=0.0, repr=False)
+    base_bytes: int = dataclasses.field(default=0, repr=False)  # this stretch's start
 
-    @property
-    def rise_bytes(self) -> int:
-        """What the phase added on top of what it started with (its temporaries)."""
-        return self.peak_bytes - self.start_bytes
+    def charge(self, seen: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, seen)
+        self.rise_bytes = max(self.rise_bytes, seen - self.base_bytes)
 
 
 class PhaseRecorder:
@@ -152,8 +155,8 @@ class PhaseRecorder:
             else:
                 seen = rss_bytes()
             for rec in (self._stack[-1] if self._stack else None, self._step):
-                if rec is not None and seen > rec.peak_bytes:
-                    rec.peak_bytes = seen
+                if rec is not None:
+                    rec.charge(seen)
             trip = self.limit_bytes is not None and seen > self.limit_bytes and not self._tripped
             self._tripped = self._tripped or trip
         if trip:
@@ -188,7 +191,7 @@ class PhaseRecorder:
         self._poll()  # what happened so far belongs to the enclosing phase
         now = self._current()
         return PhaseRecord(step=self._steps, phase=name, start_bytes=now, peak_bytes=now,
-                           t0=time.perf_counter())
+                           base_bytes=now, t0=time.perf_counter())
 
     def _close(self, rec: PhaseRecord) -> None:
         if self.cuda:
@@ -213,6 +216,7 @@ class PhaseRecorder:
             self._stack.pop()
         if self._stack:
             self._stack[-1].nested_s += rec.seconds + rec.nested_s
+            self._stack[-1].base_bytes = rec.end_bytes  # the outer phase resumes from here
 
     def begin_step(self) -> None:
         self.end_step()
