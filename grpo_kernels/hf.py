@@ -87,12 +87,16 @@ def resolved_head(model: nn.Module) -> ResolvedHead:
     return resolved
 
 
+_HEAD_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _module_name(root: nn.Module, module: nn.Module) -> str:
-    """Qualified name of `module` inside `root` (for error messages), else its class name."""
-    for name, m in root.named_modules():
-        if m is module:
-            return name
-    return type(module).__name__
+    """Qualified name of `module` inside `root` (for error messages), else its class name;
+    cached per module (the walk over named_modules would otherwise run every step)."""
+    if module not in _HEAD_NAMES:
+        _HEAD_NAMES[module] = next((name for name, m in root.named_modules() if m is module),
+                                   type(module).__name__)
+    return _HEAD_NAMES[module]
 
 
 def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
