@@ -193,11 +193,16 @@ def test_lora_head_matches_trl_loss_on_the_models_own_logits(model_dir):
             assert name not in head or q.grad.abs().sum() > 0, name
 
 
-def test_lora_head_with_fp32_head_cast_is_refused(model_dir):
+def test_lora_head_with_fp32_cast_or_dora_is_refused(model_dir):
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=2, target_modules=["lm_head"])
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
         make_trainer(GRPOTrainer, model_dir, peft_config=lora, cast_lm_head_to_fp32=True)
+    # an adapter the fused head cannot reproduce is an error naming the module, not TRL's
+    # fallback (whose head code would leave it untrained)
+    dora = peft.LoraConfig(r=2, target_modules=["lm_head"], use_dora=True)
+    with pytest.raises(ValueError, match="lm_head carries a LoRA variant"):
+        make_trainer(GRPOTrainer, model_dir, peft_config=dora)
 
 
 def test_triton_kernels_match_trl(model_dir):
