@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--real-head-repeats", "--real_head_repeats", type=int, default=1,
                     help="timed calls at the real head (no warm-up there: each takes minutes)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
-    ap.add_argument("--out", default="cpu-compare.csv", help="CSV to append rows to")
+    ap.add_argument("--out", default="cpu-compare.csv",
+                    help="CSV file to append rows to, or a directory (then DIR/cpu-compare.csv)")
     ap.add_argument("--worker", choices=sorted(PROVIDER_KEYS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.real_head_repeats < 1 or args.warmup < 0:
@@ -194,11 +195,13 @@ def main(argv=None) -> int:
     for shape in shapes:
         for provider in args.real_head_providers if shape == REAL_HEAD else args.providers:
             load = "/".join(f"{x:.2f}" for x in os.getloadavg()[:2])
-            row = {**common, **_run_worker(provider, shape, args), "load_1m_5m": load,
-                   "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")}
+            row = {**common, **_run_worker(provider, shape, args), "load_1m_5m": load}
+            row["utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             rows.append(row)
             print(_format(row), flush=True)
     out = Path(args.out)
+    if out.is_dir():
+        out = out / "cpu-compare.csv"
     new = not out.exists() or out.stat().st_size == 0
     with out.open("a", newline="") as f:
         writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
