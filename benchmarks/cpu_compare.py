@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                     help="NxDxV problems (default 4096x128x32768)")
     ap.add_argument("--real-head", "--real_head", action="store_true",
                     help=f"also run N={REAL_HEAD[0]} on Qwen2.5-0.5B's head "
-                         f"(D={REAL_HEAD[1]}, V={REAL_HEAD[2]}; eager needs ~8 GB)")
+                         f"(D={REAL_HEAD[1]}, V={REAL_HEAD[2]}; eager peaked at 12 GB RSS)")
     ap.add_argument("--real-head-providers", "--real_head_providers", nargs="+",
                     choices=sorted(PROVIDER_KEYS), default=["eager", "ours"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
