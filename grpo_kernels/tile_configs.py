@@ -67,8 +67,9 @@ def linear_fwd(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device 
         return _small_matmul_tiles(2)
     # the largest tiles whose online-softmax temporaries stay in registers without spilling
     if dtype == torch.float32:
-        if cc < 80:  # sm_75: no TF32 tensor cores, the dot is FMA; smaller tiles, 64 KB smem
-            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=16, **_opts(8, 2))
+        if cc < 80:  # sm_75: no TF32 tensor cores, the dot is FMA; 64 KB smem (BLOCK_D=16
+            # spilled 8 B there, 32 does not)
+            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2))
         if cc == 90 or cc >= 100:
             return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 3))
         # sm_80/86/89 (mma.sync): 64x64 fp32 tiles spill 9 registers at BLOCK_D=32
@@ -108,8 +109,8 @@ def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
     # the dz tile and two dot results are live at once
     if dtype == torch.float32:
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2))
-    if cc < 80:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2))
+    if cc < 80:  # sm_75 (bf16 dots on FMA): BLOCK_D=32 spilled ~300 B at 255 registers
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2))
     return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2))
 
 
@@ -129,8 +130,8 @@ def accumulate_mm(dtype: torch.dtype, device: torch.device | None,
     cc = target_arch(device, arch)
     if cc is None:  # the interpreter: several tiles per dimension in small tests
         return dict(BLOCK_M=16, BLOCK_D=16, BLOCK_K=16, GROUP_M=4, **_opts(4, 1))
-    if cc < 80:  # 64 KB of shared memory: two stages of a 128 x 128 x 32 slab
-        return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=32, GROUP_M=8, **_opts(8, 2))
+    if cc < 80:  # sm_75: bf16 dots run on FMA; 128 x 128 spilled 4 KB, 64 x 64 x 16 none
+        return dict(BLOCK_M=64, BLOCK_D=64, BLOCK_K=16, GROUP_M=8, **_opts(8, 2))
     # a plain 16-bit GEMM tile: 128 x 128 float32 accumulator in registers with 8 warps, K in
     # steps of 64, 3 pipeline stages of 32 KB
     return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=64, GROUP_M=8, **_opts(8, 3))
