@@ -125,7 +125,8 @@ def signature_of(kernel, args: dict) -> tuple:
 
 
 def _split_cfg(cfg: dict) -> tuple:
-    opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in cfg}
+    opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
+            if k in cfg}
     return cfg, opts
 
 

@@ -48,10 +48,18 @@ def target_arch(device: torch.device | None, arch: int | None = None) -> int | N
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _opts(num_warps: int, num_stages: int | None = None) -> dict:
+# SMs with 1536 threads (sm_86, sm_89, sm_120): ptxas caps registers for occupancy when no
+# limit is given (compile_check: 64-128 registers and 8-48 B of spills in the logits backward
+# and the fp32/mixed forward); an explicit .maxnreg of 255 lets it use what 8 warps can have.
+UNCAPPED_REGISTERS = {86, 89, 120, 121}
+
+
+def _opts(num_warps: int, num_stages: int | None = None, cc: int | None = None) -> dict:
     opts = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION)
     if num_stages is not None:
         opts["num_stages"] = num_stages
+    if cc in UNCAPPED_REGISTERS:
+        opts["maxnreg"] = 255
     return opts
 
 
@@ -69,14 +77,14 @@ def linear_fwd(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device 
     if dtype == torch.float32:
         if cc < 80:  # sm_75: no TF32 tensor cores, the dot is FMA; 64 KB smem (BLOCK_D=16
             # spilled 8 B there, 32 does not)
-            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2))
+            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2, cc))
         if cc == 90 or cc >= 100:
-            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 3))
+            return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 3, cc))
         # sm_80/86/89 (mma.sync): 64x64 fp32 tiles spill 9 registers at BLOCK_D=32
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=16, **_opts(8, 3))
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=16, **_opts(8, 3, cc))
     if cc < 80:  # sm_75 has no bf16 mma (Triton emits FMA for bf16; fp16 uses mma.sync)
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2))
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, **_opts(8, 3))
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2, cc))
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, **_opts(8, 3, cc))
 
 
 def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device | None,
@@ -97,7 +105,8 @@ MAX_SPLITS = 64  # the combine kernel reads all splits of a token in one [BLOCK_
 
 def combine(n_splits: int, device: torch.device | None, arch: int | None = None) -> dict:
     """The split-combine kernel (`linear_logprobs._combine_splits_kernel`), S = n_splits > 1."""
-    return dict(BLOCK_N=64, BLOCK_S=triton.next_power_of_2(n_splits), **_opts(4))
+    cc = target_arch(device, arch)
+    return dict(BLOCK_N=64, BLOCK_S=triton.next_power_of_2(n_splits), **_opts(4, None, cc))
 
 
 def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
@@ -108,10 +117,10 @@ def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
         return _small_matmul_tiles(4)
     # the dz tile and two dot results are live at once
     if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2))
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2, cc))
     if cc < 80:  # sm_75 (bf16 dots on FMA): BLOCK_D=32 spilled ~300 B at 255 registers
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2))
-    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2))
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2, cc))
+    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2, cc))
 
 
 def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None = None) -> dict:
@@ -120,8 +129,9 @@ def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None 
     if cc is None:
         return _small_matmul_tiles(4)
     if dtype == torch.float32 or cc < 80:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3 if cc >= 80 else 2))
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3))
+        stages = 3 if cc >= 80 else 2
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, stages, cc))
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
 
 
 def accumulate_mm(dtype: torch.dtype, device: torch.device | None,
@@ -131,19 +141,20 @@ def accumulate_mm(dtype: torch.dtype, device: torch.device | None,
     if cc is None:  # the interpreter: several tiles per dimension in small tests
         return dict(BLOCK_M=16, BLOCK_D=16, BLOCK_K=16, GROUP_M=4, **_opts(4, 1))
     if cc < 80:  # sm_75: bf16 dots run on FMA; 128 x 128 spilled 4 KB, 64 x 64 x 16 none
-        return dict(BLOCK_M=64, BLOCK_D=64, BLOCK_K=16, GROUP_M=8, **_opts(8, 2))
+        return dict(BLOCK_M=64, BLOCK_D=64, BLOCK_K=16, GROUP_M=8, **_opts(8, 2, cc))
     # a plain 16-bit GEMM tile: 128 x 128 float32 accumulator in registers with 8 warps, K in
     # steps of 64, 3 pipeline stages of 32 KB
-    return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=64, GROUP_M=8, **_opts(8, 3))
+    return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=64, GROUP_M=8, **_opts(8, 3, cc))
 
 
 def logits(V: int, device: torch.device | None, arch: int | None = None) -> dict:
     """Logits-input kernels (`logits_logprobs`)."""
-    if target_arch(device, arch) is None:
+    cc = target_arch(device, arch)
+    if cc is None:
         return dict(ROWS=4, BLOCK_V=64, **_opts(4))
     # one row per program streams V in chunks of 4096 (16 elements, 2-4 16-byte loads per
     # thread); small V packs rows together. 8192-wide chunks spill on sm_80 when V is not a
     # multiple of 16 (the loads cannot be vectorized: 128 registers + 8 B of stack).
     block = min(triton.next_power_of_2(V), 4096)
     rows = max(1, min(16, 4096 // triton.next_power_of_2(V)))
-    return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= 4096 else 4))
+    return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= 4096 else 4, None, cc))
