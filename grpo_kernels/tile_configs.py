@@ -48,10 +48,11 @@ def target_arch(device: torch.device | None, arch: int | None = None) -> int | N
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# SMs with 1536 threads (sm_86, sm_89, sm_120): ptxas caps registers for occupancy when no
-# limit is given (compile_check: 64-128 registers and 8-48 B of spills in the logits backward
-# and the fp32/mixed forward); an explicit .maxnreg of 255 lets it use what 8 warps can have.
-UNCAPPED_REGISTERS = {86, 89, 120, 121}
+# ptxas caps registers for occupancy when no limit is given on SMs with 1536 threads (sm_86,
+# sm_89, sm_120: 64-128 registers and 8-48 B of spills in the logits backward and the fp32/mixed
+# forward, compile_check) and on sm_100 (the forward at 128 registers + 24 B); an explicit
+# .maxnreg of 255 lets it use what 8 warps can have.
+UNCAPPED_REGISTERS = {86, 89, 100, 103, 120, 121}
 
 
 def _opts(num_warps: int, num_stages: int | None = None, cc: int | None = None) -> dict:
