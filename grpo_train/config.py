@@ -51,6 +51,16 @@ class TrainConfig:
     # output format (digits, then EOS), never which answer is right. 0 disables it.
     format_warmup_steps: int = 60
     format_warmup_lr: float = 3e-3  # learning rate of the format warm-up
+    # LoRA rank (PEFT, `pip install grpo-kernels[lora]`); 0 = train every weight. With r > 0
+    # only the adapters train; the reference policy (beta > 0) is the model without them.
+    lora_r: int = 0
+    lora_alpha: float = 32.0  # LoRA scale numerator: adapters are scaled by alpha / r
+    lora_dropout: float = 0.0  # dropout on the LoRA branch's input
+    # Put an adapter on the output head too: the fused loss trains it without a merged head
+    lora_head: bool = True
+    # Keep the output head (lm_head) in float32 while the rest runs in bf16/fp16 (TRL's
+    # cast_lm_head_to_fp32): the kernels take the 16-bit hidden states with the fp32 head
+    fp32_lm_head: bool = False
 
     # ---- data --------------------------------------------------------------------------------
     # "" = the embedded arithmetic task (generated, no download); else a local
@@ -379,7 +389,7 @@ _LOWER_BOUNDS = [
     ("tiny_hidden_size", 1, False), ("tiny_layers", 1, False), ("format_warmup_steps", 0, False),
     ("top_k", 0, False), ("lr_warmup_steps", 0, False), ("max_grad_norm", 0, False),
     ("learning_rate", 0, False), ("weight_decay", 0, False), ("temperature", 0, True),
-    ("top_p", 0, True), ("max_prompt_length", 1, False),
+    ("top_p", 0, True), ("max_prompt_length", 1, False), ("lora_r", 0, False),
 ]
 
 
@@ -398,6 +408,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = getattr(cfg, name)
         if value is not None and (value <= low if strict else value < low):
             raise UsageError(f"--{name} must be {'>' if strict else '>='} {low}, got {value}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_r and cfg.lora_alpha <= 0:
+        raise UsageError(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
+    if cfg.lora_r and cfg.fsdp:
+        raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
+                         "are untested here): use DDP for LoRA runs")
+    if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
+        raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
+                         "(--lora_head): use --no_lora_head, or drop --fp32_lm_head")
     if cfg.top_p > 1:
         raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
     if not cfg.reward:

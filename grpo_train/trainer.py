@@ -42,6 +42,7 @@ from .config import grad_filter_value, resolve_auto, validate
 from .data import PromptSampler, load_examples
 from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
 from .models import (
+    apply_head_and_adapters,
     build_embedded,
     completion_mask,
     encode_prompts,
@@ -110,9 +111,13 @@ def _train(cfg) -> dict:
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
     model, tokenizer = _load_policy(cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
+    if cfg.fp32_lm_head:
+        model = apply_head_and_adapters(model, dataclasses.replace(cfg, lora_r=0), say)
     ref_model = None
     if cfg.beta != 0.0:  # the frozen initial policy; beta = 0 loads no reference at all
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.lora_r:  # adapters on the policy only: the reference is the model without them
+        model = apply_head_and_adapters(model, dataclasses.replace(cfg, fp32_lm_head=False), say)
     eos_ids = eos_token_ids(model, tokenizer)
     if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
         if hasattr(model, "activation_checkpointing_enable"):
@@ -123,7 +128,8 @@ def _train(cfg) -> dict:
         model = sharding.shard_model(model, device)
         if ref_model is not None:
             ref_model = sharding.shard_model(ref_model, device, frozen=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
@@ -153,6 +159,7 @@ def _train(cfg) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     log = MetricsLog(out_dir, accel.is_main_process, resume_step=start if start else None)
     ctx = dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast)
+    head = dict(head_dtype=torch.float32) if cfg.fp32_lm_head else {}  # fused calls' head dtype
 
     def checkpoint(step):
         rng = gather_object([capture_rng()])  # every process' RNG state, in rank order
@@ -204,10 +211,10 @@ def _train(cfg) -> dict:
             with autocast:
                 ref_logps = None if ref_model is None else causal_lm_logprobs(
                     ref_model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
-                    position_ids=pos)
+                    position_ids=pos, **head)
                 old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
                     model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
-                    position_ids=pos)
+                    position_ids=pos, **head)
             phases.end("scoring")
             # 5. optimize: micro-batches, accumulation normalized as TRL does
             mask = batch["completion_mask"].float()
@@ -225,7 +232,8 @@ def _train(cfg) -> dict:
                     with (contextlib.nullcontext() if sync else ddp_model.no_sync()), autocast:
                         loss, metrics = _loss(
                             ddp_model, loss_fn, ids[s], attn[s], pos[s], T, advantages[s],
-                            mask[s], _sl(old_logps, s), _sl(ref_logps, s), num_items, cfg.loss)
+                            mask[s], _sl(old_logps, s), _sl(ref_logps, s), num_items, cfg.loss,
+                            head)
                         if num_items is None:
                             loss = loss / n_micro  # mean of the micro-batch means
                     loss.backward()
@@ -345,12 +353,12 @@ def evaluate(model, examples: list[dict], ctx: dict) -> float:
     return (counts[0] / counts[1].clamp(min=1)).item()
 
 
-def _loss(model, loss_fn, ids, attn, pos, T, adv, mask, old, ref, num_items, which):
+def _loss(model, loss_fn, ids, attn, pos, T, adv, mask, old, ref, num_items, which, head):
     """(loss, metrics) of one micro-batch: the fused loss from hidden states, or the reference
-    that materializes [b, T, V] logits (for comparison and benchmarks)."""
+    that materializes [b, T, V] logits (for comparison and benchmarks). head: head_dtype."""
     if which == "fused":
         return causal_lm_grpo_loss(model, ids, attn, T, adv, mask, old, ref, loss_fn=loss_fn,
-                                   num_items_in_batch=num_items, position_ids=pos)
+                                   num_items_in_batch=num_items, position_ids=pos, **head)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1,
                    use_cache=False).logits[:, :-1]  # [b, T, V]
     return reference_impl.grpo_loss(logits, ids[:, -T:], adv, mask, old, ref,

@@ -1,0 +1,59 @@
+"""grpo_train's head options: LoRA (--lora_r, adapters on every linear layer and the output head,
+trained by the fused loss) and a float32 output head under bf16 (--fp32_lm_head)."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_train_loop import tiny_cfg
+
+from grpo_train import parse_config, train
+from grpo_train.cli import UsageError
+from grpo_train.config import validate
+
+pytest.importorskip("peft")
+
+
+def _policy_state(tmp_path, **overrides):
+    """(state before any RL step, state after two steps) of the trained model's parameters."""
+    before = train(tiny_cfg(tmp_path / "before", steps=0, **overrides))["model"]
+    start = {k: v.detach().clone() for k, v in before.named_parameters()}
+    after = train(tiny_cfg(tmp_path / "after", **overrides))["model"]
+    return start, {k: v.detach().clone() for k, v in after.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lora_trains_only_the_adapters_including_the_head(tmp_path, backend):
+    start, end = _policy_state(tmp_path, lora_r=4, backend=backend)
+    moved = {k for k in start if not torch.equal(start[k], end[k])}
+    assert moved, "nothing trained"
+    assert all("lora_" in k for k in moved), sorted(moved)[:5]  # base weights stay frozen
+    # the output head's adapter is among the trained ones (not silently ignored)
+    assert any("lm_head.lora_B" in k for k in moved), sorted(moved)
+
+
+def test_lora_without_head_adapter_leaves_the_head_alone(tmp_path):
+    start, end = _policy_state(tmp_path, lora_r=4, lora_head=False)
+    moved = {k for k in start if not torch.equal(start[k], end[k])}
+    assert moved and not any("lm_head" in k for k in moved), sorted(moved)
+
+
+def test_fp32_head_under_bf16_autocast_trains(tmp_path):
+    result = train(tiny_cfg(tmp_path, fp32_lm_head=True, bf16=True, backend="triton"))
+    head = result["model"].get_output_embeddings()
+    assert head.weight.dtype == torch.float32
+
+
+def test_head_option_errors_name_the_flag(tmp_path):
+    with pytest.raises(UsageError, match="--lora_dropout"):
+        parse_config(["--lora_r", "4", "--lora_dropout", "1.5"])
+    with pytest.raises(UsageError, match="--lora_r"):
+        parse_config(["--lora_r", "-1"])
+    with pytest.raises(UsageError, match="--fp32_lm_head"):
+        parse_config(["--lora_r", "4", "--fp32_lm_head"])
+    cfg = dataclasses.replace(tiny_cfg(tmp_path), fsdp=True, lora_r=4)
+    with pytest.raises(UsageError, match="--fsdp"):
+        validate(cfg)
+    # a tied head cannot become float32 alone in a pure-bf16 model
+    with pytest.raises(UsageError, match="ties its output head"):
+        train(tiny_cfg(tmp_path, fp32_lm_head=True, model_dtype="bfloat16"))
