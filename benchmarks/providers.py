@@ -200,9 +200,10 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _fused_ours(shape, dtype, device, cfg, backward="atomic", grad_filter=None):
-    """backward: the Triton backward variant (grpo_kernels/linear_backward_gemm.py);
-    grad_filter: gradient filtering of the atomic backward (None: exact)."""
+def _fused_ours(shape, dtype, device, cfg, backward="auto", grad_filter=None):
+    """backward: GRPO_KERNELS_LINEAR_BACKWARD ("auto": the default choice, the atomic-free
+    d-logits + GEMM backward unless grad_filter > 0; "atomic": the atomic backward);
+    grad_filter: gradient filtering (None: exact)."""
     import grpo_kernels
     from grpo_kernels.selective_logprobs import backend_for
 
@@ -213,7 +214,7 @@ def _fused_ours(shape, dtype, device, cfg, backward="atomic", grad_filter=None):
         backend = cfg.backend or backend_for(h)
 
     def loss():
-        # read again by the backward that follows (ours-gemm and ours alternate in a sweep)
+        # read again by the backward that follows (ours and ours-atomic alternate in a sweep)
         os.environ["GRPO_KERNELS_LINEAR_BACKWARD"] = backward
         with ctx():
             return grpo_kernels.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref,
@@ -307,8 +308,9 @@ PROVIDERS: dict[str, Provider] = {
     for p in (
         Provider("fused_linear", "ours", _fused_ours, _always,
                  "grpo_kernels.fused_linear_grpo_loss (Triton on CUDA)"),
-        Provider("fused_linear", "ours-gemm", functools.partial(_fused_ours, backward="gemm"),
-                 _needs_cuda, "ours with the d-logits-chunk + GEMM backward (no atomics)"),
+        Provider("fused_linear", "ours-atomic",
+                 functools.partial(_fused_ours, backward="atomic"), _needs_cuda,
+                 "ours with the atomic backward (GRPO_KERNELS_LINEAR_BACKWARD=atomic)"),
         Provider("fused_linear", "ours-filter",
                  functools.partial(_fused_ours, grad_filter="auto"), _needs_cuda,
                  "ours with gradient filtering (approximate). Its saving grows with how peaked "
@@ -329,7 +331,7 @@ PROVIDERS: dict[str, Provider] = {
                  "liger triton_grpo_loss: no entropy; skips masked tokens; logits [B,T+1,V]"),
     )
 }
-NAMES = ("ours", "ours-gemm", "ours-filter", "liger", "reference", "reference-compile")
+NAMES = ("ours", "ours-atomic", "ours-filter", "liger", "reference", "reference-compile")
 
 
 def select(kernels, names) -> list[Provider]:

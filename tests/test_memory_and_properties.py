@@ -168,7 +168,7 @@ def _num_compiled(kernel) -> int:
 
 @pytest.mark.gpu
 def test_no_recompile_across_sequence_lengths_and_hyperparameters():
-    from grpo_kernels import linear_logprobs
+    from grpo_kernels import linear_backward_gemm, linear_logprobs
 
     D, V = 64, 1000
     _, weight, _, _ = make_head(1, 1, D, V, torch.bfloat16, "cuda")
@@ -181,6 +181,6 @@ def test_no_recompile_across_sequence_lengths_and_hyperparameters():
                                             temperature=0.5 + 0.1 * i, beta=0.0)
         loss.backward()
         counts.append((_num_compiled(linear_logprobs._linear_logprob_fwd_kernel),
-                       _num_compiled(linear_logprobs._linear_logprob_bwd_kernel)))
+                       _num_compiled(linear_backward_gemm._linear_dz_kernel)))
     # sizes and hyperparameters are runtime arguments; only the split/no-split choice may differ
     assert counts[-1][0] <= 2 and counts[-1][1] == 1, counts
