@@ -115,7 +115,7 @@ def measure_mode(case: Case, provider: Provider, shape: Shape, mode: str, dtype,
         elif provider.name == "reference-compile":
             m = None  # the tracker cannot see allocations inside compiled CPU graphs
         else:
-            m = memory_cpu(step, grads, gbytes, case.input_bytes)
+            m = memory_cpu(step, grads, gbytes, case.input_bytes)  # None: not measurable
         if m is not None:
             out.update(peak_mib=m.peak_bytes / MiB, peak_above_mib=m.above_bytes / MiB)
     return out

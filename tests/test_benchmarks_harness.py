@@ -49,7 +49,10 @@ def test_cli_sweep_writes_csv_and_plot(tmp_path, capsys):
     for r in rows:
         assert r["status"] == "ok", r
         assert float(r["ms_p50"]) > 0 and float(r["tflops"]) > 0
-        assert float(r["peak_above_mib"]) > 0
+        if r["provider"] == "reference":
+            assert float(r["peak_above_mib"]) > 0
+        else:  # ours runs custom operators the CPU tracker cannot see into: left empty
+            assert r["peak_above_mib"] == ""
         assert r["device"].startswith("CPU ") and r["command"].startswith("python -m benchmarks")
         assert (r["head"], r["n_tokens"], r["batch"], r["seq_len"]) == ("tiny", "64", "8", "8")
     assert {r["provider"] for r in rows} == {"ours", "reference"}
@@ -124,3 +127,19 @@ def test_oom_classification_and_live_bytes():
     # forward: a@a and its square (256 KiB each) alive together; a.grad is created in backward
     assert tracker.peak >= 2 * 256 * 256 * 4
     assert tracker.current <= tracker.peak
+
+
+def test_cpu_memory_is_not_reported_where_the_tracker_cannot_see():
+    """grpo_kernels' custom operators run below the dispatch-mode tracker: a peak read around
+    them would under-count, so the CPU memory is left empty; plain PyTorch calls are measured."""
+    import grpo_kernels as gk
+    from benchmarks.measure import memory_cpu
+
+    h = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(128, 16)
+    ids = torch.randint(0, 128, (64,))
+    with gk.force_backend("torch"):
+        assert memory_cpu(lambda: gk.selective_logprobs(h, w, ids).sum().backward(), [h],
+                          h.numel() * 4, 0) is None
+    measured = memory_cpu(lambda: (h @ w.T).logsumexp(-1).sum().backward(), [h], h.numel() * 4, 0)
+    assert measured is not None and measured.peak_bytes >= 64 * 128 * 4
