@@ -99,16 +99,15 @@ def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device |
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(triton.cdiv(sms, group_n), triton.cdiv(2 * sms, n_blocks))
     hi = max(1, min(n_tiles // 4, MAX_SPLITS))
-    return whole_wave_splits(n_blocks, n_tiles, min(want, hi), hi, sms)
+    # waves of 2 programs per SM: whole ones are whole for 1 block per SM too (the 16-bit
+    # no-epilogue forward fits 2 blocks on sm_90; epilogue and fp32 variants fit 1)
+    return whole_wave_splits(n_blocks, n_tiles, min(want, hi), hi, 2 * sms)
 
 
 def whole_wave_splits(n_blocks: int, n_tiles: int, lo: int, hi: int, slots: int) -> int:
     """The split count in [lo, hi] whose n_blocks × S programs fill the last wave of `slots`
-    concurrent programs best (one block per SM is assumed: the forward's epilogue variants and
-    fp32 hold one; 16-bit no-epilogue variants fit two, whose waves a 1-block fit still packs
-    into whole pairs less well, never worse than the old fixed choice by more than a wave).
-    Among counts within 5% of the best wave efficiency the smallest wins: fewer splits mean less
-    [S, N] partial traffic and a cheaper combine. S is taken as the launcher realizes it (no
+    concurrent programs best. Among counts within 5% of the best wave efficiency the smallest
+    wins: fewer splits mean less [S, N] partial traffic and a cheaper combine. S is taken as the launcher realizes it (no
     empty split: S = cdiv(n_tiles, cdiv(n_tiles, S)))."""
     def realized(S: int) -> int:
         return triton.cdiv(n_tiles, triton.cdiv(n_tiles, S))

@@ -24,16 +24,18 @@ def test_split_count_fills_whole_waves(N, V):
     want = min(max(triton.cdiv(sms, group_n), triton.cdiv(2 * sms, n_blocks)),
                n_tiles // 4, tile_configs.MAX_SPLITS)
     assert S >= triton.cdiv(n_tiles, triton.cdiv(n_tiles, want))
-    # ...and within 5% of the best last-wave fill any allowed count reaches
+    # ...and within 5% of the best last-wave fill any allowed count reaches, in waves of two
+    # programs per SM (whole ones are whole at one block per SM too)
     def realized(s):
         return triton.cdiv(n_tiles, triton.cdiv(n_tiles, s))
 
-    best = max(_efficiency(n_blocks * realized(s), sms)
+    best = max(_efficiency(n_blocks * realized(s), 2 * sms)
                for s in range(want, min(n_tiles // 4, tile_configs.MAX_SPLITS) + 1))
-    assert _efficiency(n_blocks * S, sms) >= best - 0.05
+    assert _efficiency(n_blocks * S, 2 * sms) >= best - 0.05
 
 
 def test_split_count_fixes_the_n4096_partial_wave():
     # the audit's case: 9 splits x 32 token blocks = 288 programs = 2.18 waves of 132 SMs
     S = tile_configs.num_splits(32, triton.cdiv(151936, 128), 16, None, sms=132)
-    assert _efficiency(32 * S, 132) > 0.95 > _efficiency(32 * 9, 132)
+    for slots in (132, 264):  # one or two blocks per SM
+        assert _efficiency(32 * S, slots) > 0.95 > _efficiency(32 * 9, slots)
