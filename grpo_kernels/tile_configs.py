@@ -107,8 +107,8 @@ def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device |
 def whole_wave_splits(n_blocks: int, n_tiles: int, lo: int, hi: int, slots: int) -> int:
     """The split count in [lo, hi] whose n_blocks × S programs fill the last wave of `slots`
     concurrent programs best. Among counts within 5% of the best wave efficiency the smallest
-    wins: fewer splits mean less [S, N] partial traffic and a cheaper combine. S is taken as the launcher realizes it (no
-    empty split: S = cdiv(n_tiles, cdiv(n_tiles, S)))."""
+    wins: fewer splits mean less [S, N] partial traffic and a cheaper combine. S is taken as the
+    launcher realizes it (no empty split: S = cdiv(n_tiles, cdiv(n_tiles, S)))."""
     def realized(S: int) -> int:
         return triton.cdiv(n_tiles, triton.cdiv(n_tiles, S))
 
