@@ -222,10 +222,11 @@ def _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
     sizes and orientation from its own functions, so strides are the real ones."""
     common = torch.promote_types(hdt, wdt)
     c = ELEM[common]
-    zcfg, zopts = _split_cfg(tile_configs.linear_dz(common, None, arch=arch))
-    BN, BV = zcfg["BLOCK_N"], zcfg["BLOCK_V"]
     budget = gemm.dz_budget_bytes(N, V)
     for (dh, dw), bias, gent, filt in _backward_flags(quick):
+        zcfg, zopts = _split_cfg(tile_configs.linear_dz(common, None, arch=arch,
+                                                        entropy_grad=gent))
+        BN, BV = zcfg["BLOCK_N"], zcfg["BLOCK_V"]
         need_db = bias and dw
         rows, cols = gemm.chunk_sizes(N, V, BN, BV, common.itemsize + (4 / BN if need_db else 0),
                                       budget)

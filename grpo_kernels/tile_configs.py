@@ -144,15 +144,19 @@ def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
     return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2, cc))
 
 
-def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None = None) -> dict:
-    """d-logits kernel of the GEMM backward (`linear_backward_gemm._linear_dz_kernel`)."""
+def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None = None,
+              entropy_grad: bool = False) -> dict:
+    """d-logits kernel of the GEMM backward (`linear_backward_gemm._linear_dz_kernel`);
+    entropy_grad: the entropy's gradient is part of d logits (more live temporaries)."""
     cc = target_arch(device, arch)
     if cc is None:
         return _small_matmul_tiles(4)
     if dtype == torch.float32 or cc < 80:
         stages = 3 if cc >= 80 else 2
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, stages, cc))
-    if cc >= 100:  # sm_100: 128 x 128 with the entropy gradient spilled 32 B at 255 registers
+    # sm_100: 128 x 128 with the entropy gradient spilled 32 B at 255 registers; sm_90: 8 B
+    # (fp16, bias, entropy gradient, V not divisible by 16; the full compile_check set)
+    if cc >= 100 or (cc >= 90 and entropy_grad):
         return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
 
