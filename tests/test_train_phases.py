@@ -135,6 +135,12 @@ def test_hooks_are_noops_without_a_recorder_and_check_nesting():
 
 
 def test_memory_limit_calls_back_once_with_the_running_phase():
+    _in_fresh_process("_limit_calls_back_once")  # RSS-bound: see _in_fresh_process
+    with pytest.raises(ValueError, match="go together"):
+        phases.PhaseRecorder("cpu", limit_bytes=1)
+
+
+def _limit_calls_back_once():
     calls = []
     limit = phases.rss_bytes() + 100 * MIB
     rec = phases.PhaseRecorder("cpu", interval_s=0.001, limit_bytes=limit,
@@ -147,5 +153,3 @@ def test_memory_limit_calls_back_once_with_the_running_phase():
         partial = rec.summary(include_open=True)
     assert len(calls) == 1 and calls[0][0] == ["loss"] and calls[0][1] > limit
     assert "step" in partial and partial["loss"]["rise_bytes"] > 150 * MIB
-    with pytest.raises(ValueError, match="go together"):
-        phases.PhaseRecorder("cpu", limit_bytes=1)
