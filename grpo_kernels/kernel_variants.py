@@ -194,7 +194,8 @@ def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
                       "fwd" in defaults and split == (S > 1))
     grads = dict(glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"), filter_eps=0.0)
     # atomic backward (the default only with gradient filtering)
-    bcfg, bopts = _split_cfg(tile_configs.linear_bwd_atomic(hdt, None, arch=arch))
+    bcfg, bopts = _split_cfg(
+        tile_configs.linear_bwd_atomic(hdt, None, arch=arch, weight_dtype=wdt))
     for (dh, dw), bias, gent, filt in QUICK_BWD[-2:] if quick else _backward_flags(False):
         args = dict(heads, **grads, b_ptr=Ptr(w if bias else h), dh_ptr=Ptr("fp32"),
                     dw_ptr=Ptr("fp32"), db_ptr=Ptr("fp32"), N=N, v_begin=0, v_count=V,

@@ -441,7 +441,8 @@ def linear_logprob_backward(
     V = weight.shape[0]
     dev = hidden.device
     f32 = dict(device=dev, dtype=torch.float32)
-    cfg = dict(config or tile_configs.linear_bwd_atomic(hidden.dtype, dev))
+    cfg = dict(config or tile_configs.linear_bwd_atomic(hidden.dtype, dev,
+                                                        weight_dtype=weight.dtype))
     need_dh, need_dw, need_db = needs[0], needs[1], bias is not None and needs[2]
     dh32 = torch.zeros((N, D), **f32) if need_dh else lse
     db32 = torch.zeros(V, **f32) if need_db else lse

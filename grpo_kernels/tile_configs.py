@@ -131,17 +131,28 @@ def combine(n_splits: int, device: torch.device | None, arch: int | None = None)
 
 
 def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
-                      arch: int | None = None) -> dict:
-    """Atomic backward (`linear_logprobs._linear_logprob_bwd_kernel`)."""
+                      arch: int | None = None, weight_dtype: torch.dtype | None = None) -> dict:
+    """Atomic backward (`linear_logprobs._linear_logprob_bwd_kernel`); `dtype` is the hidden
+    states', `weight_dtype` the head's when it differs (a float32 head under 16-bit hidden)."""
     cc = target_arch(device, arch)
     if cc is None:
         return _small_matmul_tiles(4)
-    # the dz tile and two dot results are live at once
-    if dtype == torch.float32:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2, cc))
+    opts = _opts(8, 2, cc)
+    if 80 <= cc < 90:
+        # sm_80/86/89: left to itself ptxas capped the variants without d hidden at 128
+        # registers (two blocks per SM) and spilled 8 B with bias + entropy gradient (16-bit)
+        # or bias (fp32, tf32x3); the variant with both gradients already takes 160, one block
+        opts["maxnreg"] = 255
+    # the dz tile and two dot results are live at once; a float32 weight under 16-bit hidden
+    # (the mixed head) doubles the weight tile and the split dots' operands: at the 16-bit
+    # tiles it spilled 120-136 B at 255 registers on sm_80 (96 KB of shared memory, near the
+    # 99 KB of sm_86/89/120). sm_90 compiled it spill-free at 190 registers (full set), so it
+    # keeps the larger tiles there: half the atomic traffic per FLOP of the float32 ones
+    if dtype == torch.float32 or (weight_dtype == torch.float32 and cc != 90):
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **opts)
     if cc < 80:  # sm_75 (bf16 dots on FMA): BLOCK_D=32 spilled ~300 B at 255 registers
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **_opts(8, 2, cc))
-    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 2, cc))
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **opts)
+    return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **opts)
 
 
 def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None = None,
