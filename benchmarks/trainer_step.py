@@ -311,10 +311,12 @@ def main(argv=None) -> dict | int:
 def measure(args, argv) -> dict:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
+    # the checkout as the run starts (a commit made while a long run goes on is not its code)
+    env = environment(args, argv, device)
     with tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
-        recorder = make_recorder(args, argv, device, workdir)
+        recorder = make_recorder(args, device, workdir, env)
         if args.provider == "trl":
             steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device, recorder)
         else:
@@ -333,7 +335,7 @@ def measure(args, argv) -> dict:
         "phase_memory_kind": "max_memory_allocated" if cuda else "RSS sampled every 2 ms",
         "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
         "peak_memory_kind": "max_memory_allocated" if cuda else "process lifetime peak RSS",
-        **environment(args, argv, device),
+        **env,
     }
     report(args, device, row)
     return row
@@ -373,14 +375,13 @@ def report(args, device, row: dict) -> None:
         print(f"appended to {path}", flush=True)
 
 
-def make_recorder(args, argv, device, workdir: Path):
+def make_recorder(args, device, workdir: Path, env: dict):
     """The phase recorder; with --max_rss_gib on CPU, one that stops the process when its RSS
     passes the limit, after writing a row with what was measured up to there."""
     from grpo_train import phases
 
     if args.max_rss_gib is None or device.type == "cuda":
         return phases.PhaseRecorder(device)
-    env = environment(args, argv, device)  # now: the stop must be quick (no git subprocess)
 
     def stop(recorder, seen: int) -> None:  # runs on the sampling thread
         where = "/".join(recorder.open_phases()) or "no phase"
