@@ -147,7 +147,7 @@ def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
     # (the mixed head) doubles the weight tile and the split dots' operands: at the 16-bit
     # tiles it spilled 120-136 B at 255 registers on sm_80 (96 KB of shared memory, near the
     # 99 KB of sm_86/89/120). sm_90 compiled it spill-free at 190 registers (full set), so it
-    # keeps the larger tiles there: half the atomic traffic per FLOP of the float32 ones
+    # keeps the larger tiles there: 3/4 of the atomic adds per FLOP of the 64x64 tiles
     if dtype == torch.float32 or (weight_dtype == torch.float32 and cc != 90):
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=8, **opts)
     if cc < 80:  # sm_75 (bf16 dots on FMA): BLOCK_D=32 spilled ~300 B at 255 registers
