@@ -127,37 +127,40 @@ def _cache_only(flag: str, repo_id: str, revision: str | None) -> bool:
     return False
 
 
-def apply_head_and_adapters(model, cfg, say=print):
-    """--fp32_lm_head, then --lora_r: returns the model to train (a PEFT model with LoRA).
+def use_fp32_head(model) -> None:
+    """--fp32_lm_head: the output embedding's weight becomes float32 and a pre-hook casts its
+    input up, so generation and the materialized-logits loss run it as TRL's
+    cast_lm_head_to_fp32 does; the fused loss takes the 16-bit hidden states with the float32
+    weight as they are."""
+    head = model.get_output_embeddings()
+    if head.weight.dtype == torch.float32:
+        return
+    emb = model.get_input_embeddings()
+    if emb is not None and emb.weight is head.weight:
+        raise UsageError("--fp32_lm_head: this model ties its output head to the input "
+                         "embedding, which would be cast to float32 too; use "
+                         "--model_dtype float32 with --bf16 (its head is float32 already)")
+    head.float()
+    head.register_forward_pre_hook(lambda _m, args: tuple(
+        a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
 
-    fp32 head: the output embedding's weight becomes float32 and a pre-hook casts its input up,
-    so generation and the materialized-logits loss run it as TRL's cast_lm_head_to_fp32 does;
-    the fused loss takes the 16-bit hidden states with the float32 weight as they are."""
-    if cfg.fp32_lm_head:
-        head = model.get_output_embeddings()
-        if head.weight.dtype != torch.float32:
-            emb = model.get_input_embeddings()
-            if emb is not None and emb.weight is head.weight:
-                raise UsageError("--fp32_lm_head: this model ties its output head to the input "
-                                 "embedding, which would be cast to float32 too; use "
-                                 "--model_dtype float32 with --bf16 (its head is float32 already)")
-            head.float()
-            head.register_forward_pre_hook(lambda _m, args: tuple(
-                a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
-    if cfg.lora_r:
-        try:
-            from grpo_kernels.head_adapters import add_lora
 
-            model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                             head=cfg.lora_head)
-        except ImportError as err:
-            raise UsageError(f"--lora_r needs PEFT: pip install 'grpo-kernels[lora]' ({err})") \
-                from err
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
-        say(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on every linear layer"
-            f"{' and the output head' if cfg.lora_head else ''}: {trainable:,} of {total:,} "
-            "parameters train")
+def add_lora_adapters(model, cfg, say=print):
+    """--lora_r > 0: the PEFT model to train (LoRA on every linear layer, and on the output head
+    with --lora_head)."""
+    try:
+        from grpo_kernels.head_adapters import add_lora
+
+        model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                         head=cfg.lora_head)
+    except ImportError as err:
+        raise UsageError(f"--lora_r needs PEFT: pip install 'grpo-kernels[lora]' ({err})") \
+            from err
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    say(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on every linear layer"
+        f"{' and the output head' if cfg.lora_head else ''}: {trainable:,} of {total:,} "
+        "parameters train")
     return model
 
 

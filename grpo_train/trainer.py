@@ -42,7 +42,7 @@ from .config import grad_filter_value, resolve_auto, validate
 from .data import PromptSampler, load_examples
 from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
 from .models import (
-    apply_head_and_adapters,
+    add_lora_adapters,
     build_embedded,
     completion_mask,
     encode_prompts,
@@ -52,6 +52,7 @@ from .models import (
     position_ids,
     render_prompts,
     save_model,
+    use_fp32_head,
 )
 from .rewards import accuracy, combine, group_advantages, parse_reward_spec, score
 from .sharding import causal_lm_grpo_loss, causal_lm_logprobs  # hf's, via FSDP hooks if sharded
@@ -112,12 +113,12 @@ def _train(cfg) -> dict:
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
     model, tokenizer = _load_policy(cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
     if cfg.fp32_lm_head:
-        model = apply_head_and_adapters(model, dataclasses.replace(cfg, lora_r=0), say)
+        use_fp32_head(model)
     ref_model = None
     if cfg.beta != 0.0:  # the frozen initial policy; beta = 0 loads no reference at all
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if cfg.lora_r:  # adapters on the policy only: the reference is the model without them
-        model = apply_head_and_adapters(model, dataclasses.replace(cfg, fp32_lm_head=False), say)
+        model = add_lora_adapters(model, cfg, say)
     eos_ids = eos_token_ids(model, tokenizer)
     if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
         if hasattr(model, "activation_checkpointing_enable"):
