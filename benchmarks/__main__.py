@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_train.cli import MissingPathError, Parser, UsageError, run_cli
+from grpo_train.flags import MissingPathError, Parser, UsageError, run_cli
 
 from . import HEADS, KERNELS, MODES, device_slug, environment, make_shape
 from . import ceilings as ceilings_mod

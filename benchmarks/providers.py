@@ -205,7 +205,7 @@ def _fused_ours(shape, dtype, device, cfg, backward="auto", grad_filter=None):
     d-logits + GEMM backward unless grad_filter > 0; "atomic": the atomic backward);
     grad_filter: gradient filtering (None: exact)."""
     import grpo_kernels
-    from grpo_kernels.selective_logprobs import backend_for
+    from grpo_kernels.ops.backends import backend_for
 
     h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
     ctx = (lambda: grpo_kernels.force_backend(cfg.backend)) if cfg.backend else (

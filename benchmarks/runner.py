@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_train.cli import UsageError
+from grpo_train.flags import UsageError
 
 from . import MODES, Shape, flops, logits_bytes
 from .measure import MiB, is_oom, memory_cpu, memory_cuda, release_memory, time_call

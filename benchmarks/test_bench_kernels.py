@@ -86,9 +86,9 @@ def test_logits_ours_cpu(benchmark):
 
 
 def test_fused_linear_triton_interpreter_cpu(benchmark):
-    from grpo_kernels import linear_logprobs
+    from grpo_kernels.kernels.tile_configs import INTERPRET
 
-    if not linear_logprobs.INTERPRET:
+    if not INTERPRET:
         pytest.skip("Triton interpreter not enabled (TRITON_INTERPRET=1 before triton import)")
     cfg = LossConfig(backend="triton")
     _run(benchmark, CPU, "fused_linear", "ours", MICRO, "fwd+bwd", torch.float32, cfg, rounds=2)

@@ -15,7 +15,7 @@ optimizer step (AdamW) per generation batch with all G sequences in one micro-ba
 loss_type "dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults).
 
 Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end),
-tokens/s = G·(prompt + completion tokens) / step time, and memory by phase (grpo_train.phases):
+tokens/s = G·(prompt + completion tokens) / step time, and memory by phase (benchmarks/phases.py):
 generation, scoring (rewards; reference/old log-probs when configured), loss (forward + backward
 of every micro-batch) and optimizer (clipping, AdamW step, zeroing), plus the whole step. For each:
 peak = the highest memory while it ran and rise = peak - memory at its start (what its
@@ -45,7 +45,9 @@ from pathlib import Path
 
 import torch
 
-from grpo_train.cli import Parser, run_cli
+from grpo_train.flags import Parser, run_cli
+
+from . import phases
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/trainer_step.py` from anywhere
@@ -92,10 +94,9 @@ def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
 def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
                    recorder) -> list[dict]:
     """Steps of our trainer; per-step numbers from its metrics.jsonl."""
-    from grpo_train import phases
+    from grpo_train import train
     from grpo_train.config import TrainConfig
     from grpo_train.logs import read_metrics
-    from grpo_train.trainer import train
 
     cuda = device.type == "cuda"
     cfg = TrainConfig(
@@ -110,7 +111,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         eval_every=0, save_every=0, plot=False, save_final_model=False, progress=False,
         seed=args.seed, device="cuda" if cuda else "cpu", backend=args.backend)
     with phases.recording(recorder):
-        train(cfg)
+        train(cfg, phases=phases)
     steps = [dict(step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
                   peak_gib=r["peak_memory_gib"], completion_length=r["completion_length"])
              for r in read_metrics(workdir / "run" / "metrics.jsonl") if "reward" in r]
@@ -124,7 +125,6 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_train import phases
     from grpo_train.logs import peak_memory_bytes
     from grpo_train.models import DTYPES
 
@@ -178,7 +178,6 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
 def _metered_grpo_trainer(base):
     """TRL's GRPOTrainer with grpo_train's phase marks: generation and scoring run first (as in
     TRL, inside `_prepare_inputs`), then the rest of `training_step` is the loss phase."""
-    from grpo_train import phases
 
     class MeteredGRPOTrainer(base):
         _prepared = None
@@ -378,7 +377,6 @@ def report(args, device, row: dict) -> None:
 def make_recorder(args, device, workdir: Path, env: dict):
     """The phase recorder; with --max_rss_gib on CPU, one that stops the process when its RSS
     passes the limit, after writing a row with what was measured up to there."""
-    from grpo_train import phases
 
     if args.max_rss_gib is None or device.type == "cuda":
         return phases.PhaseRecorder(device)

@@ -3,7 +3,7 @@
     python examples/lora_head.py          # CPU, a few seconds, no downloads
 
 A tiny random Qwen2 (built from a config, untied head) gets a PEFT LoRA adapter on every linear
-layer *and on lm_head* (`grpo_kernels.head_adapters.add_lora`). The fused loss folds the head's
+layer *and on lm_head* (`grpo_kernels.hf.head_adapters.add_lora`). The fused loss folds the head's
 adapter into one linear call (hidden' = [h, s·h·Aᵀ], weight' = [W, B]): no [B, T, V] logits and
 no merged [V, D] weight. The script
 
@@ -20,8 +20,8 @@ import time
 import torch
 
 from grpo_kernels import FusedLinearGRPOLoss, reference
-from grpo_kernels.head_adapters import add_lora
 from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
+from grpo_kernels.hf.head_adapters import add_lora
 from grpo_train.tiny import build_tiny_model, build_tokenizer
 
 B, P, T = 8, 6, 5  # sequences, prompt length, completion length

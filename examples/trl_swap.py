@@ -27,7 +27,7 @@ from transformers import PrinterCallback
 from trl import GRPOConfig
 
 from grpo_kernels.trl import GRPOTrainer  # was: from trl import GRPOTrainer
-from grpo_train.cli import Parser  # the flag convention of grpo-train and the benchmarks
+from grpo_train.flags import Parser  # the flag convention of grpo-train and the benchmarks
 from grpo_train.tiny import save_tiny_model
 
 PAIRS = [(12, 30), (7, 5), (40, 2), (3, 3), (9, 9), (21, 21), (1, 8), (6, 4)]

@@ -1,10 +1,16 @@
-"""grpo-kernels: fused Triton GRPO losses with TRL semantics, without full-vocabulary logits."""
+"""grpo-kernels: fused Triton GRPO losses with TRL semantics, without full-vocabulary logits.
 
-from .fused_linear_grpo import fused_linear_grpo_loss
-from .logits_grpo import GRPOLoss, grpo_loss, logprobs_from_logits
-from .modules import FusedLinearGRPOLoss
+The public API lives in this package's root modules: `functional` (the losses and selective
+log-probs), `modules` (their nn.Module forms), `params` (GRPOParams), `grpo_math` (the PyTorch
+formulas), `reference` (the pure-PyTorch twin that materializes logits) and `validation`.
+Subpackages hold the layers beneath (`kernels`, `cpu`, `ops`), the integrations (`hf`, `trl`) and
+the static GPU tools (`compile_check`).
+
+Importing the package loads only `params` (no torch, no Triton), so that command lines can read
+the hyperparameters' names and choices quickly; the functions and modules load on first use.
+"""
+
 from .params import LOSS_TYPES, GRPOParams
-from .selective_logprobs import force_backend, selective_logprobs
 
 __all__ = [
     "FusedLinearGRPOLoss",
@@ -18,3 +24,22 @@ __all__ = [
     "selective_logprobs",
 ]
 __version__ = "0.1.0"
+
+_FUNCTIONAL = ("fused_linear_grpo_loss", "grpo_loss", "logprobs_from_logits", "selective_logprobs")
+
+
+def __getattr__(name: str):
+    # PEP 562: the heavy modules (torch, Triton, the custom operators) load on first access
+    if name in _FUNCTIONAL:
+        from . import functional
+
+        return getattr(functional, name)
+    if name in ("FusedLinearGRPOLoss", "GRPOLoss"):
+        from . import modules
+
+        return getattr(modules, name)
+    if name == "force_backend":
+        from .ops.backends import force_backend
+
+        return force_backend
+    raise AttributeError(f"module 'grpo_kernels' has no attribute {name!r}")

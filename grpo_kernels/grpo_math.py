@@ -1,9 +1,10 @@
 """The GRPO per-token math and aggregation in PyTorch, on [B, T] tensors.
 
-This is the one PyTorch implementation of GRPO_SPEC.md's per-token loss, aggregation and metrics.
-The reference (`grpo_kernels.reference`), the chunked CPU path and the Triton sequence-level path
-all call it on top of their own log-probs; the fused token-level Triton kernels carry the same
-per-token math in a Triton epilogue (`epilogue.py`) and are cross-tested against this file.
+This is the one PyTorch implementation of the per-token loss, aggregation, entropy bonus and
+metrics of docs/semantics.md. The reference (`grpo_kernels.reference`), the chunked CPU path, the
+Triton sequence-level path and the TRL subclass all call it on top of their own log-probs; the
+fused token-level Triton kernels carry the same per-token math in a Triton epilogue
+(`kernels/epilogue.py`), its one twin, cross-tested against this file.
 
 Shapes: B sequences, T completion positions. `logp`, `old_logps`, `ref_logps`, `mask` are [B, T];
 `advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T].
@@ -14,45 +15,54 @@ from __future__ import annotations
 import torch
 
 from .params import GRPOParams
+from .validation import LossInputs
 
 
 def token_weights(
     mask: torch.Tensor,
     params: GRPOParams,
     num_items_in_batch: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss weights of the loss type and the entropy-bonus normalizer.
+) -> torch.Tensor:
+    """Per-token loss weights of the loss type: mask [B, T] float32 -> weight [B, T] float32.
 
-    Every aggregation of GRPO_SPEC.md is Σ_bt weight[b,t]·ℓ[b,t], which lets the kernels take the
-    weights as an input and stay generic over loss types. Padded positions always weigh 0.
-    The entropy bonus is the masked mean entropy for every loss type (TRL 1.16), so its divisor
-    is max(Σ mask, 1), never num_items_in_batch.
-    mask [B, T] float32 -> (weight [B, T] float32, n: 0-dim float32, the entropy-bonus divisor)
+    Every aggregation of docs/semantics.md is Σ_bt weight[b,t]·ℓ[b,t], which lets the kernels
+    take the weights as an input and stay generic over loss types. Padded positions weigh 0.
     """
     B, _ = mask.shape
-    n_tokens = mask.sum().clamp(min=1.0)
     lt = params.loss_type
     if lt in ("grpo", "sapo"):
         # mean over sequences of the per-sequence masked mean
         seq_len = mask.sum(-1, keepdim=True).clamp(min=1.0)
-        weight = mask / (seq_len * B)
-    elif lt == "bnpo":
-        weight = mask / n_tokens
-    elif lt == "dr_grpo":
-        weight = mask / float(B * params.max_completion_length)
-    elif lt in ("dapo", "cispo"):
+        return mask / (seq_len * B)
+    if lt == "bnpo":
+        return mask / mask.sum().clamp(min=1.0)
+    if lt == "dr_grpo":
+        return mask / float(B * params.max_completion_length)
+    if params.normalizes_by_token_count:
         if num_items_in_batch is None:
-            norm = n_tokens
+            norm = mask.sum()
         else:
             norm = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
-            norm = norm.clamp(min=1.0)
-        weight = mask / norm
-    elif lt == "luspo":
+        return mask / norm.clamp(min=1.0)
+    if lt == "luspo":
         # mean over sequences of Σ_t mask·ℓ: a sequence weighs its length (TRL 1.16)
-        weight = mask / float(max(B, 1))
-    else:  # pragma: no cover - GRPOParams validated loss_type
-        raise ValueError(f"unknown loss_type {lt!r}")
-    return weight, n_tokens
+        return mask / float(max(B, 1))
+    raise ValueError(f"unknown loss_type {lt!r}")  # pragma: no cover - GRPOParams validated it
+
+
+def entropy_bonus_weights(mask: torch.Tensor, entropy_coef: float) -> torch.Tensor:
+    """d(entropy bonus)/d entropy per token: -entropy_coef · mask / max(Σ mask, 1).
+
+    The bonus is -entropy_coef × the masked mean entropy for every loss type (TRL 1.16), never
+    divided by num_items_in_batch; written as Σ weight·entropy so that the fused kernels' loss
+    op can return the weight as its entropy coefficient. mask [B, T] (or [N]) -> same shape."""
+    return mask * (-entropy_coef / mask.sum().clamp(min=1.0))
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float) -> torch.Tensor:
+    """The term added to the loss: -entropy_coef · Σ mask·entropy / max(Σ mask, 1); 0-dim,
+    differentiable w.r.t. entropy. entropy, mask [B, T]."""
+    return (entropy_bonus_weights(mask, entropy_coef) * entropy).sum()
 
 
 def importance_log_weights(
@@ -74,7 +84,7 @@ def per_token_loss(
     params: GRPOParams,
     importance_sampling_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """ℓ of GRPO_SPEC.md, differentiable w.r.t. logp.
+    """ℓ of docs/semantics.md, differentiable w.r.t. logp.
 
     Returns (loss [B, T] or [B, 1], ratio w [B, T] or [B, 1] (detached), kl [B, T] or None).
     """
@@ -93,9 +103,8 @@ def per_token_loss(
         )
         loss = -(torch.sigmoid(t * (w - 1)) * 4 / t) * A
     else:
-        clipped = torch.clamp(w, 1 - params.epsilon_low, 1 + params.eps_high)
-        unclipped = w if params.delta is None else torch.clamp(w, max=params.delta)
-        loss = -torch.minimum(unclipped * A, clipped * A)
+        clipped = torch.clamp(w, *params.clip_range)
+        loss = -torch.minimum(capped_ratio(w, params) * A, clipped * A)
     if importance_sampling_ratio is not None:
         loss = loss * importance_sampling_ratio
     kl = None
@@ -106,6 +115,28 @@ def per_token_loss(
             kl = kl * w
         loss = loss + params.beta * kl
     return loss, w.detach(), kl
+
+
+def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
+    """The ratio of the unclipped term: capped at `delta` (two-sided clipping) when set."""
+    return ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
+
+
+CLIP_FLAGS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CISPO_FLAG = "cispo_clip_ratio"
+
+
+def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
+    """The clip flags logged for this loss type (keys of `clip_indicators`, in order)."""
+    if params.is_clipped:
+        return CLIP_FLAGS
+    return (CISPO_FLAG,) if params.loss_type == "cispo" else ()
+
+
+def metric_names(params: GRPOParams) -> tuple[str, ...]:
+    """The keys of `grpo_metrics` for these hyperparameters, in order (the loss ops return
+    their metrics as one tensor in this order)."""
+    return ("entropy",) + (("kl",) if params.beta != 0.0 else ()) + clip_flag_names(params)
 
 
 def clip_indicators(
@@ -120,14 +151,16 @@ def clip_indicators(
     with torch.no_grad():
         A = advantages
         if params.is_clipped:
-            w = ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
-            low = (w < 1 - params.epsilon_low) & (A < 0)
-            high = (w > 1 + params.eps_high) & (A > 0)
-            return {"clip_ratio/low_mean": low.float(), "clip_ratio/high_mean": high.float(),
-                    "clip_ratio/region_mean": (low | high).float()}
-        if params.loss_type == "cispo":
-            return {"cispo_clip_ratio": ((ratio > params.eps_high) & (A > 0)).float()}
-        return {}
+            w = capped_ratio(ratio, params)
+            lo, hi = params.clip_range
+            low = (w < lo) & (A < 0)
+            high = (w > hi) & (A > 0)
+            flags = (low.float(), high.float(), (low | high).float())
+        elif params.loss_type == "cispo":
+            flags = (((ratio > params.eps_high) & (A > 0)).float(),)
+        else:
+            flags = ()
+        return dict(zip(clip_flag_names(params), flags))
 
 
 def metric_sums(
@@ -162,47 +195,30 @@ def metric_sums(
     return sums
 
 
-def grpo_metrics(
-    entropy: torch.Tensor,
-    ratio: torch.Tensor,
-    kl: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    params: GRPOParams,
-) -> dict[str, torch.Tensor]:
-    """The loss metrics of one process (detached 0-dim float32): entropy, kl (beta != 0), the
-    clip ratios; see `metric_sums` for how each is averaged."""
+def grpo_metrics(*metric_sums_args) -> dict[str, torch.Tensor]:
+    """The loss metrics of one process (detached 0-dim float32), from `metric_sums`' arguments:
+    each metric's sum / max(count, 1), keys in `metric_names` order."""
     return {name: total / count.clamp(min=1.0)
-            for name, (total, count) in metric_sums(entropy, ratio, kl, advantages, mask,
-                                                    params).items()}
+            for name, (total, count) in metric_sums(*metric_sums_args).items()}
 
 
-def mean_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The entropy bonus's H: Σ mask·entropy / max(Σ mask, 1), differentiable (TRL 1.16 uses
-    this masked mean for every loss type). entropy, mask [B, T] -> 0-dim."""
-    return (entropy * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def grpo_loss_from_logps(
-    logp: torch.Tensor,
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    params: GRPOParams,
-    num_items_in_batch: float | torch.Tensor | None = None,
-    importance_sampling_ratio: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss and metrics from per-token log-probs and entropies (all [B, T] float32).
-
-    Gradients flow into `logp` (and into `entropy` when entropy_coef != 0).
-    """
+def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The aggregated policy loss Σ weight·ℓ without the entropy bonus, differentiable w.r.t.
+    logp [B, T]: (loss 0-dim, ratio [B, T] or [B, 1] (detached), kl [B, T] or None)."""
     loss_tok, ratio, kl = per_token_loss(
-        logp, old_logps, ref_logps, advantages, mask, params, importance_sampling_ratio
+        logp, inputs.old_logps, inputs.ref_logps, inputs.advantages, inputs.mask, params,
+        inputs.importance_sampling_ratio,
     )
-    weight, _ = token_weights(mask, params, num_items_in_batch)
-    loss = (weight * loss_tok).sum()
+    loss = (token_weights(inputs.mask, params, inputs.num_items_in_batch) * loss_tok).sum()
+    return loss, ratio, kl
+
+
+def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
+                         params: GRPOParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss and metrics from per-token log-probs and entropies ([B, T] float32) and the
+    validated inputs. Gradients flow into `logp` (and `entropy` when entropy_coef != 0)."""
+    loss, ratio, kl = policy_loss(logp, inputs, params)
     if params.entropy_coef != 0.0:
-        loss = loss - params.entropy_coef * mean_entropy(entropy, mask)
-    return loss, grpo_metrics(entropy.detach(), ratio, kl, advantages, mask, params)
+        loss = loss + entropy_bonus(entropy, inputs.mask, params.entropy_coef)
+    return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params)

@@ -1,57 +1,72 @@
-"""nn.Module wrappers: they hold the hyperparameters and call the functional API."""
+"""nn.Module wrappers: they hold the hyperparameters (a GRPOParams) and call the functional API.
+
+    loss_fn = FusedLinearGRPOLoss(beta=0.04, loss_type="dapo")
+    loss, metrics = loss_fn(hidden, lm_head.weight, completion_ids, advantages, mask, old, ref)
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .fused_linear_grpo import fused_linear_grpo_loss_with_params
-from .params import GRPOParams
+from .functional import fused_linear_grpo_loss, grpo_loss
+from .params import GRPOParams, signature_with_params
 from .validation import check_grad_filter
 
 
-class FusedLinearGRPOLoss(nn.Module):
-    """GRPO loss from hidden states and the lm_head weight; see `fused_linear_grpo_loss`."""
+class _GRPOModule(nn.Module):
+    """Holds `params` (from params= or the hyperparameter keywords) and kernel options."""
 
-    def __init__(
-        self,
-        beta: float = 0.0,
-        epsilon_low: float = 0.2,
-        epsilon_high: float | None = None,
-        delta: float | None = None,
-        temperature: float = 1.0,
-        loss_type: str = "dapo",
-        importance_sampling_level: str = "token",
-        max_completion_length: int | None = None,
-        use_bias_correction_kl: bool = False,
-        entropy_coef: float = 0.0,
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        grad_filter: float | str | None = None,
-    ):
+    def __init__(self, params: GRPOParams | None, hyperparameters: dict, **options):
         super().__init__()
-        self.params = GRPOParams.pick(locals())
-        check_grad_filter(grad_filter, torch.bfloat16)  # fail here, not at the first step
-        self.grad_filter = grad_filter  # a kernel option, not a GRPO hyperparameter
+        self.params = GRPOParams.resolve(params, hyperparameters)
+        self.options = options  # kernel options, not GRPO hyperparameters
 
     def extra_repr(self) -> str:
-        extra = "" if self.grad_filter is None else f", grad_filter={self.grad_filter!r}"
-        return ", ".join(f"{k}={v!r}" for k, v in vars(self.params).items()) + extra
+        items = {**vars(self.params), **{k: v for k, v in self.options.items() if v}}
+        return ", ".join(f"{k}={v!r}" for k, v in items.items())
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        completion_ids: torch.Tensor,
-        advantages: torch.Tensor,
-        completion_mask: torch.Tensor | None = None,
-        old_logps: torch.Tensor | None = None,
-        ref_logps: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-        num_items_in_batch=None,
-        importance_sampling_ratio: torch.Tensor | None = None,
-    ):
-        return fused_linear_grpo_loss_with_params(
+
+class FusedLinearGRPOLoss(_GRPOModule):
+    """GRPO loss from hidden states and the lm_head weight; see `fused_linear_grpo_loss`.
+    Keywords: the GRPOParams fields (or params=), and grad_filter."""
+
+    @signature_with_params
+    def __init__(self, *, grad_filter: float | str | None = None,
+                 params: GRPOParams | None = None, **hyperparameters):
+        check_grad_filter(grad_filter, torch.bfloat16)  # fail here, not at the first step
+        super().__init__(params, hyperparameters, grad_filter=grad_filter)
+
+    @property
+    def grad_filter(self) -> float | str | None:
+        return self.options["grad_filter"]
+
+    def forward(self, hidden, weight, completion_ids, advantages, completion_mask=None,
+                old_logps=None, ref_logps=None, bias=None, num_items_in_batch=None,
+                importance_sampling_ratio=None):
+        return fused_linear_grpo_loss(
             hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
-            bias, self.params, num_items_in_batch, importance_sampling_ratio, self.grad_filter,
-        )
+            bias, num_items_in_batch=num_items_in_batch,
+            importance_sampling_ratio=importance_sampling_ratio, grad_filter=self.grad_filter,
+            params=self.params)
+
+
+class GRPOLoss(_GRPOModule):
+    """GRPO loss from logits; see `grpo_loss`. Keywords: the GRPOParams fields (or params=),
+    and inplace."""
+
+    @signature_with_params
+    def __init__(self, *, inplace: bool = False, params: GRPOParams | None = None,
+                 **hyperparameters):
+        super().__init__(params, hyperparameters, inplace=inplace)
+
+    @property
+    def inplace(self) -> bool:
+        return self.options["inplace"]
+
+    def forward(self, logits, completion_ids, advantages, completion_mask=None, old_logps=None,
+                ref_logps=None, num_items_in_batch=None, importance_sampling_ratio=None):
+        return grpo_loss(logits, completion_ids, advantages, completion_mask, old_logps,
+                         ref_logps, num_items_in_batch=num_items_in_batch,
+                         importance_sampling_ratio=importance_sampling_ratio,
+                         inplace=self.inplace, params=self.params)

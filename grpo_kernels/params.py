@@ -1,18 +1,23 @@
-"""GRPO hyperparameters: one frozen dataclass shared by every implementation.
+"""GRPO hyperparameters: one frozen dataclass, the single source of every setting.
 
-The kernels, the chunked PyTorch path and the reference all read their hyperparameters from
-`GRPOParams`, so an option is validated once and means the same thing everywhere. Names and
-defaults are TRL's (see GRPO_SPEC.md).
+Everything else derives from `GRPOParams`: the keyword arguments of the public functions and
+modules (`signature_with_params`), the hyperparameter part of the custom operators' schema
+(`op_schema`, `to_op_args`, `from_op_args`), and the mapping from a trainer's configuration
+(`from_config`, used by grpo_train and the TRL subclass). Names and defaults are TRL's; the
+semantics of each field are in docs/semantics.md.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 # Loss types whose per-token loss is the PPO-style clipped surrogate.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types normalized by the number of completion tokens of the whole step (num_items_in_batch).
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -72,19 +77,101 @@ class GRPOParams:
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
                 raise ValueError(f"max_completion_length must be a positive int, got {m!r}")
 
+    # ---- construction ---------------------------------------------------------------------
+
     @classmethod
-    def pick(cls, namespace: dict) -> GRPOParams:
-        """Build from the hyperparameters found in `namespace` (e.g. a function's locals())."""
-        # a constant tuple of names, not dataclasses.fields(): torch.compile traces this
-        return cls(**{name: namespace[name] for name in FIELD_NAMES if name in namespace})
+    def resolve(cls, params: GRPOParams | None, hyperparameters: dict) -> GRPOParams:
+        """`params` or GRPOParams(**hyperparameters): what a public function was given.
+
+        Giving both, or a keyword that is not a field, raises a TypeError naming it."""
+        unknown = [name for name in hyperparameters if name not in FIELD_NAMES]
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the GRPO "
+                            f"hyperparameters are {', '.join(FIELD_NAMES)}")
+        if params is None:
+            return cls(**hyperparameters)
+        if not isinstance(params, GRPOParams):
+            raise TypeError(f"params must be a GRPOParams, got {type(params).__name__}")
+        if hyperparameters:
+            raise TypeError("give either params= or hyperparameter keywords, not both "
+                            f"(got params and {', '.join(hyperparameters)})")
+        return params
+
+    @classmethod
+    def from_config(cls, *sources, **overrides) -> GRPOParams:
+        """From objects with attributes of these names (a trainer, its config): each field from
+        `overrides`, else the first source that has it, else the default. Whole numbers given
+        for float fields become floats (the custom ops' schema types them)."""
+        values = {}
+        for f in fields(cls):
+            source = next((s for s in sources if hasattr(s, f.name)), None)
+            if f.name in overrides:
+                value = overrides[f.name]
+            elif source is not None:
+                value = getattr(source, f.name)
+            else:
+                continue
+            if f.type.startswith("float") and isinstance(value, int) and not isinstance(
+                    value, bool):
+                value = float(value)
+            values[f.name] = value
+        unknown = sorted(set(overrides) - set(FIELD_NAMES))
+        if unknown:
+            raise TypeError(f"unexpected GRPOParams field {unknown[0]!r}")
+        return cls(**values)
+
+    # ---- custom-operator arguments --------------------------------------------------------
+
+    def to_op_args(self) -> tuple:
+        """The fields in FIELD_NAMES order: the hyperparameter arguments of a custom op."""
+        return tuple(getattr(self, name) for name in FIELD_NAMES)
+
+    @classmethod
+    def from_op_args(cls, values) -> GRPOParams:
+        """Inverse of `to_op_args`."""
+        return cls(**dict(zip(FIELD_NAMES, values)))
+
+    # ---- derived quantities ---------------------------------------------------------------
 
     @property
     def eps_high(self) -> float:
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
 
     @property
+    def clip_range(self) -> tuple[float, float]:
+        """(1 - epsilon_low, 1 + epsilon_high): the trust region of the clipped ratio."""
+        return 1.0 - self.epsilon_low, 1.0 + self.eps_high
+
+    @property
     def is_clipped(self) -> bool:
         return self.loss_type in CLIPPED_LOSS_TYPES
 
+    @property
+    def normalizes_by_token_count(self) -> bool:
+        """dapo/cispo: divided by the step's completion-token count (num_items_in_batch)."""
+        return self.loss_type in TOKEN_COUNT_LOSS_TYPES
+
 
 FIELD_NAMES = tuple(f.name for f in fields(GRPOParams))
+
+# Field annotation -> torch.library schema type (the annotations are strings: `from __future__`).
+_SCHEMA_TYPES = {"float": "float", "float | None": "float?", "int | None": "int?",
+                 "str": "str", "bool": "bool"}
+
+
+def op_schema() -> str:
+    """The hyperparameter arguments of a custom op's schema, e.g. "float beta, float? delta"."""
+    return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in fields(GRPOParams))
+
+
+def signature_with_params(fn):
+    """Declares GRPOParams' fields as keyword-only parameters in `fn`'s signature (for help()
+    and IDEs); `fn` itself takes them as **hyperparameters and is returned unchanged."""
+    sig = inspect.signature(fn)
+    kept = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                               default=None if f.default is MISSING else f.default,
+                               annotation=f.type)
+             for f in fields(GRPOParams)]
+    fn.__signature__ = sig.replace(parameters=kept + extra)
+    return fn

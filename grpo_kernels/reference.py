@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .grpo_math import grpo_loss_from_logps
-from .params import GRPOParams
+from .params import GRPOParams, signature_with_params
 from .validation import (
     check_grad_filter,
     check_linear_head,
@@ -48,15 +48,12 @@ def selective_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0,
                                 temperature=temperature, return_entropy=return_entropy)
 
 
-def grpo_loss(
-    logits, completion_ids, advantages, completion_mask=None, old_logps=None, ref_logps=None,
-    *, beta=0.0, epsilon_low=0.2, epsilon_high=None, delta=None, temperature=1.0,
-    loss_type="dapo", importance_sampling_level="token", max_completion_length=None,
-    num_items_in_batch=None, importance_sampling_ratio=None, use_bias_correction_kl=False,
-    entropy_coef=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-):
+@signature_with_params
+def grpo_loss(logits, completion_ids, advantages, completion_mask=None, old_logps=None,
+              ref_logps=None, *, num_items_in_batch=None, importance_sampling_ratio=None,
+              params=None, **hyperparameters):
     """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] -> (loss, metrics)."""
-    params = GRPOParams.pick(locals())
+    params = GRPOParams.resolve(params, hyperparameters)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch)
@@ -67,22 +64,17 @@ def _loss_from_logits(logits, ids, inputs, params):
     """logits [B, T, V], validated ids [B, T] and LossInputs -> (loss, metrics)."""
     logp, ent = logprobs_from_logits(logits, ids, temperature=params.temperature,
                                      return_entropy=True)
-    return grpo_loss_from_logps(logp, ent, inputs.mask, inputs.advantages, inputs.old_logps,
-                                inputs.ref_logps, params, inputs.num_items_in_batch,
-                                inputs.importance_sampling_ratio)
+    return grpo_loss_from_logps(logp, ent, inputs, params)
 
 
-def fused_linear_grpo_loss(
-    hidden, weight, completion_ids, advantages, completion_mask=None, old_logps=None,
-    ref_logps=None, bias=None, *, beta=0.0, epsilon_low=0.2, epsilon_high=None, delta=None,
-    temperature=1.0, loss_type="dapo", importance_sampling_level="token",
-    max_completion_length=None, num_items_in_batch=None, importance_sampling_ratio=None,
-    use_bias_correction_kl=False, entropy_coef=0.0, sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05, grad_filter=None,
-):
+@signature_with_params
+def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None,
+                           old_logps=None, ref_logps=None, bias=None, *, num_items_in_batch=None,
+                           importance_sampling_ratio=None, grad_filter=None, params=None,
+                           **hyperparameters):
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits).
     Always exact: grad_filter is validated for signature parity and has no effect."""
-    params = GRPOParams.pick(locals())
+    params = GRPOParams.resolve(params, hyperparameters)
     # validate before materializing [B, T, V] logits, with the same errors as the kernel path
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,

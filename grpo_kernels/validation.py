@@ -76,11 +76,11 @@ def check_finite_advantages(advantages: torch.Tensor) -> None:
     """No NaN/inf; under torch.compile an in-graph assertion (no graph break)."""
     if torch.compiler.is_compiling():
         torch._assert_async(torch.isfinite(advantages).all(),
-                            "advantages contain NaN or inf (GRPO_SPEC.md: nan_to_num)")
+                            "advantages contain NaN or inf (docs/semantics.md: nan_to_num)")
         return
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
-                         "scored (GRPO_SPEC.md: nan_to_num)")
+                         "scored (docs/semantics.md: nan_to_num)")
 
 
 def _mixed_head(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
@@ -163,7 +163,7 @@ class LossInputs:
     old_logps: torch.Tensor | None  # [B, T]
     ref_logps: torch.Tensor | None  # [B, T]
     importance_sampling_ratio: torch.Tensor | None  # [B, 1] or [B, T]
-    num_items_in_batch: torch.Tensor | float | None
+    num_items_in_batch: torch.Tensor | None  # 0-dim float32
 
 
 def _per_token(name, x, B, T, device, allow_seq: bool, ref_name: str = "hidden") -> torch.Tensor:
@@ -225,6 +225,8 @@ def check_loss_inputs(
                             f"{type(num_items_in_batch).__name__}")
         elif not num_items_in_batch >= 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
+        else:  # one form from here on: a 0-dim float32 tensor
+            num_items_in_batch = torch.tensor(float(num_items_in_batch), device=device)
     return LossInputs(mask, adv, old, ref, isr, num_items_in_batch)
 
 

@@ -6,15 +6,22 @@
 From Python: `train(TrainConfig(...))` or `main(["--steps", "10", ...])`.
 """
 
-from .config import TrainConfig, parse_config
+from .cli import parse_config
+from .config import TrainConfig, resolve_auto, validate
 
 __all__ = ["TrainConfig", "parse_config", "train", "main"]
+__version__ = "0.1.0"
 
 
-def train(cfg: TrainConfig) -> dict:
-    from .trainer import train as _train  # heavy imports (transformers, accelerate) on demand
+def train(cfg: TrainConfig, phases=None) -> dict:
+    """Fill the "auto" fields, validate (one-line errors naming the flag), refuse an output
+    directory that holds another run, then train (`trainer.train`; `phases`: benchmark hooks)."""
+    from .checkpoint import check_output_dir  # heavy imports (torch, transformers) on demand
+    from .trainer import train as _train
 
-    return _train(cfg)
+    cfg = validate(resolve_auto(cfg))
+    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # never over another run
+    return _train(cfg, phases)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,21 +12,15 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import run_cli
+    from .flags import run_cli
 
     return run_cli("grpo-train", lambda: _main(argv), argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    from .config import parse_config
+    from . import parse_config, train  # the trainer loads after parsing: --help stays fast
 
-    cfg = parse_config(argv)
-    from .checkpoint import check_output_dir
-
-    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # before the heavy imports
-    from .trainer import train  # imported after argument parsing: --help stays fast
-
-    result = train(cfg)
+    result = train(parse_config(argv))
     history = result["eval_accuracy"]
     if history and not result["interrupted"] and result["main_process"]:
         first, last = min(history), max(history)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cli import MissingPathError, UsageError
+from .flags import MissingPathError, UsageError
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 # What a run writes into OUTPUT_DIR (and what --overwrite deletes: nothing else).

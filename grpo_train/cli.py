@@ -1,116 +1,230 @@
-"""What the command lines (grpo-train, python -m benchmarks, python -m benchmarks.trainer_step)
-share: one flag convention, one-line errors, and a `--debug` switch for tracebacks.
+"""grpo-train's command line: flags generated from TrainConfig (its comments are the --help),
+an optional YAML/JSON config file, and `parse_config`.
 
-Flag convention: every long flag is written with underscores (`--num_generations`, the
-TrainConfig field names, TRL's spelling); the hyphenated spelling (`--num-generations`) is
-accepted as an alias. Booleans are `--flag` / `--no_flag` (also `--no-flag`). Flags are never
-matched by prefix (`allow_abbrev=False`), so a typo is an error, not another flag.
-
-A user error (a bad value, a missing file, a model that cannot be reached) raises `UsageError`;
-`run_cli` prints it as one line `PROG: error: ...` on stderr and returns exit status 2, the
-status argparse uses for its own errors. With `--debug` the traceback is shown instead.
+Precedence: TrainConfig's defaults < `--config FILE` < explicit command-line flags. Every field
+`foo_bar` is the flag `--foo_bar` (also `--foo-bar`); booleans take `--flag` / `--no_flag` (or
+`--flag true|false`); list fields take several values (`--reward accuracy format:0.2`). The flag
+convention itself (shared with the benchmarks) is in `flags.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import os
+import re
+import tokenize
+import typing
+
+from . import config
+from .config import AUTO, CHOICES, TrainConfig, resolve_auto, validate
+from .flags import BoolFlag, MissingPathError, Parser, UsageError
 
 
-class UsageError(ValueError):
-    """A setting that cannot work, with a message that names the flag and what it expects."""
+def _field_types() -> dict[str, typing.Any]:
+    return typing.get_type_hints(TrainConfig)
 
 
-class MissingPathError(UsageError, FileNotFoundError):
-    """A user-given path that does not exist (also a FileNotFoundError for library callers)."""
+def _scalar_type(tp):
+    """(python type, optional?) of an annotation like `int`, `float | None`, `list[str]`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is list:
+        return str, False
+    if args:  # X | None
+        return args[0], True
+    return tp, False
 
 
-def canonical_flag(token: str) -> str:
-    """"--num-generations=4" -> "--num_generations=4"; values and short options unchanged."""
-    if not token.startswith("--") or token == "--":
-        return token
-    name, eq, value = token.partition("=")
-    return "--" + name[2:].replace("-", "_") + eq + value
+def _converter(name: str, tp):
+    base, optional = _scalar_type(tp)
+
+    def convert(text: str):
+        if optional and text.lower() in ("none", "null"):
+            return None
+        return base(text)
+
+    convert.__name__ = getattr(base, "__name__", name)  # argparse: "invalid int value: 'x'"
+    return convert
 
 
-class BoolFlag(argparse.Action):
-    """`--flag` (True), `--no_flag` (False), `--flag true|false`; shown as `--flag/--no_flag`."""
+# ---- --help from the comments above ----------------------------------------------------------
 
-    def __init__(self, option_strings, dest, **kwargs):
-        name = option_strings[0][2:]
-        super().__init__([f"--{name}", f"--no_{name}"], dest, nargs="?", **kwargs)
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        if option_string.startswith("--no_"):
-            if value is not None:
-                parser.error(f"{option_string} takes no value (got {value!r})")
-            setattr(namespace, self.dest, False)
-            return
-        if value is None:
-            setattr(namespace, self.dest, True)
-            return
-        low = value.lower()
-        if low not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            parser.error(f"{option_string}: expected true or false, got {value!r}")
-        setattr(namespace, self.dest, low in ("1", "true", "yes", "on"))
+_HEADING = re.compile(r"^-{3,}\s*(.*?)\s*-*$")  # "# ---- loss: TRL's names ------" -> topic
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """argparse's layout at 100 columns; booleans as `--flag/--no_flag`."""
-
-    def __init__(self, prog):
-        super().__init__(prog, max_help_position=34, width=100)
-
-    def _format_action_invocation(self, action):
-        if isinstance(action, BoolFlag):
-            return "/".join(action.option_strings)
-        if action.option_strings and action.nargs != 0:
-            # "--steps N" once, not once per spelling
-            return f"{action.option_strings[0]} {self._format_args(action, action.dest.upper())}"
-        return super()._format_action_invocation(action)
-
-
-class Parser(argparse.ArgumentParser):
-    """ArgumentParser with the shared convention: no prefix matching, both spellings of every
-    long flag (argv is rewritten to underscores before parsing), one-line errors."""
-
-    def __init__(self, prog: str, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
-
-    def parse_known_args(self, args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        if "--" in args:  # everything after "--" is a value, not a flag
-            cut = args.index("--")
-            args = [canonical_flag(a) for a in args[:cut]] + args[cut:]
-        else:
-            args = [canonical_flag(a) for a in args]
-        return super().parse_known_args(args, namespace)
-
-    def error(self, message: str):
-        # argparse prints the whole usage first (dozens of lines here); one line is enough
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+def field_docs() -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
+    """({field: its comments as one text}, [(topic heading, [fields])]) read from the
+    TrainConfig source in config.py: the comment lines right above a field plus its trailing
+    comment."""
+    source = inspect.getsource(config)
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    first, last = cls.body[0].end_lineno, cls.end_lineno  # after the docstring
+    comments = {}  # line -> comment text
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and first < tok.start[0] <= last:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    fields_at = {n.lineno: n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    docs: dict[str, str] = {}
+    topics: list[tuple[str, list[str]]] = []
+    pending: list[str] = []
+    for line in range(first + 1, last + 1):
+        name, text = fields_at.get(line), comments.get(line)
+        if name is None and text is not None:
+            heading = _HEADING.match(text)
+            if heading:
+                topics.append((heading.group(1), []))
+                pending = []
+            else:
+                pending.append(text)
+        elif name is not None:
+            docs[name] = " ".join(pending + ([text] if text else []))
+            topics[-1][1].append(name)
+            pending = []
+        else:  # a blank line ends a comment block
+            pending = []
+    return docs, topics
 
 
-def wants_debug(argv: list[str] | None) -> bool:
-    args = sys.argv[1:] if argv is None else argv
-    return "--debug" in args[: args.index("--")] if "--" in args else "--debug" in args
+def _default_text(name: str, default) -> str:
+    if name in AUTO:
+        embedded, pretrained = AUTO[name]
+        return f"default: {embedded} for the embedded run, {pretrained} with --model"
+    if isinstance(default, bool):
+        return f"default: {'on' if default else 'off'}"
+    if default is None:
+        return "default: none"
+    if isinstance(default, list):
+        return f"default: {' '.join(default)}"
+    return 'default: ""' if default == "" else f"default: {default}"
 
 
-def run_cli(prog: str, main: Callable[[], int], argv: list[str] | None = None) -> int:
-    """`main()`'s exit status; a UsageError becomes one line on stderr and status 2 (with
-    --debug in argv: the traceback). Ctrl-C before training is status 130 without a trace."""
+_METAVARS = {"model": "DIR|HUB_ID", "dataset": "FILE|HUB_ID", "output_dir": "DIR",
+             "resume": "PATH|auto", "grad_filter": "auto|X|none", "revision": "REV",
+             "dataset_config": "NAME", "split": "NAME", "eval_split": "NAME",
+             "prompt_column": "NAME", "answer_column": "NAME"}
+
+
+def _metavar(name: str, tp) -> str:
+    if name in _METAVARS:
+        return _METAVARS[name]
+    if name in CHOICES:
+        return "{" + "|".join(CHOICES[name]) + "}"
+    base, optional = _scalar_type(tp)
+    word = {int: "N", float: "X"}.get(base, "TEXT")
+    return f"{word}|none" if optional and base is not str else word
+
+
+def build_parser() -> Parser:
+    docs, topics = field_docs()
+    parser = Parser(
+        "grpo-train",
+        usage="grpo-train [--config FILE] [--FIELD VALUE ...]",
+        description="Compact GRPO trainer on grpo_kernels' fused loss. With no arguments it "
+        "trains a tiny model\non a generated arithmetic task (CPU, a few minutes).\n\n"
+        "Every flag is also accepted with hyphens (--num-generations); booleans take --flag / "
+        "--no_flag.\nPrecedence: the defaults below < --config FILE < flags on the command "
+        "line. Exit status: 0 done,\n2 bad arguments or inputs (one line on stderr), "
+        "130 interrupted (a checkpoint was saved).",
+    )
+    general = parser.add_argument_group("general")
+    general.add_argument("--config", metavar="FILE",
+                         help="YAML or JSON file of the settings below (field: value)")
+    general.add_argument("--debug", action="store_true",
+                         help="show the Python traceback of an error instead of one line")
+    defaults, types = TrainConfig(), _field_types()
+    for topic, names in topics:
+        title, _, about = topic.partition(": ")  # "loss: TRL's names ..." -> title, description
+        group = general if title == "general" else parser.add_argument_group(title, about or None)
+        for name in names:
+            tp, default = types[name], getattr(defaults, name)
+            help_text = f"{docs[name]} ({_default_text(name, default)})".lstrip()
+            help_text = help_text.replace("%", "%%")  # argparse formats help with %
+            if tp is bool:
+                group.add_argument(f"--{name}", action=BoolFlag, dest=name,
+                                   default=argparse.SUPPRESS, help=help_text)
+            elif typing.get_origin(tp) is list:
+                group.add_argument(f"--{name}", dest=name, nargs="+", metavar="SPEC",
+                                   default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(f"--{name}", dest=name, type=_converter(name, tp),
+                                   choices=CHOICES.get(name), metavar=_metavar(name, tp),
+                                   default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+# ---- config files ------------------------------------------------------------------------
+
+
+def _coerce(name: str, value, tp, where: str):
+    """A config-file value as the field's type (YAML/JSON already typed it; ints may be
+    floats; strings are converted as on the command line)."""
+    base, optional = _scalar_type(tp)
+    if typing.get_origin(tp) is list:
+        value = [value] if isinstance(value, str) else value
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+    elif value is None:
+        if optional:
+            return None
+    elif isinstance(value, bool):
+        if base is bool:
+            return value
+    elif base is str:
+        return str(value)
+    elif isinstance(value, base) or (base is float and isinstance(value, int)):
+        return base(value)
+    elif isinstance(value, str):
+        try:
+            return _str2bool(value) if base is bool else base(value)
+        except ValueError:
+            pass
+    kind = "a list of strings" if typing.get_origin(tp) is list else base.__name__
+    raise UsageError(f"{where}: {name} must be {kind}, got {value!r}")
+
+
+def _str2bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return low in ("1", "true", "yes", "on")
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def load_config_file(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise MissingPathError(f"--config {path!r}: no such file (expected a YAML or JSON file "
+                               "of TrainConfig fields)")
     try:
-        return main()
-    except UsageError as err:
-        if wants_debug(argv):
-            raise
-        message = " ".join(str(err).split())  # one line, whatever the message held
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        if wants_debug(argv):
-            raise
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        return 130
+        with open(path) as fh:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                data = yaml.safe_load(fh) or {}
+            else:
+                data = json.load(fh)
+    except Exception as err:  # noqa: BLE001 - OSError, JSON's ValueError, yaml.YAMLError
+        raise UsageError(f"--config {path!r} could not be read as YAML/JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path!r} must hold a mapping of TrainConfig fields")
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise UsageError(f"--config {path!r}: unknown fields {unknown}; known: {sorted(names)}")
+    types = _field_types()
+    return {k: _coerce(k, v, types[k], f"--config {path!r}") for k, v in data.items()}
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """TrainConfig from defaults, then `--config FILE`, then the other flags."""
+    args = vars(build_parser().parse_args(argv))
+    args.pop("debug", None)
+    values: dict = {}
+    path = args.pop("config", None)
+    if path:
+        values.update(load_config_file(path))
+    values.update(args)
+    return validate(resolve_auto(TrainConfig(**values)))

@@ -1,27 +1,17 @@
-"""The trainer's configuration: one commented dataclass, command-line flags generated from it, and
-an optional YAML/JSON file.
-
-Precedence: dataclass defaults < `--config FILE` < explicit command-line flags.
-Every field `foo_bar` is the flag `--foo_bar` (also accepted: `--foo-bar`). Booleans take
-`--flag` / `--no_flag` (or `--flag true|false`); list fields take several values
-(`--reward accuracy format:0.2`). `--help` is built from the comments of TrainConfig.
-"""
+"""The trainer's configuration: one commented dataclass (its comments are grpo-train's --help,
+see `cli.py`), the "auto" values, validation with errors that name the flag, and the loss'
+hyperparameters derived from it (`grpo_params`)."""
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import io
-import json
 import os
 import re
-import tokenize
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .cli import BoolFlag, MissingPathError, Parser, UsageError
+from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOParams
+
+from .flags import MissingPathError, UsageError
 
 
 @dataclass
@@ -172,8 +162,8 @@ CHOICES = {
     "tiny_arch": ("qwen2", "llama"),
     "model_dtype": ("float32", "bfloat16", "float16"),
     "loss": ("fused", "reference"),
-    "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"),
-    "importance_sampling_level": ("token", "sequence"),
+    "loss_type": LOSS_TYPES,
+    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "scale_rewards": ("group", "batch", "none"),
     "backend": ("auto", "triton", "torch"),
     "lr_scheduler": ("constant", "linear", "cosine"),
@@ -181,196 +171,7 @@ CHOICES = {
 }
 
 
-def _field_types() -> dict[str, typing.Any]:
-    return typing.get_type_hints(TrainConfig)
-
-
-def _scalar_type(tp):
-    """(python type, optional?) of an annotation like `int`, `float | None`, `list[str]`."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is list:
-        return str, False
-    if args:  # X | None
-        return args[0], True
-    return tp, False
-
-
-def _converter(name: str, tp):
-    base, optional = _scalar_type(tp)
-
-    def convert(text: str):
-        if optional and text.lower() in ("none", "null"):
-            return None
-        return base(text)
-
-    convert.__name__ = getattr(base, "__name__", name)  # argparse: "invalid int value: 'x'"
-    return convert
-
-
-# ---- --help from the comments above ----------------------------------------------------------
-
-_HEADING = re.compile(r"^-{3,}\s*(.*?)\s*-*$")  # "# ---- loss: TRL's names ------" -> topic
-
-
-def field_docs() -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
-    """({field: its comments as one text}, [(topic heading, [fields])]) read from this file's
-    TrainConfig source: the comment lines right above a field plus its trailing comment."""
-    source = Path(__file__).read_text()
-    tree = ast.parse(source)
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
-    first, last = cls.body[0].end_lineno, cls.end_lineno  # after the docstring
-    comments = {}  # line -> comment text
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT and first < tok.start[0] <= last:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    fields_at = {n.lineno: n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
-    docs: dict[str, str] = {}
-    topics: list[tuple[str, list[str]]] = []
-    pending: list[str] = []
-    for line in range(first + 1, last + 1):
-        name, text = fields_at.get(line), comments.get(line)
-        if name is None and text is not None:
-            heading = _HEADING.match(text)
-            if heading:
-                topics.append((heading.group(1), []))
-                pending = []
-            else:
-                pending.append(text)
-        elif name is not None:
-            docs[name] = " ".join(pending + ([text] if text else []))
-            topics[-1][1].append(name)
-            pending = []
-        else:  # a blank line ends a comment block
-            pending = []
-    return docs, topics
-
-
-def _default_text(name: str, default) -> str:
-    if name in AUTO:
-        embedded, pretrained = AUTO[name]
-        return f"default: {embedded} for the embedded run, {pretrained} with --model"
-    if isinstance(default, bool):
-        return f"default: {'on' if default else 'off'}"
-    if default is None:
-        return "default: none"
-    if isinstance(default, list):
-        return f"default: {' '.join(default)}"
-    return 'default: ""' if default == "" else f"default: {default}"
-
-
-_METAVARS = {"model": "DIR|HUB_ID", "dataset": "FILE|HUB_ID", "output_dir": "DIR",
-             "resume": "PATH|auto", "grad_filter": "auto|X|none", "revision": "REV",
-             "dataset_config": "NAME", "split": "NAME", "eval_split": "NAME",
-             "prompt_column": "NAME", "answer_column": "NAME"}
-
-
-def _metavar(name: str, tp) -> str:
-    if name in _METAVARS:
-        return _METAVARS[name]
-    if name in CHOICES:
-        return "{" + "|".join(CHOICES[name]) + "}"
-    base, optional = _scalar_type(tp)
-    word = {int: "N", float: "X"}.get(base, "TEXT")
-    return f"{word}|none" if optional and base is not str else word
-
-
-def build_parser() -> Parser:
-    docs, topics = field_docs()
-    parser = Parser(
-        "grpo-train",
-        usage="grpo-train [--config FILE] [--FIELD VALUE ...]",
-        description="Compact GRPO trainer on grpo_kernels' fused loss. With no arguments it "
-        "trains a tiny model\non a generated arithmetic task (CPU, a few minutes).\n\n"
-        "Every flag is also accepted with hyphens (--num-generations); booleans take --flag / "
-        "--no_flag.\nPrecedence: the defaults below < --config FILE < flags on the command "
-        "line. Exit status: 0 done,\n2 bad arguments or inputs (one line on stderr), "
-        "130 interrupted (a checkpoint was saved).",
-    )
-    general = parser.add_argument_group("general")
-    general.add_argument("--config", metavar="FILE",
-                         help="YAML or JSON file of the settings below (field: value)")
-    general.add_argument("--debug", action="store_true",
-                         help="show the Python traceback of an error instead of one line")
-    defaults, types = TrainConfig(), _field_types()
-    for topic, names in topics:
-        title, _, about = topic.partition(": ")  # "loss: TRL's names ..." -> title, description
-        group = general if title == "general" else parser.add_argument_group(title, about or None)
-        for name in names:
-            tp, default = types[name], getattr(defaults, name)
-            help_text = f"{docs[name]} ({_default_text(name, default)})".lstrip()
-            help_text = help_text.replace("%", "%%")  # argparse formats help with %
-            if tp is bool:
-                group.add_argument(f"--{name}", action=BoolFlag, dest=name,
-                                   default=argparse.SUPPRESS, help=help_text)
-            elif typing.get_origin(tp) is list:
-                group.add_argument(f"--{name}", dest=name, nargs="+", metavar="SPEC",
-                                   default=argparse.SUPPRESS, help=help_text)
-            else:
-                group.add_argument(f"--{name}", dest=name, type=_converter(name, tp),
-                                   choices=CHOICES.get(name), metavar=_metavar(name, tp),
-                                   default=argparse.SUPPRESS, help=help_text)
-    return parser
-
-
-# ---- config files, auto values, validation --------------------------------------------------
-
-
-def _coerce(name: str, value, tp, where: str):
-    """A config-file value as the field's type (YAML/JSON already typed it; ints may be
-    floats; strings are converted as on the command line)."""
-    base, optional = _scalar_type(tp)
-    if typing.get_origin(tp) is list:
-        value = [value] if isinstance(value, str) else value
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-    elif value is None:
-        if optional:
-            return None
-    elif isinstance(value, bool):
-        if base is bool:
-            return value
-    elif base is str:
-        return str(value)
-    elif isinstance(value, base) or (base is float and isinstance(value, int)):
-        return base(value)
-    elif isinstance(value, str):
-        try:
-            return _str2bool(value) if base is bool else base(value)
-        except ValueError:
-            pass
-    kind = "a list of strings" if typing.get_origin(tp) is list else base.__name__
-    raise UsageError(f"{where}: {name} must be {kind}, got {value!r}")
-
-
-def _str2bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return low in ("1", "true", "yes", "on")
-    raise ValueError(f"expected true/false, got {text!r}")
-
-
-def load_config_file(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise MissingPathError(f"--config {path!r}: no such file (expected a YAML or JSON file "
-                               "of TrainConfig fields)")
-    try:
-        with open(path) as fh:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
-
-                data = yaml.safe_load(fh) or {}
-            else:
-                data = json.load(fh)
-    except Exception as err:  # noqa: BLE001 - OSError, JSON's ValueError, yaml.YAMLError
-        raise UsageError(f"--config {path!r} could not be read as YAML/JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path!r} must hold a mapping of TrainConfig fields")
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise UsageError(f"--config {path!r}: unknown fields {unknown}; known: {sorted(names)}")
-    types = _field_types()
-    return {k: _coerce(k, v, types[k], f"--config {path!r}") for k, v in data.items()}
+# ---- auto values, validation ---------------------------------------------------------------
 
 
 def resolve_auto(cfg: TrainConfig) -> TrainConfig:
@@ -468,15 +269,17 @@ def check_dataset_source(name: str) -> None:
                                ".json/.jsonl/.csv/.parquet file or a hub dataset id)")
 
 
+def grpo_params(cfg: TrainConfig) -> GRPOParams:
+    """The loss' hyperparameters: TrainConfig's fields of GRPOParams' names, with the two that
+    the trainer names otherwise (--epsilon, and --max_new_tokens as dr_grpo's normalizer)."""
+    return GRPOParams.from_config(cfg, epsilon_low=cfg.epsilon,
+                                  max_completion_length=cfg.max_new_tokens)
+
+
 def _check_loss_params(cfg: TrainConfig) -> None:
     """The loss' own validation (grpo_kernels.GRPOParams), its messages in flag names."""
-    from grpo_kernels.params import GRPOParams
-
     try:
-        GRPOParams(beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                   delta=cfg.delta, temperature=cfg.temperature, loss_type=cfg.loss_type,
-                   importance_sampling_level=cfg.importance_sampling_level,
-                   max_completion_length=cfg.max_new_tokens, entropy_coef=cfg.entropy_coef)
+        grpo_params(cfg)
     except ValueError as err:
         text = str(err)
         for param, flag in _LOSS_FLAGS.items():
@@ -495,15 +298,3 @@ def grad_filter_value(text: str | float | None) -> str | float | None:
     if not value >= 0 or value == float("inf"):
         raise UsageError(f'--grad_filter must be "auto" or a finite number >= 0, got {text!r}')
     return value
-
-
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """TrainConfig from defaults, then `--config FILE`, then the other flags."""
-    args = vars(build_parser().parse_args(argv))
-    args.pop("debug", None)
-    values: dict = {}
-    path = args.pop("config", None)
-    if path:
-        values.update(load_config_file(path))
-    values.update(args)
-    return validate(resolve_auto(TrainConfig(**values)))

@@ -16,8 +16,9 @@ import re
 
 import numpy as np
 
-from .cli import UsageError
 from .config import LOCAL_DATASET_FORMATS, check_dataset_source
+from .flags import UsageError
+from .hub import check_hub_reachable
 
 # ---- the embedded task --------------------------------------------------------------------------
 
@@ -110,8 +111,6 @@ def _read_hub(name: str, config: str | None, split: str) -> list[dict]:
             f"--dataset {name!r} is not a local file, and loading hub datasets needs `datasets` "
             "(pip install 'grpo-kernels[train]')"
         ) from err
-    from .models import check_hub_reachable
-
     check_hub_reachable("--dataset", name, "a local .json/.jsonl/.csv/.parquet file")
     try:
         return list(datasets.load_dataset(name, config, split=split))

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import os
 import random
-import socket
-import sys
-import threading
-import urllib.parse
 
 import torch
 
 from grpo_kernels import selective_logprobs
 from grpo_kernels.hf import completion_hidden_states, output_head
 
-from .cli import UsageError
 from .config import check_model_source
 from .data import random_answer_texts
+from .flags import UsageError
+from .hub import cache_only
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 
 def load_pretrained(source: str, cfg, flag: str = "--model"):
@@ -35,7 +31,7 @@ def load_pretrained(source: str, cfg, flag: str = "--model"):
     local = os.path.exists(source)
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if not local:
-        kwargs["local_files_only"] = _cache_only(flag, source, cfg.revision)
+        kwargs["local_files_only"] = cache_only(flag, source, cfg.revision)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -49,82 +45,6 @@ def load_pretrained(source: str, cfg, flag: str = "--model"):
         raise UsageError(f"{flag} {source!r} ({where}) could not be loaded as an "
                          f"AutoModelForCausalLM with its tokenizer: {err}") from err
     return model, prepare_tokenizer(tokenizer, model)
-
-
-# ---- the hub without network --------------------------------------------------------------------
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE (or transformers' older TRANSFORMERS_OFFLINE) is set to a true value."""
-    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def hub_endpoint() -> str:
-    from huggingface_hub import constants
-
-    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
-
-
-def hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """Why a TCP connection to the hub (or to the HTTPS proxy in the environment) did not open
-    within `timeout_s`; None when it did. Name lookup runs in a thread, so it is bounded too."""
-    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-                  if os.environ.get(k)), None)
-    target = proxy or hub_endpoint()
-    url = urllib.parse.urlparse(target if "://" in target else f"http://{target}")
-    port = url.port or (443 if url.scheme == "https" else 80)
-    outcome: list[str | None] = []
-
-    def connect():
-        try:
-            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
-            outcome.append(None)
-        except OSError as err:
-            outcome.append(f"{url.hostname}:{port}: {err}")
-
-    worker = threading.Thread(target=connect, daemon=True)
-    worker.start()
-    worker.join(timeout_s + 1.0)
-    return outcome[0] if outcome else f"{url.hostname}:{port}: no answer in {timeout_s:.0f} s"
-
-
-def check_hub_reachable(flag: str, name: str, local_hint: str) -> None:
-    """UsageError, within seconds, when `name` would be downloaded but the hub cannot be
-    reached (HF_HUB_OFFLINE=1: nothing to check, the libraries read their cache)."""
-    if hub_offline():
-        return
-    reason = hub_unreachable()
-    if reason is not None:
-        raise UsageError(
-            f"{flag} {name!r} is not a local path and the Hugging Face hub ({hub_endpoint()}) "
-            f"cannot be reached ({reason}); pass {local_hint} instead (downloaded where there "
-            "is network), or set HF_HUB_OFFLINE=1 to use what is in the local cache")
-
-
-def _cache_only(flag: str, repo_id: str, revision: str | None) -> bool:
-    """Whether to load `repo_id` from the local cache only: yes when offline, or when the hub
-    cannot be reached and the cache has it; an error when the hub is unreachable and the cache
-    does not have it."""
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
-    if hub_offline():
-        if not cached:
-            raise UsageError(
-                f"{flag} {repo_id!r} is neither a local directory nor in the local Hugging Face "
-                "cache, and HF_HUB_OFFLINE=1 forbids downloading it; pass a local model "
-                "directory (downloaded where there is network)")
-        return True
-    try:
-        check_hub_reachable(flag, repo_id, "a local model directory")
-    except UsageError:
-        if cached:
-            print(f"{flag} {repo_id!r}: the hub cannot be reached; using the cached copy",
-                  file=sys.stderr, flush=True)
-            return True
-        raise
-    return False
 
 
 def use_fp32_head(model) -> None:
@@ -149,7 +69,7 @@ def add_lora_adapters(model, cfg, say=print):
     """--lora_r > 0: the PEFT model to train (LoRA on every linear layer, and on the output head
     with --lora_head)."""
     try:
-        from grpo_kernels.head_adapters import add_lora
+        from grpo_kernels.hf.head_adapters import add_lora
 
         model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                          head=cfg.lora_head)

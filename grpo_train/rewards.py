@@ -20,7 +20,7 @@ from fractions import Fraction
 
 import torch
 
-from .cli import UsageError
+from .flags import UsageError
 
 # ---- answer extraction and comparison -----------------------------------------------------------
 
@@ -213,7 +213,7 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 def group_advantages(rewards: torch.Tensor, num_generations: int,
                      scale_rewards: str = "group") -> torch.Tensor:
-    """GRPO_SPEC.md advantages: rewards [P·G] grouped contiguously -> advantages [P·G].
+    """docs/semantics.md advantages: rewards [P·G] grouped contiguously -> advantages [P·G].
 
     A = r - nanmean(group); divided by (nanstd + 1e-4) over the group ("group") or over all
     rewards ("batch"), not at all for "none"; NaN (unscored) -> 0.

@@ -55,7 +55,7 @@ def is_sharded(model: nn.Module) -> bool:
 def require_process_group() -> None:
     """--fsdp's launch check (before anything heavy is loaded)."""
     if not dist.is_available() or not dist.is_initialized():
-        from .cli import UsageError  # a ValueError: one-line message from the CLI
+        from .flags import UsageError  # a ValueError: one-line message from the CLI
 
         raise UsageError("--fsdp needs several processes: launch with `accelerate launch "
                          "--num_processes N -m grpo_train ...` or `torchrun --nproc_per_node N "

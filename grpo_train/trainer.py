@@ -26,10 +26,9 @@ import torch
 from grpo_kernels import FusedLinearGRPOLoss, force_backend
 from grpo_kernels import reference as reference_impl
 
-from . import phases, sharding
+from . import sharding
 from .checkpoint import (
     capture_rng,
-    check_output_dir,
     clear_run_files,
     find_checkpoint,
     load_checkpoint,
@@ -37,9 +36,9 @@ from .checkpoint import (
     save_checkpoint,
     seed_everything,
 )
-from .cli import UsageError
-from .config import grad_filter_value, resolve_auto, validate
+from .config import grad_filter_value, grpo_params
 from .data import PromptSampler, load_examples
+from .flags import UsageError
 from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
 from .models import (
     add_lora_adapters,
@@ -57,21 +56,32 @@ from .models import (
 from .rewards import accuracy, combine, group_advantages, parse_reward_spec, score
 from .sharding import causal_lm_grpo_loss, causal_lm_logprobs  # hf's, via FSDP hooks if sharded
 
-LOSS_TYPES_WITH_TOKEN_COUNT = ("dapo", "cispo")  # normalized by the step's total token count
+
+class NoPhases:
+    """The phase hooks of a step when nothing records them. A benchmark passes an object with
+    the same two context managers (benchmarks/phases.py) to see where time and memory go."""
+
+    @contextlib.contextmanager
+    def step(self):
+        yield
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        yield
 
 
-def train(cfg) -> dict:
-    """Run GRPO as configured; returns {"step", "interrupted", "eval_accuracy": {step: acc},
-    "model", "tokenizer", "main_process"}."""
-    cfg = validate(resolve_auto(cfg))  # "auto" fields -> values; clear errors first
-    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # never over another run
+def train(cfg, phases=None) -> dict:
+    """Run GRPO with a prepared config (as `grpo_train.train` makes it: "auto" fields filled,
+    validated, output directory checked); returns {"step", "interrupted", "eval_accuracy":
+    {step: acc}, "model", "tokenizer", "main_process"}. phases: see `NoPhases`."""
+    phases = NoPhases() if phases is None else phases
     if cfg.backend == "auto":  # CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
-        return _train(cfg)
+        return _train(cfg, phases)
     with force_backend(cfg.backend):
-        return _train(cfg)
+        return _train(cfg, phases)
 
 
-def _train(cfg) -> dict:
+def _train(cfg, phases) -> dict:
     # ---- processes and batch geometry ---------------------------------------------------------
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -151,12 +161,8 @@ def _train(cfg) -> dict:
         say(f"resumed from {ckpt_path} at step {start}")
     # DistributedDataParallel when several processes; FSDP: the sharded model as it is
     ddp_model = model if cfg.fsdp else accel.prepare_model(model)
-    loss_fn = FusedLinearGRPOLoss(
-        beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
-        temperature=cfg.temperature, loss_type=cfg.loss_type,
-        importance_sampling_level=cfg.importance_sampling_level,
-        max_completion_length=cfg.max_new_tokens, entropy_coef=cfg.entropy_coef,
-        grad_filter=grad_filter_value(cfg.grad_filter))
+    loss_fn = FusedLinearGRPOLoss(params=grpo_params(cfg),
+                                  grad_filter=grad_filter_value(cfg.grad_filter))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     log = MetricsLog(out_dir, accel.is_main_process, resume_step=start if start else None)
     ctx = dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast)
@@ -187,71 +193,67 @@ def _train(cfg) -> dict:
     with _StopOnSignal(say) as stop:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            phases.begin_step()  # phase hooks: no-ops unless a benchmark records memory
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             examples = [train_ex[i] for i in sampler.next(cfg.num_prompts)]
             examples = examples[rank * P_local:(rank + 1) * P_local]  # this process' prompts
-
-            # 1. generate G completions per prompt: [B, Lp + T]
-            with phases.phase("generation"):
-                batch = generate(model, examples, ctx)
-            phases.begin("scoring")  # rewards, advantages, reference and old log-probs
-            # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
-            rewards_per_func, failures = score(specs, batch["prompts"], batch["texts"],
-                                               batch["columns"])
-            all_rewards = accel.gather(rewards_per_func.to(device)).cpu()  # [P*G, F]
-            rewards = combine(all_rewards, weights)
-            advantages = group_advantages(rewards, G, cfg.scale_rewards)
-            advantages = advantages[rank * B:(rank + 1) * B].to(device)
-            # 4. reference and old log-probs [B, T], float32, no grad, no logits; the policy in
-            # train mode, as in the loss below, so that the first ratio is exactly 1
-            ids, attn, T = batch["input_ids"], batch["attention_mask"], batch["T"]
-            pos = position_ids(attn)
-            model.train()
-            with autocast:
-                ref_logps = None if ref_model is None else causal_lm_logprobs(
-                    ref_model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
-                    position_ids=pos, **head)
-                old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
-                    model, ids, attn, T, temperature=cfg.temperature, batch_size=micro,
-                    position_ids=pos, **head)
-            phases.end("scoring")
-            # 5. optimize: micro-batches, accumulation normalized as TRL does
-            mask = batch["completion_mask"].float()
-            num_items = None
-            if cfg.loss_type in LOSS_TYPES_WITH_TOKEN_COUNT:
-                # per-process share of the step's token count: DDP averages the gradients, so
-                # the micro-batch losses add up to sum(token losses) / all tokens of the step
-                num_items = accel.reduce(mask.sum(), "sum") / world
-            sums, loss_total, grad_norms = {}, 0.0, []
-            for _ in range(cfg.num_iterations):
-                phases.begin("loss")  # forward + backward of every micro-batch
-                for i in range(n_micro):
-                    s = slice(i * micro, (i + 1) * micro)
-                    sync = i == n_micro - 1 or world == 1
-                    with (contextlib.nullcontext() if sync else ddp_model.no_sync()), autocast:
-                        loss, metrics = _loss(
-                            ddp_model, loss_fn, ids[s], attn[s], pos[s], T, advantages[s],
-                            mask[s], _sl(old_logps, s), _sl(ref_logps, s), num_items, cfg.loss,
-                            head)
-                        if num_items is None:
-                            loss = loss / n_micro  # mean of the micro-batch means
-                    loss.backward()
-                    loss_total += loss.item() / cfg.num_iterations
-                    n_tok = mask[s].sum().item()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v.item() * n_tok
-                    sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
-                phases.end("loss")
-                phases.begin("optimizer")
-                clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                grad_norms.append(sharding.clip_grad_norm(model, clip))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                phases.end("optimizer")
-            phases.end_step()
+            with phases.step():
+                # 1. generate G completions per prompt: [B, Lp + T]
+                with phases.phase("generation"):
+                    batch = generate(model, examples, ctx)
+                with phases.phase("scoring"):
+                    # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
+                    rewards_per_func, failures = score(specs, batch["prompts"], batch["texts"],
+                                                       batch["columns"])
+                    all_rewards = accel.gather(rewards_per_func.to(device)).cpu()  # [P*G, F]
+                    rewards = combine(all_rewards, weights)
+                    advantages = group_advantages(rewards, G, cfg.scale_rewards)
+                    advantages = advantages[rank * B:(rank + 1) * B].to(device)
+                    # 4. reference and old log-probs [B, T], float32, no grad, no logits; the
+                    # policy in train mode, as in the loss below, so the first ratio is exactly 1
+                    ids, attn, T = batch["input_ids"], batch["attention_mask"], batch["T"]
+                    pos = position_ids(attn)
+                    model.train()
+                    with autocast:
+                        ref_logps = None if ref_model is None else causal_lm_logprobs(
+                            ref_model, ids, attn, T, temperature=cfg.temperature,
+                            batch_size=micro, position_ids=pos, **head)
+                        old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
+                            model, ids, attn, T, temperature=cfg.temperature,
+                            batch_size=micro, position_ids=pos, **head)
+                # 5. optimize: micro-batches, accumulation normalized as TRL does
+                mask = batch["completion_mask"].float()
+                num_items = None
+                if loss_fn.params.normalizes_by_token_count:
+                    # per-process share of the step's token count: DDP averages the gradients,
+                    # so the micro-batch losses add up to sum(token losses) / all tokens
+                    num_items = accel.reduce(mask.sum(), "sum") / world
+                sums, loss_total, grad_norms = {}, 0.0, []
+                for _ in range(cfg.num_iterations):
+                    with phases.phase("loss"):  # forward + backward of every micro-batch
+                        for i in range(n_micro):
+                            s = slice(i * micro, (i + 1) * micro)
+                            sync = i == n_micro - 1 or world == 1
+                            no_sync = contextlib.nullcontext() if sync else ddp_model.no_sync()
+                            with no_sync, autocast:
+                                loss, metrics = _loss(
+                                    ddp_model, loss_fn, ids[s], attn[s], pos[s], T,
+                                    advantages[s], mask[s], _sl(old_logps, s), _sl(ref_logps, s),
+                                    num_items, cfg.loss, head)
+                                if num_items is None:
+                                    loss = loss / n_micro  # mean of the micro-batch means
+                            loss.backward()
+                            loss_total += loss.item() / cfg.num_iterations
+                            n_tok = mask[s].sum().item()
+                            for k, v in metrics.items():
+                                sums[k] = sums.get(k, 0.0) + v.item() * n_tok
+                            sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
+                    with phases.phase("optimizer"):
+                        clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+                        grad_norms.append(sharding.clip_grad_norm(model, clip))
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
 
             # ---- metrics, eval, checkpoint ------------------------------------------------------
             record = _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums,
@@ -363,8 +365,7 @@ def _loss(model, loss_fn, ids, attn, pos, T, adv, mask, old, ref, num_items, whi
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1,
                    use_cache=False).logits[:, :-1]  # [b, T, V]
     return reference_impl.grpo_loss(logits, ids[:, -T:], adv, mask, old, ref,
-                                    num_items_in_batch=num_items,
-                                    **dataclasses.asdict(loss_fn.params))
+                                    num_items_in_batch=num_items, params=loss_fn.params)
 
 
 def _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_total, grad_norms,

@@ -109,7 +109,7 @@ def pytest_configure(config):
     # A kernel that falls back to the PyTorch path in a test is a kernel problem hidden by the
     # safety net: make it fail (tests of the fallback itself record warnings explicitly).
     config.addinivalue_line("filterwarnings",
-                            "error::grpo_kernels.fallback.KernelFallbackWarning")
+                            "error::grpo_kernels.ops.fallback.KernelFallbackWarning")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
-"""The chunked PyTorch path (grpo_kernels/chunked.py) against a float64 truth on the same values.
+"""The chunked PyTorch path (grpo_kernels/cpu/chunked.py) against a float64 truth.
 
-Half inputs: logits must accumulate in float32 (GRPO_SPEC.md), so the chunked path's error is
+Half inputs: logits must accumulate in float32 (docs/semantics.md), so the chunked path's error is
 bounded by PyTorch's float32 error on the same half values, not by half precision; the bf16
 reference (which rounds logits to bf16) is the positive control that this bound can fail.
 Mixed head precision (float32 weight, half hidden) gives the fp32 head's logits of the hidden
@@ -15,7 +15,8 @@ from helpers import leaf, make_head, scaled_err
 
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
-from grpo_kernels import chunked, reference
+from grpo_kernels import reference
+from grpo_kernels.cpu import chunked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HALF = [torch.bfloat16, torch.float16]

@@ -173,7 +173,7 @@ def test_help_documents_every_flag_by_topic():
 
 
 def test_boolean_and_hyphen_spellings_parse_alike():
-    from grpo_train.config import parse_config
+    from grpo_train.cli import parse_config
 
     a = parse_config(["--no-bf16", "--gradient-checkpointing", "--num-generations", "4"])
     b = parse_config(["--no_bf16", "--gradient_checkpointing", "true", "--num_generations=4"])

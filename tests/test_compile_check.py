@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from grpo_kernels import kernel_variants as kv  # noqa: E402
-from grpo_kernels import static_report  # noqa: E402
+from grpo_kernels.compile_check import kernel_variants as kv  # noqa: E402
+from grpo_kernels.compile_check import static_report  # noqa: E402
 
 
 def _compile_check(*args: str) -> str:

@@ -1,4 +1,4 @@
-"""The safety net (grpo_kernels/fallback.py): a Triton kernel that fails to compile or launch is
+"""The safety net (grpo_kernels/ops/fallback.py): a Triton kernel that fails to compile or launch is
 replaced by the chunked PyTorch path with one warning naming the cause; GRPO_KERNELS_STRICT=1 and
 force_backend("triton") raise instead; errors that are not compile/launch failures (bad input, a
 bug in our code, the interpreter's report of a kernel bug, a poisoned CUDA context) propagate.
@@ -17,7 +17,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import InterpreterError, OutOfResources
 
 import grpo_kernels as gk
-from grpo_kernels import fallback, linear_backward_gemm, linear_logprobs, logits_logprobs
+from grpo_kernels.kernels import linear_backward_gemm, linear_logprobs, logits_logprobs
+from grpo_kernels.ops import fallback
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 KW = dict(beta=0.04, loss_type="dapo", epsilon_high=0.28, entropy_coef=0.01)

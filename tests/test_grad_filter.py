@@ -10,7 +10,8 @@ import torch
 from helpers import hyper, leaf, make_grpo_batch, make_head, max_err
 
 import grpo_kernels as gk
-from grpo_kernels import reference, tile_configs
+from grpo_kernels import reference
+from grpo_kernels.kernels import tile_configs
 from grpo_kernels.validation import check_grad_filter
 
 # 4 token blocks × 10 vocabulary tiles in the interpreter's tiles (BLOCK_N=16, BLOCK_V=32)

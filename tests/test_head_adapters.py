@@ -1,4 +1,4 @@
-"""PEFT adapters on the output embedding (grpo_kernels.head_adapters through grpo_kernels.hf).
+"""PEFT adapters on the output embedding (grpo_kernels.hf.head_adapters through grpo_kernels.hf).
 
 Truth: the wrapped model's own forward (its logits for the completion positions) and the
 materialized-logits reference loss. The fused path must give the same loss, the same gradient
@@ -195,7 +195,7 @@ def test_unsupported_adapters_name_the_module(base):
 
 
 def test_add_lora_puts_a_trainable_adapter_on_the_head(base):
-    from grpo_kernels.head_adapters import add_lora
+    from grpo_kernels.hf.head_adapters import add_lora
 
     model = add_lora(copy.deepcopy(base), r=2, alpha=4, init_lora_weights=False)
     inner = model.get_base_model()

@@ -11,10 +11,11 @@ import torch
 from helpers import leaf, make_head, max_err
 
 import grpo_kernels as gk
-from grpo_kernels import linear_backward_gemm as gemm
-from grpo_kernels import linear_logprobs, reference
-from grpo_kernels.accumulate_mm import accumulate_mm
-from grpo_kernels.selective_logprobs import BACKWARD_ENV, linear_backward_mode
+from grpo_kernels import reference
+from grpo_kernels.kernels import linear_backward_gemm as gemm
+from grpo_kernels.kernels import linear_logprobs
+from grpo_kernels.kernels.accumulate_mm import accumulate_mm
+from grpo_kernels.ops.backends import BACKWARD_ENV, linear_backward_mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -306,7 +307,7 @@ def test_split_forward_with_the_fused_epilogue(monkeypatch):
     and gradients match the unsplit run."""
     from helpers import hyper, make_grpo_batch
 
-    from grpo_kernels import tile_configs
+    from grpo_kernels.kernels import tile_configs
 
     hidden, weight, b, ids = make_head(2, 21, 24, 150, torch.float32, "cpu", seed=9, bias=True,
                                        scale=3.0)

@@ -168,7 +168,7 @@ def _num_compiled(kernel) -> int:
 
 @pytest.mark.gpu
 def test_no_recompile_across_sequence_lengths_and_hyperparameters():
-    from grpo_kernels import linear_backward_gemm, linear_logprobs
+    from grpo_kernels.kernels import linear_backward_gemm, linear_logprobs
 
     D, V = 64, 1000
     _, weight, _, _ = make_head(1, 1, D, V, torch.bfloat16, "cuda")

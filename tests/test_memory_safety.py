@@ -14,7 +14,7 @@ from helpers import leaf, make_grpo_batch, make_head
 from triton.runtime import interpreter
 
 import grpo_kernels as gk
-from grpo_kernels import logits_logprobs, tile_configs
+from grpo_kernels.kernels import logits_logprobs, tile_configs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

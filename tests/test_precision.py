@@ -14,7 +14,8 @@ from helpers import make_head, max_err
 from triton.runtime import interpreter
 
 import grpo_kernels as gk
-from grpo_kernels import precision, reference
+from grpo_kernels import reference
+from grpo_kernels.kernels import precision
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs kernels in Triton's interpreter")

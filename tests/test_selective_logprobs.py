@@ -8,7 +8,9 @@ import torch
 from helpers import leaf, make_head, max_err
 
 import grpo_kernels as gk
-from grpo_kernels import chunked, linear_logprobs, reference
+from grpo_kernels import reference
+from grpo_kernels.cpu import chunked
+from grpo_kernels.kernels import linear_logprobs
 
 BACKENDS = ["triton", "torch"]
 # (B, T, D, V): an odd shape, and one spanning 10 vocabulary tiles (BLOCK_V=32) and 2 D tiles
@@ -157,7 +159,7 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
 def test_gemm_backward_matches_atomic_backward(dtype):
     """GRPO_KERNELS_LINEAR_BACKWARD=gemm (d logits per token chunk + GEMMs) gives the atomic
     kernel's gradients, over several chunks, with bias, entropy gradient and masked tokens."""
-    from grpo_kernels import linear_backward_gemm, linear_logprobs
+    from grpo_kernels.kernels import linear_backward_gemm, linear_logprobs
 
     hidden, weight, b, ids = make_head(3, 31, 24, 150, dtype, "cpu", seed=12, bias=True)
     h2, ids2 = hidden.reshape(-1, 24), ids.reshape(-1)

@@ -1,4 +1,4 @@
-"""Our loss semantics against TRL 1.16's own `GRPOTrainer._compute_loss` (GRPO_SPEC.md).
+"""Our loss semantics against TRL 1.16's own `GRPOTrainer._compute_loss` (docs/semantics.md).
 
 TRL's method is run unchanged on a stand-in trainer object whose log-prob scoring is a float64
 linear head, so what is compared is exactly TRL's loss math, aggregation and metrics: one process,
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from grpo_kernels import LOSS_TYPES, force_backend, fused_linear_grpo_loss, reference
+from grpo_kernels.ops.backends import backend_for
 from grpo_kernels.reference import logprobs_from_logits
-from grpo_kernels.selective_logprobs import backend_for
 
 trl = pytest.importorskip("trl")
 

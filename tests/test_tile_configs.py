@@ -5,7 +5,7 @@ import pytest
 import torch
 import triton
 
-from grpo_kernels import tile_configs
+from grpo_kernels.kernels import tile_configs
 
 
 def _efficiency(programs: int, slots: int) -> float:
@@ -57,7 +57,7 @@ def test_atomic_backward_tiles_follow_a_float32_head(arch, hidden_dtype):
 
 
 def test_atomic_backward_launcher_passes_the_head_dtype(monkeypatch):
-    from grpo_kernels import linear_logprobs
+    from grpo_kernels.kernels import linear_logprobs
 
     seen = []
     real = tile_configs.linear_bwd_atomic

@@ -1,4 +1,4 @@
-"""torch.compile: the public losses are custom operators (grpo_kernels/custom_ops.py), so a
+"""torch.compile: the public losses are custom operators (grpo_kernels/ops/custom_ops.py), so a
 compiled training step that calls them traces with fullgraph=True (no graph break anywhere in
 validation or dispatch) and gives eager's loss, metrics and gradients; `torch.library.opcheck`
 checks each operator's schema, fake (meta) implementation and autograd registration.
@@ -10,9 +10,11 @@ import torch
 from helpers import leaf, make_grpo_batch, make_head
 
 import grpo_kernels as gk
-from grpo_kernels import custom_ops
-from grpo_kernels.grpo_math import grpo_metrics
+from grpo_kernels.grpo_math import grpo_metrics, metric_names
+from grpo_kernels.ops import custom_ops
+from grpo_kernels.ops.loss_terms import pack_loss_args
 from grpo_kernels.params import GRPOParams
+from grpo_kernels.validation import LossInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BACKENDS = ["triton", "torch"]
@@ -135,7 +137,7 @@ def test_metric_names_follow_grpo_metrics(loss_type, beta):
     x = torch.rand(2, 3)
     keys = grpo_metrics(x, x + 0.5, x if beta else None, torch.randn(2, 1), torch.ones(2, 3),
                         params).keys()
-    assert custom_ops.metric_names(params) == tuple(keys)
+    assert metric_names(params) == tuple(keys)
 
 
 def _opcheck(op, args, all_checks=True):
@@ -163,15 +165,15 @@ def test_opcheck_selective_ops(backend):
 def test_opcheck_loss_ops(backend):
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(B=2, T=2, D=4, V=5)
     params = GRPOParams(beta=0.04, entropy_coef=0.01)
-    grpo = (mask, adv.reshape(-1, 1), old, ref, None, None, None,
-            *custom_ops.hyper_args(params))
+    inputs = LossInputs(mask, adv.reshape(-1, 1), old, ref, None, None)
+    grpo = pack_loss_args(inputs, params)
     h = leaf(hidden.reshape(-1, 4))
     fused = True
     _opcheck(custom_ops.OPS.linear_grpo_loss.default,
-             (h, leaf(weight), leaf(bias), ids.reshape(-1), *grpo, None, backend), fused)
+             (h, leaf(weight), leaf(bias), ids.reshape(-1), None, backend, *grpo), fused)
     logits = leaf(hidden @ weight.T)
     _opcheck(custom_ops.OPS.logits_grpo_loss.default,
-             (logits, ids.reshape(-1), *grpo, backend, False), fused)
+             (logits, ids.reshape(-1), backend, False, *grpo), fused)
 
 
 def test_reference_and_unfused_paths_compile_with_in_graph_checks():

@@ -24,8 +24,8 @@ def record(prompts, completions, **columns):
 DRIVER = """
 import os, sys
 import torch
-from grpo_train.config import parse_config
-from grpo_train.trainer import train
+from grpo_train.cli import parse_config
+from grpo_train import train
 
 result = train(parse_config(sys.argv[1:]))  # what `python -m grpo_train` runs
 state = {k: v.detach().cpu() for k, v in result["model"].state_dict().items()}

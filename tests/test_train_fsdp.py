@@ -17,8 +17,8 @@ DRIVER = """
 import json, os, sys
 import torch
 from grpo_train import sharding
-from grpo_train.config import parse_config
-from grpo_train.trainer import train
+from grpo_train.cli import parse_config
+from grpo_train import train
 
 result = train(parse_config(sys.argv[1:]))  # what `python -m grpo_train` runs
 out, rank = os.environ["GRPO_TEST_DIR"], os.environ["RANK"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_train import TrainConfig, main, parse_config, train
-from grpo_train.cli import UsageError
+from grpo_train.flags import UsageError
 from grpo_train.logs import read_metrics
 from grpo_train.tiny import save_tiny_model
 

@@ -1,4 +1,4 @@
-"""grpo_train.phases: each phase is charged the memory its own temporaries take (CPU RSS sampled
+"""benchmarks.phases: each phase is charged the memory its own temporaries take (CPU RSS sampled
 by a thread), nested phases are charged separately, and the hooks do nothing without a recorder."""
 
 import ctypes
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from grpo_train import phases
+from benchmarks import phases
 
 MIB = 2**20
 
@@ -60,8 +60,10 @@ def _in_fresh_process(name: str) -> None:
     the recorder."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = f"import test_train_phases as t; t._attempts(t.{name})"
+    root = os.path.dirname(here)  # benchmarks/ is a folder of the repository, not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -139,7 +139,7 @@ def test_combine_weights_and_unscored_rows():
 
 
 def _advantages_by_hand(rewards, G, scale):
-    """An independent, loop-based reading of GRPO_SPEC.md's advantage formula."""
+    """An independent, loop-based reading of docs/semantics.md's advantage formula."""
     def stats(values):
         vals = [v for v in values if not math.isnan(v)]
         mean = sum(vals) / len(vals) if vals else math.nan

@@ -16,15 +16,8 @@ from grpo_train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from grpo_train.cli import UsageError
-from grpo_train.config import (
-    AUTO,
-    TrainConfig,
-    field_docs,
-    grad_filter_value,
-    parse_config,
-    resolve_auto,
-)
+from grpo_train.cli import field_docs, parse_config
+from grpo_train.config import AUTO, TrainConfig, grad_filter_value, resolve_auto
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
@@ -33,6 +26,7 @@ from grpo_train.data import (
     read_rows,
     to_examples,
 )
+from grpo_train.flags import UsageError
 from grpo_train.logs import MetricsLog, format_line, plot_curves, read_metrics
 from grpo_train.models import completion_mask, position_ids
 

@@ -25,7 +25,8 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from grpo_kernels import force_backend  # noqa: E402
-from grpo_kernels.trl import GRPOTrainer, _adapter_on_head_allowed  # noqa: E402
+from grpo_kernels.trl import GRPOTrainer  # noqa: E402
+from grpo_kernels.trl.trainer import _adapter_on_head_allowed  # noqa: E402
 from grpo_train.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,7 +210,7 @@ def test_triton_kernels_match_trl(model_dir):
     """The log-probs through the Triton kernels (Triton's interpreter on CPU)."""
     try:
         with force_backend("triton"):
-            from grpo_kernels.selective_logprobs import backend_for
+            from grpo_kernels.ops.backends import backend_for
 
             backend_for(torch.zeros(1))
     except RuntimeError as exc:

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import linear_backward_gemm as gemm
-from . import linear_logprobs as lin
-from . import logits_logprobs as lgt
-from . import precision, tile_configs
+from ..kernels import accumulate_mm as amm
+from ..kernels import linear_backward_gemm as gemm
+from ..kernels import linear_logprobs as lin
+from ..kernels import logits_logprobs as lgt
+from ..kernels import precision, tile_configs
+from ..ops.backends import BACKWARD_ENV, linear_backward_mode
 
 ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # The heads users train (D, V): Qwen2.5-0.5B, Qwen2.5-7B, Llama-3-8B, Llama-2 and a vocabulary
@@ -254,8 +256,6 @@ def _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
 def _accumulate(arch, c, dtype, a_t, rows, cols, D, N, default):
     """accumulate_mm: by tokens acc = d weight [V, D] += dz^T [V, rows] @ hidden [rows, D];
     by vocabulary acc = d hidden [N, D] += dz [N, cols] @ weight [cols, D]."""
-    import grpo_kernels.accumulate_mm as amm
-
     acfg, aopts = _split_cfg(tile_configs.accumulate_mm(dtype, None, arch=arch))
     M, K = (cols, rows) if a_t else (N, cols)
     args = dict(a_ptr=Ptr(c), b_ptr=Ptr(c), acc_ptr=Ptr("fp32"), M=M, K=K, D=D,
@@ -304,18 +304,12 @@ def _logits(arch: int, V: int, dtype, quick: bool):
 
 def default_linear_backward() -> str:
     """The backward the dispatch picks with no setting (no grad_filter, variable unset)."""
-    import importlib
-
-    sel = importlib.import_module(__package__ + ".selective_logprobs")  # the package exports a
-    # function of the same name
-
-    env = getattr(sel, "BACKWARD_ENV", "GRPO_KERNELS_LINEAR_BACKWARD")
-    saved = os.environ.pop(env, None)
+    saved = os.environ.pop(BACKWARD_ENV, None)
     try:
-        return sel.linear_backward_mode(None)
+        return linear_backward_mode(None)
     finally:
         if saved is not None:
-            os.environ[env] = saved
+            os.environ[BACKWARD_ENV] = saved
 
 
 def variants(arch: int, quick: bool = False) -> list:

@@ -13,22 +13,7 @@ import re
 import subprocess
 import tempfile
 
-# Per-architecture limits (CUDA programming guide, "compute capabilities" table): registers per
-# SM, shared memory per SM and per block (opt-in maximum), threads and blocks per SM.
-ARCH = {
-    75: dict(regs=65536, smem_sm=64 * 1024, smem_block=64 * 1024, threads=1024, blocks=16),
-    80: dict(regs=65536, smem_sm=164 * 1024, smem_block=163 * 1024, threads=2048, blocks=32),
-    86: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=16),
-    89: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=24),
-    90: dict(regs=65536, smem_sm=228 * 1024, smem_block=227 * 1024, threads=2048, blocks=32),
-    100: dict(regs=65536, smem_sm=228 * 1024, smem_block=227 * 1024, threads=2048, blocks=32),
-    120: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=32),
-}
-RESERVED_SMEM = 1024  # per block, taken by the system on sm_80 and later
-
-
-def arch_key(arch: int) -> int:
-    return arch
+from .perf_model import blocks_per_sm, model_section
 
 
 def _tool(name: str) -> str:
@@ -106,17 +91,6 @@ def sass_stats(cubin: bytes) -> dict:
                 loop_instrs=loop_instrs, tile_instrs=tile_instrs)
 
 
-def blocks_per_sm(arch: int, regs: int, warps: int, shared: int) -> int:
-    """Resident blocks per SM: registers (allocated per warp in units of 256), threads, shared
-    memory (plus the 1 KB the system reserves per block) and the block limit."""
-    a = ARCH[arch]
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    by_regs = a["regs"] // (per_warp * warps)
-    by_threads = a["threads"] // (32 * warps)
-    by_smem = a["smem_sm"] // (shared + RESERVED_SMEM) if shared else a["blocks"]
-    return max(0, min(by_regs, by_threads, by_smem, a["blocks"]))
-
-
 def _mma_text(sass: dict) -> str:
     if sass.get("mma_loop"):
         return ", ".join(f"{n}× {op}" for op, n in sorted(sass["mma_loop"].items()))
@@ -153,7 +127,5 @@ def render(arch: int, variants: list, results: list, quick: bool) -> str:
     spills = sum(r.spill_bytes for _, r in default_rows)
     lines += ["", f"Default variants: {len(default_rows)}; atomics in default backward "
               f"variants: {bwd_atomics}; spilled bytes in default variants: {spills}."]
-    from .perf_model import model_section
-
     lines += ["", *model_section(arch, variants, results)]
     return "\n".join(lines)

@@ -7,8 +7,8 @@ Forward streams vocabulary tiles through an online log-sum-exp; an optional GRPO
 logp into the per-token loss and its gradient coefficient in the same kernel. Backward recomputes
 each logit tile from hidden and weight and accumulates d hidden and d weight with `tl.dot`.
 
-Layout: kernel, launcher; backward kernel, launcher. The autograd classes live in
-`selective_logprobs.py` and `fused_linear_grpo.py`.
+Layout: kernel, launcher; backward kernel, launcher. The custom operators and autograd formulas
+that call these launchers live in `grpo_kernels/ops/`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import triton.language as tl
 from . import tile_configs
 from .epilogue import grpo_token_outputs
 from .precision import dot_precision, head_dot, split_dot, tile_dot
-from .tile_configs import INTERPRET  # noqa: F401  (re-exported: the dispatch reads it here)
 
 # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite (constexpr: jit globals)
 NEG_BIG = tl.constexpr(-1.0e38)

@@ -15,10 +15,33 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import linear_backward_gemm as gemm
-from . import tile_configs
+from ..kernels import linear_backward_gemm as gemm
+from ..kernels import tile_configs
 from .kernel_variants import SMS, forward_grid
-from .static_report import blocks_per_sm
+
+# Per-architecture limits (CUDA programming guide, "compute capabilities" table): registers per
+# SM, shared memory per SM and per block (opt-in maximum), threads and blocks per SM.
+ARCH = {
+    75: dict(regs=65536, smem_sm=64 * 1024, smem_block=64 * 1024, threads=1024, blocks=16),
+    80: dict(regs=65536, smem_sm=164 * 1024, smem_block=163 * 1024, threads=2048, blocks=32),
+    86: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=16),
+    89: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=24),
+    90: dict(regs=65536, smem_sm=228 * 1024, smem_block=227 * 1024, threads=2048, blocks=32),
+    100: dict(regs=65536, smem_sm=228 * 1024, smem_block=227 * 1024, threads=2048, blocks=32),
+    120: dict(regs=65536, smem_sm=100 * 1024, smem_block=99 * 1024, threads=1536, blocks=32),
+}
+RESERVED_SMEM = 1024  # per block, taken by the system on sm_80 and later
+
+
+def blocks_per_sm(arch: int, regs: int, warps: int, shared: int) -> int:
+    """Resident blocks per SM: registers (allocated per warp in units of 256), threads, shared
+    memory (plus the 1 KB the system reserves per block) and the block limit."""
+    a = ARCH[arch]
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = a["regs"] // (per_warp * warps)
+    by_threads = a["threads"] // (32 * warps)
+    by_smem = a["smem_sm"] // (shared + RESERVED_SMEM) if shared else a["blocks"]
+    return max(0, min(by_regs, by_threads, by_smem, a["blocks"]))
 
 # (tensor-core bf16 dense rate FLOP/s, HBM bytes/s, SM clock Hz, source) per architecture
 MACHINES = {

@@ -1,5 +1,5 @@
 """Safety net: a Triton kernel that fails to compile or launch falls back to the chunked PyTorch
-path (`chunked.py`, same launcher contract) with one warning, and training goes on.
+path (`cpu/chunked.py`, same launcher contract) with one warning, and training goes on.
 
 Only failures of the kernel build or launch fall back: Triton's compile errors (CompilationError,
 OutOfResources, PTXASError, ...), and on a GPU any error raised from inside Triton's compiler,
@@ -16,7 +16,6 @@ and a failing compile is not retried every step. `GRPO_KERNELS_STRICT=1` (or
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import warnings
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from .backends import forced_backend
 
 STRICT_ENV = "GRPO_KERNELS_STRICT"
 R = TypeVar("R")
@@ -53,9 +54,7 @@ def strict() -> bool:
     """True when failures must raise: GRPO_KERNELS_STRICT=1, or force_backend("triton")."""
     if os.environ.get(STRICT_ENV, "0").strip().lower() not in ("", "0", "false", "no"):
         return True
-    # late import; the package attribute of that name is the function, not the module
-    dispatch = importlib.import_module(f"{__package__}.selective_logprobs")
-    return dispatch._forced == "triton"
+    return forced_backend() == "triton"
 
 
 def _triton_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

@@ -17,7 +17,7 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 - cast_lm_head_to_fp32: the float32 head takes the bf16/fp16 hidden states as they are (mixed
   head precision in the kernels), giving the float32 head's logits as TRL's cast does.
 
-The numbers are TRL 1.16's, and the same as the standalone loss's: both follow GRPO_SPEC.md,
+The numbers are TRL 1.16's, and the same as the standalone loss's: both follow docs/semantics.md,
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
 aggregation weights, entropy bonus, metric sums and clip flags). Tested against TRL's own
 `_compute_loss` to float32 precision (tests/test_trl.py, tests/test_semantics_trl.py).
@@ -56,18 +56,18 @@ except ImportError as exc:  # TRL is an optional dependency
         "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
     ) from exc
 
-from .grpo_math import clip_indicators, mean_entropy, metric_sums, per_token_loss, token_weights
-from .head_adapters import has_tuner_adapter
-from .hf import (
+from ..functional import selective_logprobs
+from ..grpo_math import clip_indicators, entropy_bonus, metric_sums, policy_loss
+from ..hf import (
     check_output_head,
     completion_hidden_states,
     completion_logprobs,
+    has_tuner_adapter,
     head_for,
     unwrap_model,
 )
-from .params import LOSS_TYPES, GRPOParams
-from .selective_logprobs import selective_logprobs
-from .validation import check_grad_filter, check_loss_inputs
+from ..params import LOSS_TYPES, GRPOParams
+from ..validation import check_grad_filter, check_loss_inputs
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -107,12 +107,8 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
                                        grad_filter=grad_filter)
     inputs = check_loss_inputs(B, T, hidden.device, params, mask, advantages, old_logps,
                                ref_logps, importance_sampling_ratio, num_items_in_batch)
-    loss_tok, ratio, kl = per_token_loss(
-        logp, inputs.old_logps, inputs.ref_logps, inputs.advantages, inputs.mask, params,
-        inputs.importance_sampling_ratio,
-    )
-    weights, _ = token_weights(inputs.mask, params, inputs.num_items_in_batch)
-    return (weights * loss_tok).sum(), entropy, ratio, None if kl is None else kl.detach()
+    loss, ratio, kl = policy_loss(logp, inputs, params)
+    return loss, entropy, ratio, None if kl is None else kl.detach()
 
 
 # Registered on an FSDP2 root as a forward method (`register_fsdp_forward_method`).
@@ -229,19 +225,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
                          ("use_adaptive_entropy", self.use_adaptive_entropy)):
             if on:
                 return None, f"{flag} is not implemented by grpo-kernels"
-        args = self.args
         try:
-            params = GRPOParams(
-                beta=float(self.beta), epsilon_low=float(self.epsilon_low),
-                epsilon_high=float(self.epsilon_high), delta=args.delta,
-                temperature=float(self.temperature),
-                loss_type=self.loss_type,
-                importance_sampling_level=self.importance_sampling_level,
-                max_completion_length=self.max_completion_length,
-                use_bias_correction_kl=bool(args.use_bias_correction_kl),
-                sapo_temperature_pos=float(args.sapo_temperature_pos),
-                sapo_temperature_neg=float(args.sapo_temperature_neg),
-            )
+            # the trainer's resolved attributes (epsilon_low, epsilon_high, ...) first, then its
+            # config's fields (delta, sapo temperatures, ...); the bonus is added by the trainer
+            params = GRPOParams.from_config(self, self.args, entropy_coef=0.0)
         except (TypeError, ValueError) as exc:
             return None, f"grpo-kernels rejects this configuration ({exc})"
         return params, None
@@ -342,10 +329,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
         maskf = mask.to(entropy.dtype)
         if self._entropy_bonus_enabled:
             # the micro-batch's masked mean entropy, scaled only for accumulation
-            loss = loss - self.entropy_coef * mean_entropy(entropy, maskf) / accumulation
-            policy_loss = policy.detach() * (scale if self.loss_type in ("dapo", "cispo") else 1)
+            loss = loss + entropy_bonus(entropy, maskf, self.entropy_coef) / accumulation
+            token_count = self._grpo_params.normalizes_by_token_count
+            logged = policy.detach() * (scale if token_count else 1)
             self._metrics[mode]["policy_loss"].append(
-                self.accelerator.gather(policy_loss).nanmean().item())
+                self.accelerator.gather(logged).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         self._log_metrics(mode, maskf, entropy.detach(), ratio, kl, advantages)
@@ -354,7 +342,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def _normalizer(self, inputs, mode: str, accumulation: int):
         """(num_items_in_batch for our loss, factor applied to our loss) reproducing TRL's
         normalization of self.loss_type."""
-        if self.loss_type in ("dapo", "cispo"):
+        if self._grpo_params.normalizes_by_token_count:
             # num_items_in_batch counts the whole generation batch on all processes; TRL rescales
             # it to one accumulation window of this process
             n = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32)

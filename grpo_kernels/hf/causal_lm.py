@@ -1,4 +1,4 @@
-"""Hugging Face integration: GRPO loss and log-probs of any `AutoModelForCausalLM`, from hidden
+"""Hugging Face causal LMs: GRPO loss and log-probs of any `AutoModelForCausalLM`, from hidden
 states, without projecting prompt positions (or anything) to full-vocabulary logits.
 
     loss, metrics = causal_lm_grpo_loss(model, input_ids, attention_mask, logits_to_keep=T,
@@ -33,10 +33,13 @@ import weakref
 import torch
 from torch import nn
 
-from .fused_linear_grpo import fused_linear_grpo_loss_with_params
+from ..functional import selective_logprobs
+from ..modules import FusedLinearGRPOLoss
 from .head_adapters import ResolvedHead, fold_lora, resolve_head
-from .modules import FusedLinearGRPOLoss
-from .selective_logprobs import selective_logprobs
+
+__all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
+           "completion_hidden_states", "completion_logprobs", "head_for", "output_head",
+           "resolved_head", "unwrap_model"]
 
 # Config attributes that change logits after lm_head; a plain linear head would ignore them.
 _UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
@@ -296,11 +299,8 @@ def causal_lm_grpo_loss(
     hidden, weight, bias = head_for(hidden, model, head_dtype)
     completion_ids = input_ids[:, -logits_to_keep:].to(hidden.device)
     with _no_autocast(hidden):  # inputs are already in the head dtype; keep it
-        return fused_linear_grpo_loss_with_params(
-            hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
-            bias, loss_fn.params, num_items_in_batch, importance_sampling_ratio,
-            getattr(loss_fn, "grad_filter", None),
-        )
+        return loss_fn(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
+                       ref_logps, bias, num_items_in_batch, importance_sampling_ratio)
 
 
 def completion_logprobs(
@@ -343,23 +343,9 @@ def completion_logprobs(
     return (logp, torch.cat(ents, dim=0)) if return_entropy else logp
 
 
-@torch.no_grad()
-def causal_lm_logprobs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    logits_to_keep: int,
-    *,
-    temperature: float = 1.0,
-    batch_size: int | None = None,
-    return_entropy: bool = False,
-    head_dtype: torch.dtype | None = None,
-    **model_kwargs,
-):
+def causal_lm_logprobs(model: nn.Module, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None, logits_to_keep: int, **kwargs):
     """No-grad log-probs [B, T] float32 of the last `logits_to_keep` tokens (old or reference
-    policy scoring), in micro-batches of `batch_size` sequences, without logits."""
-    return completion_logprobs(
-        model, input_ids, attention_mask, logits_to_keep, temperature=temperature,
-        batch_size=batch_size, return_entropy=return_entropy, head_dtype=head_dtype,
-        **model_kwargs,
-    )
+    policy scoring), without logits; the keywords of `completion_logprobs`."""
+    with torch.no_grad():
+        return completion_logprobs(model, input_ids, attention_mask, logits_to_keep, **kwargs)

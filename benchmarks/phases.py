@@ -1,6 +1,8 @@
 """Phase boundaries of a training step and an optional recorder of each phase's memory.
 
-The trainer marks its phases (`with phase("generation"): ...`, `begin_step()` / `end_step()`).
+grpo_train's trainer marks its phases through the object it is given (`train(cfg, phases=...)`:
+`with phases.step():` and `with phases.phase("generation"):`); this module is such an object.
+TRL's trainer is marked by callbacks (`begin(name)` / `end(name)`, `begin_step()` / `end_step()`).
 Without a recorder installed these are no-ops costing one global read. A benchmark installs a
 `PhaseRecorder` with `recording(...)` and gets, per step and per phase:
   start_bytes  memory when the phase began,
@@ -45,6 +47,16 @@ def phase(name: str):
         yield
     finally:
         rec.end(name)
+
+
+@contextlib.contextmanager
+def step():
+    """Marks one training step: `begin_step()` ... `end_step()`."""
+    begin_step()
+    try:
+        yield
+    finally:
+        end_step()
 
 
 def begin(name: str) -> None:

@@ -1,8 +1,9 @@
-"""Differentiable selective log-prob (and entropy) of a linear head, and backend dispatch.
+"""The backend registry and dispatch: which launchers run a selective log-prob op.
 
 Backends: "triton" (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before triton was
-imported) and "torch" (the chunked PyTorch path in `chunked.py`). Both save only per-token
-statistics (lse, entropy) for backward, never logits (see `autograd.py`).
+imported) and "torch" (the chunked PyTorch path, `cpu/chunked.py`). Both implement the same four
+launchers (linear-head and logits forward/backward) and save only per-token statistics (lse,
+entropy) for backward, never logits (see `autograd.py`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ from types import SimpleNamespace
 
 import torch
 
-from . import chunked, custom_ops, linear_backward_gemm
-from . import linear_logprobs as triton_impl
-from . import logits_logprobs as logits_impl
-from .validation import (
-    check_grad_filter,
-    check_linear_head,
-    check_temperature,
-    check_token_ids,
-)
+from ..cpu import chunked
+from ..kernels import linear_backward_gemm
+from ..kernels import linear_logprobs as triton_impl
+from ..kernels import logits_logprobs as logits_impl
+from ..kernels.tile_configs import INTERPRET
 
 BACKENDS = ("triton", "torch")
-# The Triton backwards of the linear head (cost model: benchmarks/NOTES.md). "gemm" (default):
+# The Triton backwards of the linear head (cost model: docs/benchmarks.md). "gemm" (default):
 # d logits per chunk + GEMMs, no atomics, deterministic. "atomic": every tile adds its products
 # with float32 atomics (not deterministic); with grad_filter it skips the products of dropped
 # tiles, the one case the cost model says it can be faster.
@@ -80,6 +77,11 @@ IMPLS = {
 _forced: str | None = None
 
 
+def forced_backend() -> str | None:
+    """The backend `force_backend` pins for the enclosed calls, or None (dispatch by device)."""
+    return _forced
+
+
 @contextlib.contextmanager
 def force_backend(name: str | None) -> Iterator[None]:
     """Run the enclosed calls on one backend ("triton" or "torch"); None restores dispatch."""
@@ -95,7 +97,7 @@ def force_backend(name: str | None) -> Iterator[None]:
 
 def backend_for(x: torch.Tensor) -> str:
     """CUDA -> Triton; CPU -> the Triton interpreter if enabled, else chunked PyTorch."""
-    triton_ok = x.is_cuda or (x.device.type == "cpu" and triton_impl.INTERPRET)
+    triton_ok = x.is_cuda or (x.device.type == "cpu" and INTERPRET)
     if x.dtype == torch.float64:
         triton_ok = False  # the kernels take 16- and 32-bit floats; float64 stays in PyTorch
     if _forced is not None:
@@ -106,62 +108,3 @@ def backend_for(x: torch.Tensor) -> str:
             )
         return _forced
     return "triton" if triton_ok else "torch"
-
-
-def linear_logprobs_2d(hidden, weight, bias, targets, temperature, backend, grad_filter=None,
-                       ids_name="targets"):
-    """[N, D] hidden and int64 [N] targets -> (logp, entropy), each [N], through the custom
-    operator grpo_kernels::linear_logprobs (which checks the id range)."""
-    logp, ent, _ = custom_ops.OPS.linear_logprobs(
-        *linear_inputs(hidden, weight, bias), targets, temperature, grad_filter, backend,
-        ids_name)
-    return logp, ent
-
-
-def linear_inputs(hidden, weight, bias):
-    """The tensors the linear-head kernels take: contiguous hidden [N, D], weight, bias."""
-    return hidden.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous()
-
-
-def selective_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    grad_filter: float | str | None = None,
-):
-    """Log-probability of `targets` under softmax((hidden @ weight.T + bias) / temperature).
-
-    Never materializes the [..., V] logits. Differentiable w.r.t. hidden, weight and bias, through
-    both outputs. Under torch.no_grad() it is the cheap scoring path for old/reference policies.
-
-    Args:
-        hidden: [..., D] float16/bfloat16/float32 hidden states.
-        weight: [V, D] output-embedding (lm_head) weight, same dtype and device as hidden.
-        targets: [...] integer token ids in [0, V).
-        bias: optional [V] lm_head bias.
-        temperature: logits are divided by it before the softmax.
-        return_entropy: also return the entropy of the full distribution (nats).
-        grad_filter: None (default) for the exact backward. "auto" or an eps >= 0 turns on
-            gradient filtering in the Triton backward: a [tokens × vocabulary] tile whose
-            d logits are all <= eps × its token's gradient scale is skipped (approximate;
-            "auto" = finfo(dtype).eps / 32, 2^-12 for bfloat16). Other backends stay exact.
-
-    Returns:
-        logp [...] float32, and entropy [...] float32 if return_entropy.
-    """
-    check_linear_head(hidden, weight, bias)
-    temperature = check_temperature(temperature)
-    lead = hidden.shape[:-1]
-    ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device,
-                          check_values=False)  # the op checks the range (torch.compile)
-    eps = check_grad_filter(grad_filter, hidden.dtype)
-    logp, ent = linear_logprobs_2d(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, ids.reshape(-1), temperature,
-        backend_for(hidden), eps,
-    )
-    logp = logp.reshape(lead)
-    return (logp, ent.reshape(lead)) if return_entropy else logp

@@ -1,19 +1,16 @@
-"""Selective log-prob ops (linear head or logits, Triton or chunked PyTorch, with or without the
-fused GRPO epilogue) and the autograd formulas of the custom operators built on them.
+"""A selective log-prob op bound to one backend's launchers: the linear head or the logits.
 
-Forward gives (logp [N], entropy [N], lse [N]). Backward needs only per-token statistics, so only
-those and the inputs are saved (never logits). For a loss op the forward also returns each
-token's dloss/dlogp (the epilogue's weight·dℓ/dlogp, or grpo_math's) and dloss/dentropy, and
-
-    g_logp = g_loss · dloss/dlogp,   g_entropy = g_loss · dloss/dentropy
-    then the op's backward turns (g_logp, g_entropy) into input gradients.
+Forward gives (logp [N], entropy [N], lse [N]); backward turns per-token gradients (g_logp,
+g_entropy [N]) into input gradients. Triton launches go through `fallback.run`, so a kernel that
+fails to compile or launch is replaced by the chunked PyTorch launcher of the same contract.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import chunked, fallback
+from ..cpu import chunked
+from . import fallback
 
 
 class KernelOp:
@@ -107,78 +104,3 @@ class LogitsOp(KernelOp):
             if increment is not None:
                 increment(logits)
         return (dx,)
-
-
-# ---- autograd formulas of the custom ops (custom_ops.py registers them) ----------------------
-# Forward saves the inputs and per-token statistics (lse, entropy [N]); backward turns the
-# per-token gradients (g_logp, g_entropy [N] float32) into input gradients with the op's
-# backward launcher. Unused outputs give None (set_materialize_grads(False)), so selective
-# log-probs without entropy never pay for the entropy gradient.
-
-
-def _per_token(g, like):
-    return torch.zeros_like(like) if g is None else g.float().contiguous()
-
-
-def linear_grads(ctx, g_logp, g_ent):
-    """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent)."""
-    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors[:6]
-    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    if (g_logp is None and g_ent is None) or not any(needs):
-        return None, None, None
-    temperature, grad_filter, backend = ctx.config
-    g_ent = None if g_ent is None else g_ent.float().contiguous()
-    grads = torch.ops.grpo_kernels.linear_logprobs_backward(
-        hidden, weight, bias, targets, lse, ent, _per_token(g_logp, lse), g_ent, temperature,
-        grad_filter, backend, needs)
-    return tuple(g if need else None for g, need in zip(grads, needs))
-
-
-def logits_grads(ctx, g_logp, g_ent):
-    """d logits from the saved (logits, targets, lse, ent); in place when ctx.inplace."""
-    logits, targets, lse, ent = ctx.saved_tensors[:4]
-    if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
-        return None
-    temperature, backend, inplace = ctx.config
-    args = (targets, lse, ent, _per_token(g_logp, lse),
-            None if g_ent is None else g_ent.float().contiguous(), temperature, backend)
-    if inplace:
-        torch.ops.grpo_kernels.logits_logprobs_backward_(logits, *args)
-        return logits  # d logits now lives in the logits buffer (version counter bumped)
-    return torch.ops.grpo_kernels.logits_logprobs_backward(logits, *args)
-
-
-def setup_linear(ctx, inputs, output):
-    hidden, weight, bias, targets, temperature, grad_filter, backend, _ = inputs
-    _, ent, lse = output
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-    ctx.config = (temperature, grad_filter, backend)
-
-
-def linear_backward(ctx, g_logp, g_ent, _g_lse):
-    return (*linear_grads(ctx, g_logp, g_ent), None, None, None, None, None)
-
-
-def setup_logits(ctx, inputs, output):
-    logits, targets, temperature, backend, _, inplace = inputs
-    _, ent, lse = output
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(logits, targets, lse, ent)
-    ctx.config = (temperature, backend, inplace)
-
-
-def logits_backward(ctx, g_logp, g_ent, _g_lse):
-    return logits_grads(ctx, g_logp, g_ent), None, None, None, None, None
-
-
-def loss_token_grads(ctx, g_loss):
-    """(g_logp, g_entropy) [N] of a loss op: g_loss × the saved coefficients dloss/dlogp and
-    dloss/dentropy (the latter empty when entropy_coef == 0)."""
-    coef_logp, coef_ent = ctx.saved_tensors[-2:]
-    if g_loss is None:
-        return None, None
-    g = g_loss.float()
-    return coef_logp * g, (coef_ent * g if ctx.has_entropy_grad else None)

@@ -24,7 +24,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from . import kernel_variants
+from . import kernel_variants, perf_model, static_report
 
 
 @dataclass
@@ -52,8 +52,6 @@ def compile_variant(variant: kernel_variants.Variant, arch: int, want_sass: bool
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from . import static_report
-
     try:
         compiled = triton.compile(_ast_source(variant), target=GPUTarget("cuda", arch, 32),
                                   options=dict(variant.options))
@@ -63,7 +61,7 @@ def compile_variant(variant: kernel_variants.Variant, arch: int, want_sass: bool
                      shared=compiled.metadata.shared,
                      num_stages=variant.options.get("num_stages", 3),
                      num_warps=variant.options.get("num_warps", 4))
-        limit = static_report.ARCH[static_report.arch_key(arch)]["smem_block"]
+        limit = perf_model.ARCH[arch]["smem_block"]
         if res.shared > limit:
             res.error = (f"needs {res.shared} B of shared memory per block, sm_{arch} allows "
                          f"{limit} B (it would fail to launch)")
@@ -110,10 +108,8 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check must run without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    from . import static_report
-
-    if static_report.arch_key(args.arch) not in static_report.ARCH:
-        print(f"--arch must be one of {sorted(static_report.ARCH)}, got {args.arch}",
+    if args.arch not in perf_model.ARCH:
+        print(f"--arch must be one of {sorted(perf_model.ARCH)}, got {args.arch}",
               file=sys.stderr)
         return 2
     variants = [v for v in kernel_variants.variants(args.arch, quick=args.quick)
@@ -132,7 +128,3 @@ def main(argv=None) -> int:
         print(static_report.render(args.arch, variants, results, quick=args.quick))
     print(f"compile_check sm_{args.arch}: {failures} failed, {spilled} spill registers")
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

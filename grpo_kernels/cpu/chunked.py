@@ -1,8 +1,8 @@
 """Chunked PyTorch path for CPUs without the Triton interpreter.
 
-Same contract as the Triton launchers in `linear_logprobs.py` and `logits_logprobs.py`: selective
-log-prob and entropy, and their backward, from per-token statistics only (lse and entropy are
-saved, logits never are). The trainer uses it on a laptop.
+Same contract as the Triton launchers in `kernels/linear_logprobs.py` and
+`kernels/logits_logprobs.py`: selective log-prob and entropy, and their backward, from per-token
+statistics only (lse and entropy are saved, logits never are). The trainer uses it on a laptop.
 
 Linear head: the logits z = (hidden @ weight.T + bias) / τ are produced one [rows, cols] tile at a
 time (vocabulary tiles outer, token blocks inner), so at most two tiles of float32 exist at once

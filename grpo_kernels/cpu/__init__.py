@@ -1,0 +1,2 @@
+"""The chunked PyTorch path (`chunked.py`): the same four launchers as the Triton kernels, for CPU
+tensors and float64, holding one [chunk, V] block of logits at a time."""

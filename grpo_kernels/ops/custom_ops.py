@@ -1,0 +1,210 @@
+"""The losses as PyTorch custom operators (torch.library), so that torch.compile traces a training
+step that calls them (fullgraph=True) and treats each kernel call as one opaque node.
+
+    grpo_kernels::linear_logprobs / linear_logprobs_backward        selective_logprobs
+    grpo_kernels::logits_logprobs / logits_logprobs_backward[_]     logprobs_from_logits
+    grpo_kernels::linear_grpo_loss                                   fused_linear_grpo_loss
+    grpo_kernels::logits_grpo_loss                                   grpo_loss
+
+The loss ops serve the fused token-level Triton path (GRPO epilogue inside the forward kernel).
+Sequence-level ratios and the chunked backend call the selective log-prob op and run
+`grpo_math` on [B, T] as ordinary (traceable) PyTorch around it.
+
+The public functions keep the checks that need only shapes and dtypes in Python (traceable);
+value checks (token ids in range, finite advantages) run inside the ops' eager implementations
+(or, for code traced around them, as in-graph assertions), so nothing reads a tensor's value
+while tracing. Hyperparameters are plain float/int/bool/str op arguments derived from GRPOParams
+(`loss_terms.LOSS_ARGS_SCHEMA`), metrics come back as one float32 tensor [K] (names:
+`grpo_math.metric_names`).
+
+The eager implementations run the launchers through `kernel_ops.LinearHeadOp`/`LogitsOp` (with
+the fallback of `fallback.py`) on the backend the public function chose (`backends.py`). A loss
+op returns, besides the loss, the per-token statistics and the loss' derivatives w.r.t. each
+token's logp and entropy (the "coefficients"); its backward is the selective log-prob backward
+driven by g_loss × coefficients (`autograd.py`; never logits saved).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..grpo_math import metric_names
+from ..validation import check_finite_advantages, check_token_id_values
+from . import autograd
+from .backends import IMPLS
+from .kernel_ops import LinearHeadOp, LogitsOp
+from .loss_terms import LOSS_ARGS_SCHEMA, grpo_loss_terms, unpack_loss_args
+
+LOSS_OUT = "(Tensor loss, Tensor metrics, Tensor lse, Tensor entropy, Tensor coef_logp, " \
+           "Tensor coef_entropy)"
+F32 = torch.float32
+OPS = torch.ops.grpo_kernels  # the operators defined below
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+# ---- selective log-prob of a linear head ------------------------------------------------------
+
+torch.library.define(
+    "grpo_kernels::linear_logprobs",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float temperature, "
+    "float? grad_filter, str backend, str ids_name) -> (Tensor logp, Tensor entropy, Tensor lse)")
+torch.library.define(
+    "grpo_kernels::linear_logprobs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, Tensor entropy, "
+    "Tensor g_logp, Tensor? g_entropy, float temperature, float? grad_filter, str backend, "
+    "bool[] needs) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
+
+
+@torch.library.impl("grpo_kernels::linear_logprobs", "default")
+def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name):
+    """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)
+    -> float32 (logp, entropy, lse), each [N]."""
+    check_token_id_values(ids_name, targets, weight.shape[0], "weight.shape[0]")
+    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
+    return op.forward(targets, None, hidden, weight, bias)
+
+
+@torch.library.register_fake("grpo_kernels::linear_logprobs")
+def _linear_logprobs_fake(hidden, weight, bias, targets, *args):
+    return tuple(hidden.new_empty(hidden.shape[0], dtype=F32) for _ in range(3))
+
+
+@torch.library.impl("grpo_kernels::linear_logprobs_backward", "default")
+def _linear_logprobs_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
+                              temperature, grad_filter, backend, needs):
+    """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed."""
+    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
+    grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs)
+    return tuple(_empty(hidden) if g is None else g for g in grads)
+
+
+@torch.library.register_fake("grpo_kernels::linear_logprobs_backward")
+def _linear_logprobs_backward_fake(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
+                                   temperature, grad_filter, backend, needs):
+    wanted = (needs[0], needs[1], bias is not None and needs[2])
+    return tuple(torch.empty_like(x) if want else _empty(hidden)
+                 for x, want in zip((hidden, weight, bias), wanted))
+
+
+# ---- selective log-prob from logits -----------------------------------------------------------
+
+torch.library.define(
+    "grpo_kernels::logits_logprobs",
+    "(Tensor logits, Tensor targets, float temperature, str backend, str ids_name, "
+    "bool inplace) -> (Tensor logp, Tensor entropy, Tensor lse)")
+LOGITS_BWD_ARGS = ("Tensor targets, Tensor lse, Tensor entropy, Tensor g_logp, "
+                   "Tensor? g_entropy, float temperature, str backend")
+torch.library.define("grpo_kernels::logits_logprobs_backward",
+                     f"(Tensor logits, {LOGITS_BWD_ARGS}) -> Tensor")
+# in place: d logits overwrites the logits (inplace=True of the public functions, eager only)
+torch.library.define("grpo_kernels::logits_logprobs_backward_",
+                     f"(Tensor(a!) logits, {LOGITS_BWD_ARGS}) -> ()")
+
+
+@torch.library.impl("grpo_kernels::logits_logprobs", "default")
+def _logits_logprobs(logits, targets, temperature, backend, ids_name, inplace):
+    """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse)."""
+    check_token_id_values(ids_name, targets, logits.shape[-1], "logits.shape[-1]")
+    return LogitsOp(IMPLS[backend], temperature).forward(targets, None, logits)
+
+
+@torch.library.register_fake("grpo_kernels::logits_logprobs")
+def _logits_logprobs_fake(logits, targets, *args):
+    return tuple(logits.new_empty(targets.shape[0], dtype=F32) for _ in range(3))
+
+
+def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, backend, inplace):
+    op = LogitsOp(IMPLS[backend], temperature, inplace)
+    return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,))[0]
+
+
+@torch.library.impl("grpo_kernels::logits_logprobs_backward", "default")
+def _logits_logprobs_backward(logits, *args):
+    return _logits_backward(logits, *args, inplace=False)
+
+
+@torch.library.impl("grpo_kernels::logits_logprobs_backward_", "default")
+def _logits_logprobs_backward_inplace(logits, *args):
+    _logits_backward(logits, *args, inplace=True)
+
+
+@torch.library.register_fake("grpo_kernels::logits_logprobs_backward")
+def _logits_logprobs_backward_fake(logits, *args):
+    return torch.empty_like(logits)
+
+
+@torch.library.register_fake("grpo_kernels::logits_logprobs_backward_")
+def _logits_logprobs_backward_inplace_fake(logits, *args):
+    return None
+
+
+# ---- GRPO losses ------------------------------------------------------------------------------
+
+torch.library.define(
+    "grpo_kernels::linear_grpo_loss",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float? grad_filter, "
+    f"str backend, {LOSS_ARGS_SCHEMA}) -> {LOSS_OUT}")
+torch.library.define(
+    "grpo_kernels::logits_grpo_loss",
+    f"(Tensor logits, Tensor targets, str backend, bool inplace, {LOSS_ARGS_SCHEMA}) -> {LOSS_OUT}")
+
+
+def _loss_outputs(loss, metrics, lse, ent, coef_logp, coef_ent, like):
+    values = list(metrics.values())  # in metric_names order
+    stacked = torch.stack(values) if values else like.new_empty(0, dtype=F32)
+    return (loss.detach().float().clone(), stacked.float(), lse, ent, coef_logp.contiguous(),
+            _empty(lse) if coef_ent is None else coef_ent.contiguous())
+
+
+@torch.library.impl("grpo_kernels::linear_grpo_loss", "default")
+def _linear_grpo_loss(hidden, weight, bias, targets, grad_filter, backend, *loss_args):
+    """hidden [N, D], targets [N]; per-token inputs [B, T] (B·T = N), validated and float32."""
+    check_token_id_values("completion_ids", targets, weight.shape[0], "weight.shape[0]")
+    inputs, params = unpack_loss_args(loss_args)
+    check_finite_advantages(inputs.advantages)
+    op = LinearHeadOp(IMPLS[backend], params.temperature, grad_filter)
+    terms = grpo_loss_terms(op, targets, (hidden, weight, bias), inputs, params,
+                            backend == "triton")
+    return _loss_outputs(*terms, like=hidden)
+
+
+@torch.library.impl("grpo_kernels::logits_grpo_loss", "default")
+def _logits_grpo_loss(logits, targets, backend, inplace, *loss_args):
+    """logits [B, T, V] (unit last stride), targets [B·T]."""
+    check_token_id_values("completion_ids", targets, logits.shape[-1], "logits.shape[-1]")
+    inputs, params = unpack_loss_args(loss_args)
+    check_finite_advantages(inputs.advantages)
+    op = LogitsOp(IMPLS[backend], params.temperature, inplace)
+    terms = grpo_loss_terms(op, targets, (logits,), inputs, params, backend == "triton")
+    return _loss_outputs(*terms, like=logits)
+
+
+def _loss_fake(targets, loss_args):
+    _, params = unpack_loss_args(loss_args)
+    n = targets.shape[0]
+    new = lambda *shape: targets.new_empty(shape, dtype=F32)  # noqa: E731
+    return (new(), new(len(metric_names(params))), new(n), new(n), new(n),
+            new(n if params.entropy_coef != 0.0 else 0))
+
+
+@torch.library.register_fake("grpo_kernels::linear_grpo_loss")
+def _linear_grpo_loss_fake(hidden, weight, bias, targets, grad_filter, backend, *loss_args):
+    return _loss_fake(targets, loss_args)
+
+
+@torch.library.register_fake("grpo_kernels::logits_grpo_loss")
+def _logits_grpo_loss_fake(logits, targets, backend, inplace, *loss_args):
+    return _loss_fake(targets, loss_args)
+
+
+torch.library.register_autograd("grpo_kernels::linear_logprobs", autograd.linear_backward,
+                                setup_context=autograd.setup_linear)
+torch.library.register_autograd("grpo_kernels::logits_logprobs", autograd.logits_backward,
+                                setup_context=autograd.setup_logits)
+torch.library.register_autograd("grpo_kernels::linear_grpo_loss", autograd.linear_loss_backward,
+                                setup_context=autograd.setup_linear_loss)
+torch.library.register_autograd("grpo_kernels::logits_grpo_loss", autograd.logits_loss_backward,
+                                setup_context=autograd.setup_logits_loss)

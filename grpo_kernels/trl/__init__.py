@@ -1,0 +1,10 @@
+"""TRL integration: `GRPOTrainer`, TRL's trainer with grpo-kernels' fused, logits-free loss.
+
+    from grpo_kernels.trl import GRPOTrainer      # instead of: from trl import GRPOTrainer
+
+See `trainer.py` for what changes and what falls back to TRL's own code.
+"""
+
+from .trainer import GRPOTrainer, fsdp2_root, policy_terms, run_as_forward
+
+__all__ = ["GRPOTrainer", "fsdp2_root", "policy_terms", "run_as_forward"]
