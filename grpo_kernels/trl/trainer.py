@@ -2,6 +2,9 @@
 
     from grpo_kernels.trl import GRPOTrainer      # instead of: from trl import GRPOTrainer
 
+or patched in, `trl.GRPOTrainer = GRPOTrainer`: the same trainer either way (TRL's class and
+module are bound at import, nothing is looked up through trl.GRPOTrainer later).
+
 Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's. What changes:
 
 - The training loss (`_compute_loss`) runs the model body only, takes the hidden states of the
@@ -26,7 +29,7 @@ dapo/cispo divide by num_items_in_batch / num_processes · accumulation steps / 
 metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max, `cispo_clip_ratio`,
 `policy_loss`, `entropy_coef`) are reduced across processes as TRL does.
 
-Fallbacks (a one-time warning names the reason):
+Fallbacks (a one-time warning at the caller's line names the reason and what runs instead):
 - TRL's loss math on our log-probs (still no logits): loss_type "vespo" or any type we lack,
   top_entropy_quantile < 1, off_policy_mask_threshold, use_adaptive_entropy.
 - TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
@@ -42,6 +45,8 @@ body runs as usual.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import sys
 import types
 import warnings
@@ -49,6 +54,8 @@ import warnings
 import torch
 
 try:
+    import accelerate
+    import transformers
     import trl as _trl
     from trl.trainer.utils import nanmax, nanmin
 except ImportError as exc:  # TRL is an optional dependency
@@ -80,6 +87,35 @@ if _trl_version > TESTED_TRL:
                   "normalize or log differently (tests/test_trl.py checks it)", stacklevel=2)
 
 __all__ = ["GRPOTrainer", "policy_terms"]
+
+# TRL's trainer module and its GRPOTrainer, bound once here. Training frameworks patch TRL with
+# `trl.GRPOTrainer = grpo_kernels.trl.GRPOTrainer` (and trl.trainer.GRPOTrainer): a lookup through
+# those names at call time would then find this class and this module instead of TRL's.
+_trl_grpo_trainer = importlib.import_module("trl.trainer.grpo_trainer")
+_TRLGRPOTrainer = _trl_grpo_trainer.GRPOTrainer
+
+# A fallback warning names the user's line: the first frame outside these packages. TRL reaches
+# our methods through different paths (Trainer.train -> training_step -> compute_loss ->
+# _compute_loss, generation -> scoring, or a direct call), so no fixed stacklevel fits them all.
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (
+    _trl, transformers, accelerate, torch, sys.modules[__name__.partition(".")[0]]))
+
+
+def _warn_at_user_frame(message: str) -> None:
+    """warnings.warn(message), attributed to the first caller outside _LIBRARY_DIRS."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, stacklevel=2, skip_file_prefixes=_LIBRARY_DIRS)
+        return
+    # stacklevel n names sys._getframe(n - 1) of this function: count the library frames
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
+# What runs instead, as the fallback warnings say it (the module docstring's Fallbacks)
+_TRL_ENTIRELY = "TRL's own implementation runs instead, its model forward and lm_head included"
+_TRL_LOSS = "TRL's loss math runs instead, on log-probs from grpo-kernels' fused kernels"
 
 # Batch keys that only vision-language models produce; the hidden-state path does not take them.
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -166,8 +202,8 @@ def _adapter_on_head_allowed(enabled: bool = True):
     `BaseTunerLayer` of trl.trainer.grpo_trainer, swapped for a class nothing is an instance of
     for the duration of the constructor. enabled=False leaves TRL's checks alone.
     """
-    module = sys.modules.get(_trl.GRPOTrainer.__module__)
-    if not enabled or module is None or not hasattr(module, "BaseTunerLayer"):
+    module = _trl_grpo_trainer  # TRL's module even where trl.GRPOTrainer is rebound to ours
+    if not enabled or not hasattr(module, "BaseTunerLayer"):  # no PEFT: TRL checks nothing
         yield
         return
     original = module.BaseTunerLayer
@@ -178,7 +214,7 @@ def _adapter_on_head_allowed(enabled: bool = True):
         module.BaseTunerLayer = original
 
 
-class GRPOTrainer(_trl.GRPOTrainer):
+class GRPOTrainer(_TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
     Same constructor and config as TRL's; see the module docstring for what changes. One
@@ -250,11 +286,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
             return str(exc)
         return None
 
-    def _fallback(self, reason: str) -> None:
+    def _fallback(self, reason: str, instead: str) -> None:
+        """One warning per reason, at the user's line, saying what runs instead."""
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"grpo_kernels.trl.GRPOTrainer: {reason}; using TRL's implementation "
-                          "for it", stacklevel=3)
+            _warn_at_user_frame(f"grpo_kernels.trl.GRPOTrainer: {reason}; {instead}")
 
     def _batch_unsupported(self, batch: dict, compute_aux_loss: bool = False,
                            model=None) -> str | None:
@@ -276,7 +312,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         TRL returns them. Differentiable when grad is enabled."""
         reason = self._batch_unsupported(multimodal, compute_aux_loss, model)
         if reason is not None:
-            self._fallback(reason)
+            self._fallback(reason, _TRL_ENTIRELY)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
@@ -293,9 +329,12 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return logps * valid, None if ents is None else ents * valid, None
 
     def _compute_loss(self, model, inputs):
-        reason = self._batch_unsupported(inputs, model=model) or self._loss_fallback
+        reason = self._batch_unsupported(inputs, model=model)
         if reason is not None:
-            self._fallback(reason)
+            self._fallback(reason, _TRL_ENTIRELY)
+            return super()._compute_loss(model, inputs)
+        if self._loss_fallback is not None:
+            self._fallback(self._loss_fallback, _TRL_LOSS)
             return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
