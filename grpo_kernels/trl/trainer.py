@@ -45,7 +45,6 @@ body runs as usual.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 import types
@@ -57,6 +56,7 @@ try:
     import accelerate
     import transformers
     import trl as _trl
+    from trl.trainer import grpo_trainer as _trl_grpo_trainer
     from trl.trainer.utils import nanmax, nanmin
 except ImportError as exc:  # TRL is an optional dependency
     raise ImportError(
@@ -91,7 +91,6 @@ __all__ = ["GRPOTrainer", "policy_terms"]
 # TRL's trainer module and its GRPOTrainer, bound once here. Training frameworks patch TRL with
 # `trl.GRPOTrainer = grpo_kernels.trl.GRPOTrainer` (and trl.trainer.GRPOTrainer): a lookup through
 # those names at call time would then find this class and this module instead of TRL's.
-_trl_grpo_trainer = importlib.import_module("trl.trainer.grpo_trainer")
 _TRLGRPOTrainer = _trl_grpo_trainer.GRPOTrainer
 
 # A fallback warning names the user's line: the first frame outside these packages. TRL reaches
