@@ -124,11 +124,11 @@ def _train(cfg, phases) -> dict:
     model, tokenizer = _load_policy(cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
     if cfg.fp32_lm_head:
         use_fp32_head(model)
-    ref_model = None
-    if cfg.beta != 0.0:  # the frozen initial policy; beta = 0 loads no reference at all
+    ref_model = None  # beta = 0 needs no reference at all
+    if cfg.beta != 0.0 and not cfg.lora_r:  # the frozen initial policy
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    if cfg.lora_r:  # adapters on the policy only: the reference is the model without them
-        model = add_lora_adapters(model, cfg, say)
+    if cfg.lora_r:  # adapters on the policy only: the reference is the model without them, so
+        model = add_lora_adapters(model, cfg, say)  # no copy (`_adapters_off`)
     eos_ids = eos_token_ids(model, tokenizer)
     if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
         if hasattr(model, "activation_checkpointing_enable"):
@@ -215,9 +215,12 @@ def _train(cfg, phases) -> dict:
                     pos = position_ids(attn)
                     model.train()
                     with autocast:
-                        ref_logps = None if ref_model is None else causal_lm_logprobs(
-                            ref_model, ids, attn, T, temperature=cfg.temperature,
-                            batch_size=micro, position_ids=pos, **head)
+                        ref_logps = None
+                        if cfg.beta != 0.0:
+                            with _reference_policy(model, ref_model) as reference:
+                                ref_logps = causal_lm_logprobs(
+                                    reference, ids, attn, T, temperature=cfg.temperature,
+                                    batch_size=micro, position_ids=pos, **head)
                         old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
                             model, ids, attn, T, temperature=cfg.temperature,
                             batch_size=micro, position_ids=pos, **head)
@@ -443,6 +446,22 @@ def _lr_lambda(cfg):
         return 1.0
 
     return factor
+
+
+@contextlib.contextmanager
+def _reference_policy(model, ref_model):
+    """The reference policy to score with: the frozen copy, or for a LoRA policy (no copy) the
+    policy itself with its adapters disabled and in eval mode, as the copy would be."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():  # PEFT: the base model, i.e. the initial policy
+            yield model
+    finally:
+        model.train(was_training)
 
 
 def _sl(x, s):

@@ -57,3 +57,47 @@ def test_head_option_errors_name_the_flag(tmp_path):
     # a tied head cannot become float32 alone in a pure-bf16 model
     with pytest.raises(UsageError, match="ties its output head"):
         train(tiny_cfg(tmp_path, fp32_lm_head=True, model_dtype="bfloat16"))
+
+
+def test_lora_reference_is_the_policy_without_adapters(tmp_path, monkeypatch):
+    """With --lora_r and beta > 0 the reference policy is the policy with its adapters disabled:
+    no copy of the model is made, and its log-probs are those of the initial (base) model."""
+    import copy
+
+    import transformers
+
+    from grpo_kernels.hf import add_lora, causal_lm_logprobs
+    from grpo_train import trainer
+    from grpo_train.tiny import build_tiny_model, build_tokenizer
+
+    copied = []
+    real_deepcopy = copy.deepcopy
+
+    def watch(x, *args, **kwargs):
+        if isinstance(x, transformers.PreTrainedModel):
+            copied.append(type(x).__name__)
+        return real_deepcopy(x, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.copy, "deepcopy", watch)
+    train(tiny_cfg(tmp_path / "lora", lora_r=4, beta=0.1, steps=1))
+    assert copied == [], copied
+    train(tiny_cfg(tmp_path / "full", beta=0.1, steps=0))
+    assert copied == ["Qwen2ForCausalLM"]  # without LoRA the frozen copy is still made
+    monkeypatch.undo()
+
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    base = build_tiny_model(tok, hidden_size=32).eval()
+    policy = add_lora(copy.deepcopy(base), r=4)
+    with torch.no_grad():  # adapters away from their zero start, as after training
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    policy.train()
+    ids = torch.randint(3, len(tok), (3, 9))
+    want = causal_lm_logprobs(base, ids, None, 4)
+    with trainer._reference_policy(policy, None) as reference:
+        got = causal_lm_logprobs(reference, ids, None, 4)
+    assert policy.training  # restored
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert (causal_lm_logprobs(policy, ids, None, 4) - want).abs().max() > 1e-3  # adapters act
