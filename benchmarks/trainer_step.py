@@ -47,8 +47,6 @@ import torch
 
 from grpo_train.flags import Parser, run_cli
 
-from . import phases
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/trainer_step.py` from anywhere
     sys.path.insert(0, str(ROOT))
@@ -98,6 +96,8 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
     from grpo_train.config import TrainConfig
     from grpo_train.logs import read_metrics
 
+    from . import phases  # in the function: grpo_train loads this file for length_reward
+
     cuda = device.type == "cuda"
     cfg = TrainConfig(
         model=str(model_dir), dataset=str(data), prompt_column="prompt", answer_column="answer",
@@ -127,6 +127,8 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
 
     from grpo_train.logs import peak_memory_bytes
     from grpo_train.models import DTYPES
+
+    from . import phases  # in the function: grpo_train loads this file for length_reward
 
     cuda = device.type == "cuda"
     per_step = []
@@ -178,6 +180,7 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
 def _metered_grpo_trainer(base):
     """TRL's GRPOTrainer with grpo_train's phase marks: generation and scoring run first (as in
     TRL, inside `_prepare_inputs`), then the rest of `training_step` is the loss phase."""
+    from . import phases  # in the function: grpo_train loads this file for length_reward
 
     class MeteredGRPOTrainer(base):
         _prepared = None
@@ -377,6 +380,7 @@ def report(args, device, row: dict) -> None:
 def make_recorder(args, device, workdir: Path, env: dict):
     """The phase recorder; with --max_rss_gib on CPU, one that stops the process when its RSS
     passes the limit, after writing a row with what was measured up to there."""
+    from . import phases  # in the function: grpo_train loads this file for length_reward
 
     if args.max_rss_gib is None or device.type == "cuda":
         return phases.PhaseRecorder(device)
