@@ -306,7 +306,10 @@ def check_logits_loss_inputs(
     cu_seqlens); returns (completion_ids [B, T] (or [N]) int64, LossInputs). Shared by
     `grpo_loss` and its reference so both fail the same way."""
     packed = cu_seqlens is not None
-    check_logits(logits, ndim=2 if packed else 3)
+    check_logits(logits, ndim=None if packed else 3)
+    if packed and logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V] with cu_seqlens (a packed batch), got shape "
+                         f"{tuple(logits.shape)}")
     *lead, V = logits.shape
     ids = check_token_ids("completion_ids", completion_ids, V, lead, logits.device,
                           "logits.shape[-1]", check_values)

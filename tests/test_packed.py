@@ -246,7 +246,7 @@ def test_bad_packed_input_raises_value_error(case, impl):
 def test_bad_packed_logits_raise_value_error():
     weight, _, padded, packed, real = make_batch([3, 1, 0, 5], seed=8)
     logits = padded["hidden"] @ weight.T
-    with pytest.raises(ValueError, match="logits must have 2 dimensions"):
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\] with cu_seqlens"):
         gk.grpo_loss(logits, packed["ids"], packed["adv"], cu_seqlens=packed["cu_seqlens"])
     with pytest.raises(ValueError, match="cu_seqlens must end at the number of tokens N = 9"):
         gk.grpo_loss(logits[real], packed["ids"], packed["adv"],
