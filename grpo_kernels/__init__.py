@@ -2,7 +2,8 @@
 
 The public API lives in this package's root modules: `functional` (the losses and selective
 log-probs), `modules` (their nn.Module forms), `params` (GRPOParams), `grpo_math` (the PyTorch
-formulas), `reference` (the pure-PyTorch twin that materializes logits) and `validation`.
+formulas), `packing` (the padded and packed batch layouts), `reference` (the pure-PyTorch twin
+that materializes logits) and `validation`.
 Subpackages hold the layers beneath (`kernels`, `cpu`, `ops`), the integrations (`hf`, `trl`) and
 the static GPU tools (`compile_check`).
 

@@ -11,6 +11,9 @@ None of them materializes full-vocabulary float32 logits. Each checks shapes and
 forward kernel (the loss ops); sequence-level (GSPO) ratios need every token of a sequence first,
 so that case and the chunked PyTorch backend take the differentiable selective log-prob op and
 run `grpo_math` on [B, T] around it. The semantics are in docs/semantics.md.
+
+A packed batch (`cu_seqlens`, hidden [N, D] or logits [N, V]) takes the same routes: the kernels
+see its N tokens, and `grpo_math` works on [N] with the segment sums of `packing.py`.
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ def _loss_and_metrics(outputs, params: GRPOParams):
 
 
 def _unfused_loss(logp, ent, inputs: LossInputs, params: GRPOParams):
-    """Sequence-level ratios, or the chunked PyTorch backend: the differentiable log-probs of the
-    selective op (which checks the token ids) go through `grpo_math` on [B, T] (traceable)."""
+    """Sequence-level ratios, or the chunked PyTorch backend: the differentiable log-probs [N]
+    of the selective op (which checks the token ids) go through `grpo_math` on [B, T] (or [N]
+    packed) (traceable)."""
     check_finite_advantages(inputs.advantages)  # in-graph under torch.compile
-    B, T = inputs.mask.shape
-    return grpo_loss_from_logps(logp.reshape(B, T), ent.reshape(B, T), inputs, params)
+    shape = inputs.mask.shape  # [B, T], or [N] packed
+    return grpo_loss_from_logps(logp.reshape(shape), ent.reshape(shape), inputs, params)
 
 
 # ---- selective log-probs ----------------------------------------------------------------------
@@ -161,6 +165,7 @@ def fused_linear_grpo_loss(
     *,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     importance_sampling_ratio: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     grad_filter: float | str | None = None,
     params: GRPOParams | None = None,
     **hyperparameters,
@@ -178,6 +183,10 @@ def fused_linear_grpo_loss(
         ref_logps: [B, T] log-probs under the reference policy; required when beta != 0.
         num_items_in_batch: dapo/cispo's normalizer (default: the mask's token count).
         importance_sampling_ratio: [B], [B, 1] or [B, T] rollout-engine correction.
+        cu_seqlens: a packed batch of S sequences (docs/semantics.md, "Packed batches"):
+            int32/int64 [S + 1], sequence s holds tokens cu_seqlens[s]:cu_seqlens[s+1]. Then
+            hidden is [N, D], completion_ids, old/ref log-probs (and mask, optional) are [N],
+            advantages and importance_sampling_ratio [S], [S, 1] or [N]. Equals the padded call.
         grad_filter: None (exact, default), "auto" or eps >= 0: gradient filtering in the
             Triton backward (approximate; see `selective_logprobs`).
         params: a GRPOParams, or the hyperparameters as keywords (GRPOParams' fields: beta,
@@ -190,11 +199,11 @@ def fused_linear_grpo_loss(
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
-                                           check_values=False)  # the op checks values
-    B, T, D = hidden.shape
+                                           check_values=False,  # the op checks values
+                                           cu_seqlens=cu_seqlens)
     eps = check_grad_filter(grad_filter, hidden.dtype)
     backend = backend_for(hidden)
-    head = _linear_inputs(hidden.reshape(B * T, D), weight, bias)
+    head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
     if backend == "triton" and params.importance_sampling_level == "token":
         outputs = OPS.linear_grpo_loss(*head, ids.reshape(-1), eps, backend,
                                        *pack_loss_args(inputs, params))
@@ -215,6 +224,7 @@ def grpo_loss(
     *,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     importance_sampling_ratio: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     inplace: bool = False,
     params: GRPOParams | None = None,
     **hyperparameters,
@@ -223,8 +233,9 @@ def grpo_loss(
     completion_ids[b, t]. Nothing of [B, T, V] float32 is allocated: logits are read in their
     own dtype, and views sliced out of a model's output are read in place.
 
-    Arguments as `fused_linear_grpo_loss`; `inplace=True` writes d logits over the logits buffer
-    in backward (the logits are garbage afterwards).
+    Arguments as `fused_linear_grpo_loss` (a packed batch: logits [N, V] with `cu_seqlens`);
+    `inplace=True` writes d logits over the logits buffer in backward (the logits are garbage
+    afterwards).
 
     Returns:
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
@@ -233,8 +244,9 @@ def grpo_loss(
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
-                                           check_values=False)  # the op checks values
-    x = _as_btv(logits)
+                                           check_values=False,  # the op checks values
+                                           cu_seqlens=cu_seqlens)
+    x = _as_btv(logits)  # [N, V] -> [1, N, V]
     backend = backend_for(x)
     if backend == "triton" and params.importance_sampling_level == "token":
         outputs = OPS.logits_grpo_loss(x, ids.reshape(-1), backend, _eager(inplace),

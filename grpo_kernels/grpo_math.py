@@ -7,13 +7,17 @@ fused token-level Triton kernels carry the same per-token math in a Triton epilo
 (`kernels/epilogue.py`), its one twin, cross-tested against this file.
 
 Shapes: B sequences, T completion positions. `logp`, `old_logps`, `ref_logps`, `mask` are [B, T];
-`advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T].
+`advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T]. A packed batch
+(`cu_seqlens`, see `packing.py`) has per-token values [N] and per-sequence values [S, 1]; the
+functions take its `layout` (default: the padded layout of `mask`) for the few steps that depend
+on where tokens sit (per-sequence sums, expanding a per-sequence value to its tokens).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .packing import PaddedLayout, layout_of
 from .params import GRPOParams
 from .validation import LossInputs
 
@@ -22,18 +26,21 @@ def token_weights(
     mask: torch.Tensor,
     params: GRPOParams,
     num_items_in_batch: float | torch.Tensor | None = None,
+    layout=None,
 ) -> torch.Tensor:
-    """Per-token loss weights of the loss type: mask [B, T] float32 -> weight [B, T] float32.
+    """Per-token loss weights of the loss type: mask [B, T] float32 -> weight [B, T] float32
+    (packed: mask [N] -> [N]).
 
     Every aggregation of docs/semantics.md is Σ_bt weight[b,t]·ℓ[b,t], which lets the kernels
     take the weights as an input and stay generic over loss types. Padded positions weigh 0.
     """
-    B, _ = mask.shape
+    layout = layout or PaddedLayout(mask)
+    B = layout.num_seqs
     lt = params.loss_type
     if lt in ("grpo", "sapo"):
         # mean over sequences of the per-sequence masked mean
-        seq_len = mask.sum(-1, keepdim=True).clamp(min=1.0)
-        return mask / (seq_len * B)
+        seq_len = layout.seq_sum(mask).clamp(min=1.0)
+        return mask / (layout.expand(seq_len) * B)
     if lt == "bnpo":
         return mask / mask.sum().clamp(min=1.0)
     if lt == "dr_grpo":
@@ -66,13 +73,15 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float
 
 
 def importance_log_weights(
-    logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str
+    logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str, layout=None
 ) -> torch.Tensor:
-    """log w: [B, T] for "token"; [B, 1] masked mean of the log-ratio for "sequence" (GSPO)."""
+    """log w: [B, T] for "token"; [B, 1] masked mean of the log-ratio for "sequence" (GSPO).
+    (Packed: [N] and [S, 1].)"""
     log_ratio = logp - old
     if level == "token":
         return log_ratio
-    return (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    layout = layout or PaddedLayout(mask)
+    return layout.seq_sum(log_ratio * mask) / layout.seq_sum(mask).clamp(min=1.0)
 
 
 def per_token_loss(
@@ -83,15 +92,19 @@ def per_token_loss(
     mask: torch.Tensor,
     params: GRPOParams,
     importance_sampling_ratio: torch.Tensor | None = None,
+    layout=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """ℓ of docs/semantics.md, differentiable w.r.t. logp.
 
-    Returns (loss [B, T] or [B, 1], ratio w [B, T] or [B, 1] (detached), kl [B, T] or None).
+    Returns (loss [B, T] or [B, 1], ratio w [B, T] or [B, 1] (detached), kl [B, T] or None);
+    packed: (loss [N], ratio [N] or [S, 1], kl [N] or None).
     """
+    layout = layout or PaddedLayout(mask)
     old = logp.detach() if old_logps is None else old_logps
-    log_w = importance_log_weights(logp, old, mask, params.importance_sampling_level)
-    w = torch.exp(log_w)
-    A = advantages
+    ratio = torch.exp(importance_log_weights(logp, old, mask, params.importance_sampling_level,
+                                             layout))
+    # per-sequence values meet per-token ones: broadcasting when padded, expanded when packed
+    w, A = layout.expand(ratio), layout.expand(advantages)
     lt = params.loss_type
     if lt == "cispo":
         loss = -torch.clamp(w, max=params.eps_high).detach() * A * logp
@@ -106,7 +119,7 @@ def per_token_loss(
         clipped = torch.clamp(w, *params.clip_range)
         loss = -torch.minimum(capped_ratio(w, params) * A, clipped * A)
     if importance_sampling_ratio is not None:
-        loss = loss * importance_sampling_ratio
+        loss = loss * layout.expand(importance_sampling_ratio)
     kl = None
     if params.beta != 0.0:
         d = ref_logps - logp
@@ -114,7 +127,7 @@ def per_token_loss(
         if params.use_bias_correction_kl:
             kl = kl * w
         loss = loss + params.beta * kl
-    return loss, w.detach(), kl
+    return loss, ratio.detach(), kl
 
 
 def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
@@ -140,15 +153,18 @@ def metric_names(params: GRPOParams) -> tuple[str, ...]:
 
 
 def clip_indicators(
-    ratio: torch.Tensor, advantages: torch.Tensor, params: GRPOParams
+    ratio: torch.Tensor, advantages: torch.Tensor, params: GRPOParams, layout=None
 ) -> dict[str, torch.Tensor]:
     """The clip flags TRL 1.16 logs, as float 0/1 tensors (detached).
 
     ratio [B, T] or [B, 1] (sequence level), advantages [B, 1] or [B, T]; each flag has their
-    broadcast shape. For the clipped types the ratio is the one in the unclipped term, i.e.
-    after the `delta` cap; cispo's flag uses the raw ratio.
+    broadcast shape (packed: [S, 1] if both are per sequence, else [N]). For the clipped types
+    the ratio is the one in the unclipped term, i.e. after the `delta` cap; cispo's flag uses
+    the raw ratio.
     """
     with torch.no_grad():
+        if layout is not None:
+            ratio, advantages = layout.align(ratio, advantages)
         A = advantages
         if params.is_clipped:
             w = capped_ratio(ratio, params)
@@ -170,27 +186,30 @@ def metric_sums(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     params: GRPOParams,
+    layout=None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (sum, count), 0-dim float32 each; the metric is sum / max(count, 1).
 
     As TRL 1.16 logs them: a [B, T] quantity is summed over real tokens (count Σ mask); a quantity
     with one value per sequence ([B, 1]: the clip flags at importance_sampling_level="sequence")
     is summed over all B sequences, fully masked ones included (count B). Sums and counts, not
-    means, so that a trainer can add them up across processes before dividing.
+    means, so that a trainer can add them up across processes before dividing. Packed: [N]
+    per token, [S, 1] per sequence (zero-length sequences included).
     """
+    layout = layout or PaddedLayout(mask)
     with torch.no_grad():
         maskf = mask.float()
 
         def terms(x):
             x = x.float()
-            if x.shape[-1] == 1:  # one value per sequence: the plain mean over the B rows
+            if layout.per_sequence(x):  # one value per sequence: the plain mean over the B rows
                 return x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
             return (torch.broadcast_to(x, maskf.shape) * maskf).sum(), maskf.sum()
 
         sums = {"entropy": terms(entropy)}
         if kl is not None:
             sums["kl"] = terms(kl)
-        for name, flag in clip_indicators(ratio, advantages, params).items():
+        for name, flag in clip_indicators(ratio, advantages, params, layout).items():
             sums[name] = terms(flag)
     return sums
 
@@ -202,23 +221,28 @@ def grpo_metrics(*metric_sums_args) -> dict[str, torch.Tensor]:
             for name, (total, count) in metric_sums(*metric_sums_args).items()}
 
 
-def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams
+def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layout=None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The aggregated policy loss Σ weight·ℓ without the entropy bonus, differentiable w.r.t.
-    logp [B, T]: (loss 0-dim, ratio [B, T] or [B, 1] (detached), kl [B, T] or None)."""
+    logp [B, T]: (loss 0-dim, ratio [B, T] or [B, 1] (detached), kl [B, T] or None).
+    Packed inputs (inputs.cu_seqlens): logp [N], ratio [N] or [S, 1], kl [N]."""
+    layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
     loss_tok, ratio, kl = per_token_loss(
         logp, inputs.old_logps, inputs.ref_logps, inputs.advantages, inputs.mask, params,
-        inputs.importance_sampling_ratio,
+        inputs.importance_sampling_ratio, layout,
     )
-    loss = (token_weights(inputs.mask, params, inputs.num_items_in_batch) * loss_tok).sum()
-    return loss, ratio, kl
+    weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
+    return (weights * loss_tok).sum(), ratio, kl
 
 
 def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
                          params: GRPOParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss and metrics from per-token log-probs and entropies ([B, T] float32) and the
-    validated inputs. Gradients flow into `logp` (and `entropy` when entropy_coef != 0)."""
-    loss, ratio, kl = policy_loss(logp, inputs, params)
+    """GRPO loss and metrics from per-token log-probs and entropies ([B, T] float32; [N] for a
+    packed batch) and the validated inputs. Gradients flow into `logp` (and `entropy` when
+    entropy_coef != 0)."""
+    layout = layout_of(inputs.mask, inputs.cu_seqlens)
+    loss, ratio, kl = policy_loss(logp, inputs, params, layout)
     if params.entropy_coef != 0.0:
         loss = loss + entropy_bonus(entropy, inputs.mask, params.entropy_coef)
-    return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params)
+    return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params,
+                              layout)

@@ -51,17 +51,20 @@ def selective_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0,
 @signature_with_params
 def grpo_loss(logits, completion_ids, advantages, completion_mask=None, old_logps=None,
               ref_logps=None, *, num_items_in_batch=None, importance_sampling_ratio=None,
-              params=None, **hyperparameters):
-    """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] -> (loss, metrics)."""
+              cu_seqlens=None, params=None, **hyperparameters):
+    """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] (packed: [N, V] and
+    cu_seqlens) -> (loss, metrics)."""
     params = GRPOParams.resolve(params, hyperparameters)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch)
+                                           importance_sampling_ratio, num_items_in_batch,
+                                           cu_seqlens=cu_seqlens)
     return _loss_from_logits(logits, ids, inputs, params)
 
 
 def _loss_from_logits(logits, ids, inputs, params):
-    """logits [B, T, V], validated ids [B, T] and LossInputs -> (loss, metrics)."""
+    """logits [B, T, V], validated ids [B, T] and LossInputs -> (loss, metrics); packed:
+    logits [N, V] and ids [N]."""
     logp, ent = logprobs_from_logits(logits, ids, temperature=params.temperature,
                                      return_entropy=True)
     return grpo_loss_from_logps(logp, ent, inputs, params)
@@ -70,14 +73,15 @@ def _loss_from_logits(logits, ids, inputs, params):
 @signature_with_params
 def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None,
                            old_logps=None, ref_logps=None, bias=None, *, num_items_in_batch=None,
-                           importance_sampling_ratio=None, grad_filter=None, params=None,
-                           **hyperparameters):
+                           importance_sampling_ratio=None, cu_seqlens=None, grad_filter=None,
+                           params=None, **hyperparameters):
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits).
     Always exact: grad_filter is validated for signature parity and has no effect."""
     params = GRPOParams.resolve(params, hyperparameters)
     # validate before materializing [B, T, V] logits, with the same errors as the kernel path
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch)
+                                           importance_sampling_ratio, num_items_in_batch,
+                                           cu_seqlens=cu_seqlens)
     check_grad_filter(grad_filter, hidden.dtype)
     return _loss_from_logits(_head_logits(hidden, weight, bias), ids, inputs, params)

@@ -156,7 +156,8 @@ def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
 
 @dataclass
 class LossInputs:
-    """Validated per-token GRPO inputs, float32 on the device of hidden (or logits)."""
+    """Validated per-token GRPO inputs, float32 on the device of hidden (or logits). A packed
+    batch (cu_seqlens given) has per-token tensors [N] and per-sequence ones [S, 1]."""
 
     mask: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, 1] or [B, T]
@@ -164,39 +165,106 @@ class LossInputs:
     ref_logps: torch.Tensor | None  # [B, T]
     importance_sampling_ratio: torch.Tensor | None  # [B, 1] or [B, T]
     num_items_in_batch: torch.Tensor | None  # 0-dim float32
+    cu_seqlens: torch.Tensor | None = None  # [S + 1] int64, packed batches only
 
 
-def _per_token(name, x, B, T, device, allow_seq: bool, ref_name: str = "hidden") -> torch.Tensor:
+@dataclass(frozen=True)
+class _Shapes:
+    """The shapes a batch's per-token inputs may take: per token, and per sequence."""
+
+    tokens: tuple[int, ...]  # (B, T), or (N,) packed
+    seqs: int  # B, or S packed
+    token_text: str  # "[B, T] = [2, 5]"
+    seq_text: str  # "[B] = [2] or [B, 1]"
+
+    @classmethod
+    def padded(cls, B: int, T: int) -> _Shapes:
+        return cls((B, T), B, f"[B, T] = [{B}, {T}]", f"[B] = [{B}] or [B, 1]")
+
+    @classmethod
+    def packed(cls, N: int, S: int) -> _Shapes:
+        return cls((N,), S, f"[N] = [{N}] (packed tokens)",
+                   f"[S] = [{S}] or [S, 1] (S + 1 = {S + 1} entries of cu_seqlens)")
+
+
+def _per_token(name, x, shapes: _Shapes, device, allow_seq: bool,
+               ref_name: str = "hidden") -> torch.Tensor:
     _tensor(name, x)
     _float(name, x)
     _same_device(name, x, device, ref_name)
-    shape = tuple(x.shape)
-    if shape == (B, T):
+    shape, S = tuple(x.shape), shapes.seqs
+    # per sequence first: a packed batch with S = N reads a 1-D tensor as one value per sequence
+    if allow_seq and shape in ((S,), (S, 1)):
+        return x.float().reshape(S, 1)
+    if shape == shapes.tokens:
         return x.float()
-    if allow_seq and shape in ((B,), (B, 1)):
-        return x.float().reshape(B, 1)
-    want = f"[B, T] = [{B}, {T}]" + (f", [B] = [{B}] or [B, 1]" if allow_seq else "")
+    want = shapes.token_text + (f", {shapes.seq_text}" if allow_seq else "")
     raise ValueError(f"{name} must have shape {want}, got {shape}")
+
+
+def check_cu_seqlens(cu_seqlens, num_tokens: int, device, ref_name: str = "hidden"
+                     ) -> torch.Tensor:
+    """cu_seqlens [S + 1] (S >= 1) of an integer dtype on `device`, 0 = cu_seqlens[0] <= ...
+    <= cu_seqlens[S] = N; returns it as contiguous int64. The value checks read S + 1 integers
+    to the host (eager) or are in-graph assertions under torch.compile."""
+    _tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            "cu_seqlens must be a 1-D int32 or int64 tensor [S + 1] of sequence starts "
+            "(sequence s holds tokens cu_seqlens[s]:cu_seqlens[s+1]), at least [0, N]; got "
+            f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    _same_device("cu_seqlens", cu_seqlens, device, ref_name)
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            (cu[0] == 0) & (cu[-1] == num_tokens) & (cu[1:] >= cu[:-1]).all(),
+            f"cu_seqlens must start at 0, never decrease and end at N = {num_tokens}")
+        return cu
+    values = cu.tolist()  # S + 1 integers: one small host read
+    problem = None
+    if values[0] != 0:
+        problem = f"must start at 0, got cu_seqlens[0] = {values[0]}"
+    elif values[-1] != num_tokens:
+        problem = (f"must end at the number of tokens N = {num_tokens} ({ref_name}.shape[0]), "
+                   f"got cu_seqlens[-1] = {values[-1]}")
+    else:
+        for s, (a, b) in enumerate(zip(values, values[1:])):
+            if b < a:
+                problem = (f"must not decrease (sequence lengths are >= 0), got "
+                           f"cu_seqlens[{s + 1}] = {b} < cu_seqlens[{s}] = {a}")
+                break
+    if problem is not None:
+        raise ValueError(f"cu_seqlens {problem}; sequence s holds tokens "
+                         "cu_seqlens[s]:cu_seqlens[s+1] (the flash-attention convention)")
+    return cu
 
 
 def check_loss_inputs(
     B: int, T: int, device, params, completion_mask, advantages, old_logps, ref_logps,
     importance_sampling_ratio, num_items_in_batch, ref_name: str = "hidden",
-    check_values: bool = True,
+    check_values: bool = True, cu_seqlens: torch.Tensor | None = None,
 ) -> LossInputs:
     """Validates the per-token loss inputs against [B, T] and the device of `ref_name` (the
     tensor the loss is computed from: hidden or logits). check_values=False skips the finite
-    check of the advantages (the custom ops run it; see check_token_ids)."""
+    check of the advantages (the custom ops run it; see check_token_ids).
+
+    A packed batch passes cu_seqlens [S + 1] and (B, T) = (1, N): per-token inputs are then
+    [N], per-sequence ones [S] or [S, 1], and the mask may be omitted."""
+    shapes = _Shapes.padded(B, T)
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B * T, device, ref_name)
+        shapes = _Shapes.packed(B * T, cu_seqlens.shape[0] - 1)
 
     def per_token(name, x, allow_seq):
-        return _per_token(name, x, B, T, device, allow_seq, ref_name)
+        return _per_token(name, x, shapes, device, allow_seq, ref_name)
 
     if completion_mask is None:
-        mask = torch.ones((B, T), device=device, dtype=torch.float32)
+        mask = torch.ones(shapes.tokens, device=device, dtype=torch.float32)
     else:
         _tensor("completion_mask", completion_mask)
-        if tuple(completion_mask.shape) != (B, T):
-            raise ValueError(f"completion_mask must have shape [B, T] = [{B}, {T}], "
+        if tuple(completion_mask.shape) != shapes.tokens:
+            raise ValueError(f"completion_mask must have shape {shapes.token_text}, "
                              f"got {tuple(completion_mask.shape)}")
         _same_device("completion_mask", completion_mask, device, ref_name)
         mask = completion_mask.float()
@@ -227,39 +295,51 @@ def check_loss_inputs(
             raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
         else:  # one form from here on: a 0-dim float32 tensor
             num_items_in_batch = torch.tensor(float(num_items_in_batch), device=device)
-    return LossInputs(mask, adv, old, ref, isr, num_items_in_batch)
+    return LossInputs(mask, adv, old, ref, isr, num_items_in_batch, cu_seqlens)
 
 
 def check_logits_loss_inputs(
     logits, completion_ids, params, completion_mask, advantages, old_logps, ref_logps,
-    importance_sampling_ratio, num_items_in_batch, check_values: bool = True,
+    importance_sampling_ratio, num_items_in_batch, check_values: bool = True, cu_seqlens=None,
 ) -> tuple[torch.Tensor, LossInputs]:
-    """Validates the inputs of a GRPO loss from logits [B, T, V]; returns (completion_ids [B, T]
-    int64, LossInputs). Shared by `grpo_loss` and its reference so both fail the same way."""
-    check_logits(logits, ndim=3)
-    B, T, V = logits.shape
-    ids = check_token_ids("completion_ids", completion_ids, V, (B, T), logits.device,
+    """Validates the inputs of a GRPO loss from logits [B, T, V] (packed: [N, V] and
+    cu_seqlens); returns (completion_ids [B, T] (or [N]) int64, LossInputs). Shared by
+    `grpo_loss` and its reference so both fail the same way."""
+    packed = cu_seqlens is not None
+    check_logits(logits, ndim=None if packed else 3)
+    if packed and logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V] with cu_seqlens (a packed batch), got shape "
+                         f"{tuple(logits.shape)}")
+    *lead, V = logits.shape
+    ids = check_token_ids("completion_ids", completion_ids, V, lead, logits.device,
                           "logits.shape[-1]", check_values)
+    B, T = (1, lead[0]) if packed else lead
     inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
-                               num_items_in_batch, ref_name="logits", check_values=check_values)
+                               num_items_in_batch, ref_name="logits", check_values=check_values,
+                               cu_seqlens=cu_seqlens)
     return ids, inputs
 
 
 def check_linear_loss_inputs(
     hidden, weight, bias, completion_ids, params, completion_mask, advantages, old_logps,
     ref_logps, importance_sampling_ratio, num_items_in_batch, check_values: bool = True,
+    cu_seqlens=None,
 ) -> tuple[torch.Tensor, LossInputs]:
-    """Validates the inputs of a GRPO loss from hidden [B, T, D] and a head weight [V, D] (and
-    bias [V]); returns (completion_ids [B, T] int64, LossInputs). Shared by
-    `fused_linear_grpo_loss` and its reference."""
+    """Validates the inputs of a GRPO loss from hidden [B, T, D] (packed: [N, D] and
+    cu_seqlens) and a head weight [V, D] (and bias [V]); returns (completion_ids [B, T] (or
+    [N]) int64, LossInputs). Shared by `fused_linear_grpo_loss` and its reference."""
     check_linear_head(hidden, weight, bias)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
-    B, T, _ = hidden.shape
-    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], (B, T), hidden.device,
+    packed = cu_seqlens is not None
+    if hidden.dim() != (2 if packed else 3):
+        want = "[N, D] with cu_seqlens (a packed batch)" if packed else "[B, T, D]"
+        raise ValueError(f"hidden must be {want}, got shape {tuple(hidden.shape)}")
+    lead = hidden.shape[:-1]
+    ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], lead, hidden.device,
                           check_values=check_values)
+    B, T = (1, lead[0]) if packed else lead
     inputs = check_loss_inputs(B, T, hidden.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
-                               num_items_in_batch, check_values=check_values)
+                               num_items_in_batch, check_values=check_values,
+                               cu_seqlens=cu_seqlens)
     return ids, inputs

@@ -4,6 +4,10 @@ computation of (loss, metrics, per-token statistics, per-token coefficients).
 A loss op (`custom_ops.py`) takes, after its kernel tensors and options, the GRPO inputs of
 `LossInputs` and then the hyperparameters of `GRPOParams` (both in their field order): the layout
 is written once here (`pack_loss_args` / `unpack_loss_args`) and the schema derives from it.
+
+A packed batch (`cu_seqlens`) runs the kernels on its N tokens as they are; the epilogue's [N]
+inputs come in packed order from the layout (`packing.py`), which expands per-sequence values
+(advantages, rollout ratios, the grpo/sapo weights) to their tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 from ..grpo_math import entropy_bonus_weights, grpo_loss_from_logps, grpo_metrics, token_weights
 from ..kernels.epilogue import loss_kind
+from ..packing import layout_of
 from ..params import GRPOParams, op_schema
 from ..validation import LossInputs
 from . import fallback
@@ -19,31 +24,32 @@ from . import fallback
 # The GRPO arguments of a loss op: LossInputs' fields, then GRPOParams' fields.
 LOSS_ARGS_SCHEMA = ("Tensor mask, Tensor advantages, Tensor? old_logps, Tensor? ref_logps, "
                     "Tensor? importance_sampling_ratio, Tensor? num_items_in_batch, "
-                    + op_schema())
+                    "Tensor? cu_seqlens, " + op_schema())
 
 
 def pack_loss_args(inputs: LossInputs, params: GRPOParams) -> tuple:
     """The GRPO arguments of a loss op, in LOSS_ARGS_SCHEMA's order."""
     return (inputs.mask, inputs.advantages, inputs.old_logps, inputs.ref_logps,
-            inputs.importance_sampling_ratio, inputs.num_items_in_batch, *params.to_op_args())
+            inputs.importance_sampling_ratio, inputs.num_items_in_batch, inputs.cu_seqlens,
+            *params.to_op_args())
 
 
 def unpack_loss_args(args) -> tuple[LossInputs, GRPOParams]:
     """Inverse of `pack_loss_args`."""
-    mask, advantages, old, ref, isr, num_items, *hyper = args
-    return LossInputs(mask, advantages, old, ref, isr, num_items), GRPOParams.from_op_args(hyper)
+    mask, advantages, old, ref, isr, num_items, cu_seqlens, *hyper = args
+    inputs = LossInputs(mask, advantages, old, ref, isr, num_items, cu_seqlens)
+    return inputs, GRPOParams.from_op_args(hyper)
 
 
-def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor) -> dict:
+def epilogue_args(params: GRPOParams, inputs: LossInputs, weight: torch.Tensor,
+                  layout=None) -> dict:
     """Flattened [N] float32 inputs, fresh [N] outputs and flags for the forward kernels'
-    GRPO epilogue (`kernels/epilogue.py: grpo_token_outputs`). weight: token_weights [B, T]."""
-    B, T = inputs.mask.shape
-    N = B * T
-
-    def flat(x):  # [B, T] or [B, 1] -> contiguous [N]
-        return torch.broadcast_to(x, (B, T)).reshape(N).contiguous()
-
+    GRPO epilogue (`kernels/epilogue.py: grpo_token_outputs`). weight: token_weights [B, T]
+    (packed: [N]); layout: the batch's (`packing.layout_of`)."""
+    layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
+    flat = layout.flat  # [B, T], [B, 1], [N] or [S, 1] -> contiguous [N] in the kernels' order
     adv = flat(inputs.advantages)
+    N = adv.shape[0]
     outs = [torch.empty(N, device=adv.device, dtype=torch.float32) for _ in range(4)]
     tensors = [
         adv if inputs.old_logps is None else flat(inputs.old_logps),
@@ -91,11 +97,11 @@ def grpo_loss_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams
                                          f"{op.family} forward with the GRPO epilogue"):
                 raise
         op = op.on_torch()
-    B, T = inputs.mask.shape
+    shape = inputs.mask.shape  # [B, T], or [N] packed
     logp, ent, lse = op.forward(targets, None, *tensors)
 
     def loss_of(logp, ent):
-        return grpo_loss_from_logps(logp.reshape(B, T), ent.reshape(B, T), inputs, params)
+        return grpo_loss_from_logps(logp.reshape(shape), ent.reshape(shape), inputs, params)
 
     loss, metrics = loss_of(logp, ent)  # the values, outside the transform
     coef_logp, coef_ent = torch.func.grad(lambda lp, h: loss_of(lp, h)[0], (0, 1))(logp, ent)
@@ -103,9 +109,9 @@ def grpo_loss_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams
 
 
 def _fused_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams):
-    B, T = inputs.mask.shape
-    weights = token_weights(inputs.mask, params, inputs.num_items_in_batch)
-    epilogue = epilogue_args(params, inputs, weights)
+    layout = layout_of(inputs.mask, inputs.cu_seqlens)
+    weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
+    epilogue = epilogue_args(params, inputs, weights, layout)
     _, ent, lse = op.forward(targets, epilogue, *tensors)
     lossw, coef_logp, kl, ratio = epilogue["tensors"][-4:]  # the outputs the kernel filled, [N]
     loss = lossw.sum()
@@ -114,8 +120,9 @@ def _fused_terms(op, targets, tensors, inputs: LossInputs, params: GRPOParams):
         # the bonus is linear in the entropies: Σ coef_ent·entropy, coef_ent its gradient
         coef_ent = entropy_bonus_weights(inputs.mask.reshape(-1), params.entropy_coef)
         loss = loss + (coef_ent * ent).sum()
+    shape = inputs.mask.shape  # [B, T], or [N] packed
     metrics = grpo_metrics(
-        ent.reshape(B, T), ratio.reshape(B, T), kl.reshape(B, T) if params.beta != 0.0 else None,
-        inputs.advantages, inputs.mask, params,
+        ent.reshape(shape), ratio.reshape(shape), kl.reshape(shape) if params.beta != 0.0 else None,
+        inputs.advantages, inputs.mask, params, layout,
     )
     return loss, metrics, lse, ent, coef_logp, coef_ent
