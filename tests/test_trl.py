@@ -273,9 +273,8 @@ def test_unsupported_features_fall_back_to_trl_with_one_warning(model_dir):
                                    atol=1e-7)
 
 
-def test_unsupported_model_falls_back_to_trl_entirely(tmp_path):
-    """Gemma-2 soft-caps its logits, which a plain linear head cannot reproduce: TRL's own
-    forward is used for the loss and for the log-probs, with one warning."""
+def save_softcap_model(path) -> None:
+    """A tiny Gemma-2 (it soft-caps its logits) and its tokenizer, written to `path`."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     tok = build_tokenizer()
@@ -284,8 +283,14 @@ def test_unsupported_model_falls_back_to_trl_entirely(tmp_path):
         vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, intermediate_size=64, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-    )).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    )).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def test_unsupported_model_falls_back_to_trl_entirely(tmp_path):
+    """Gemma-2 soft-caps its logits, which a plain linear head cannot reproduce: TRL's own
+    forward is used for the loss and for the log-probs, with one warning."""
+    save_softcap_model(tmp_path)
     with pytest.warns(UserWarning, match="final_logit_softcapping"):
         result = run_both(str(tmp_path), loss_type="dapo", beta=0.04)
     assert_same(*result)

@@ -14,11 +14,11 @@ import torch
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
-from test_trl import make_batch, make_trainer  # noqa: E402  (tiny offline models, TRL batches)
+from test_trl import make_batch, make_trainer, save_softcap_model  # noqa: E402  (tiny offline models, TRL batches)
 
 from grpo_kernels import force_backend  # noqa: E402
 from grpo_kernels.trl import GRPOTrainer  # noqa: E402
-from grpo_train.tiny import build_tokenizer, save_tiny_model  # noqa: E402
+from grpo_train.tiny import save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -36,17 +36,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def softcap_model_dir(tmp_path_factory):
     """Gemma-2 soft-caps its logits: TRL's implementation runs for it (with a warning)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
     path = tmp_path_factory.mktemp("tiny_gemma2")
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-    )).save_pretrained(path)
-    tok.save_pretrained(path)
+    save_softcap_model(path)
     return str(path)
 
 
