@@ -1,19 +1,18 @@
 """Test set-up: without a CUDA device, CPU tensors run the real Triton kernels through Triton's
 interpreter, which must be switched on before triton is first imported.
 
-Two corrections make the interpreter compute what a GPU computes (`patch_interpreter`):
-- `tl.dot` of the GPU's numerics: bfloat16 operands (stored as uint16 bit patterns in the
-  interpreter, which multiplies the raw integers: -2.7e9 where the answer is -2.5) are widened to
-  float32 first, exactly; float32 operands are rounded as the tensor cores round them for the
-  dot's `input_precision`: "tf32" keeps 10 mantissa bits (truncation: the low 13 bits are
-  dropped, the worse of the two rounding modes a GPU may use), "tf32x3" sums the three TF32
-  products of Triton's split (big = tf32(a), small = tf32(a - big), round to nearest), "ieee" is
-  exact float32. Products accumulate in float32 as on the GPU.
-- Triton 3.4 and 3.6 convert a scalar (stored as a one-element array) to int with
-  `int(array)`, which NumPy >= 2.4 refuses for arrays of one dimension, so every `range()` with a
-  runtime bound failed (`TypeError: only 0-dimensional arrays can be converted to Python
-  scalars`). Triton 3.9 squeezes the array first; the same is installed here for older releases.
-Both patches are checked by tests/test_precision.py.
+One correction makes the interpreter compute what a GPU computes (`patch_interpreter`):
+`tl.dot` of the GPU's numerics: bfloat16 operands (stored as uint16 bit patterns in the
+interpreter, which multiplies the raw integers: -2.7e9 where the answer is -2.5) are widened to
+float32 first, exactly; float32 operands are rounded as the tensor cores round them for the
+dot's `input_precision`: "tf32" keeps 10 mantissa bits (truncation: the low 13 bits are
+dropped, the worse of the two rounding modes a GPU may use), "tf32x3" sums the three TF32
+products of Triton's split (big = tf32(a), small = tf32(a - big), round to nearest), "ieee" is
+exact float32. Products accumulate in float32 as on the GPU. tests/test_precision.py checks it.
+
+Nothing else is patched: the kernels' runtime `range()` bounds go through `loop_bound`
+(grpo_kernels/kernels/linear_logprobs.py), so they run in the interpreter of Triton 3.4-3.6 with
+NumPy >= 2.4 as a user's TRITON_INTERPRET=1 run does.
 """
 
 import os
@@ -50,7 +49,7 @@ def gpu_dot(a, b, precision: str):
 
 
 def patch_interpreter():
-    """Installs the two corrections above (idempotent). Returns the interpreter's own
+    """Installs the correction above (idempotent). Returns the interpreter's own
     create_dot, which tests/test_precision.py uses to show the bf16 bug."""
     import numpy as np
     import triton.language as tl
@@ -77,28 +76,7 @@ def patch_interpreter():
 
     create_dot.native = native
     builder.create_dot = create_dot
-
-    patch_tensor = interpreter._patch_lang_tensor
-    if "squeeze" not in _source(patch_tensor):
-        def patched(tensor, *scope):
-            patch_tensor(tensor, *scope)
-            index = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])  # noqa: E731
-            if scope:  # Triton 3.6: attributes are set through a scope that restores them
-                scope[0].set_attr(tensor, "__index__", index)
-            else:  # Triton 3.4
-                tensor.__index__ = index
-
-        interpreter._patch_lang_tensor = patched
     return native
-
-
-def _source(fn) -> str:
-    import inspect
-
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -16,6 +16,7 @@ from triton.runtime import interpreter
 import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.kernels import precision
+from grpo_kernels.kernels.linear_logprobs import loop_bound
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs kernels in Triton's interpreter")
@@ -100,9 +101,9 @@ def test_gpu_dot_emulation_rounds_like_tf32():
 
 @triton.jit
 def _dot_kernel(a_ptr, b_ptr, c_ptr, n, PREC: tl.constexpr):
-    # [16, 16] @ [16, 16]; the rows loop has a runtime bound (what Triton 3.4/3.6 could not run)
+    # [16, 16] @ [16, 16]; the loop has a runtime bound, as the kernels' loops (loop_bound)
     r = tl.arange(0, 16)
-    for _i in range(0, n):
+    for _i in range(0, loop_bound(n)):
         a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
         b = tl.load(b_ptr + r[:, None] * 16 + r[None, :])
         tl.store(c_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision=PREC))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .linear_logprobs import grouped_program
+from .linear_logprobs import grouped_program, loop_bound
 from .precision import dot_precision, tile_dot
 
 
@@ -41,7 +41,7 @@ def _accumulate_mm_kernel(
     out = acc_ptr + offs_m.to(tl.int64)[:, None] * stride_acc + offs_d[None, :]
     out_mask = m_mask[:, None] & d_mask[None, :]
     acc = tl.load(out, mask=out_mask, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, loop_bound(K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         if A_T:

@@ -23,6 +23,18 @@ from .precision import dot_precision, head_dot, split_dot, tile_dot
 
 # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite (constexpr: jit globals)
 NEG_BIG = tl.constexpr(-1.0e38)
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def loop_bound(x):
+    """A runtime `range()` bound: `x` itself when compiled (the branch is resolved at trace time,
+    so the GPU code is the same); a Python int in Triton's interpreter, which holds scalars as
+    one-element arrays that Triton 3.4-3.6 turn into range() bounds with int(array), refused by
+    NumPy >= 2.4 ("only 0-dimensional arrays can be converted to Python scalars")."""
+    if _INTERPRETED:
+        return int(x.handle.data.item())
+    return x
 
 
 @triton.jit
@@ -59,7 +71,7 @@ def logit_tile(
     accumulated over D in BLOCK_D steps (the loop the compiler pipelines with cp.async).
     A float32 weight with 16-bit hidden (mixed head precision) takes `split_dot`."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(0, loop_bound(D), BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :],
@@ -141,7 +153,7 @@ def _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_te
     and with TF32 tiles this value is the more accurate one)."""
     rows_t = tgt.to(tl.int64) * stride_wv
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(0, loop_bound(D), BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask = n_mask[:, None] & (offs_d < D)[None, :]
         h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :], mask=mask, other=0.0)
@@ -184,13 +196,14 @@ def _linear_logprob_fwd_kernel(
     tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
     full_hi = tl.minimum(tile_hi, V // BLOCK_V)  # tiles lying entirely inside V
     every_v = tl.full([BLOCK_V], 1, tl.int1)  # full tiles: loads need no vocabulary mask
-    for tile in range(tile_lo, full_hi):
+    for tile in range(loop_bound(tile_lo), loop_bound(full_hi)):
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
                        n_mask, every_v, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
                        DOT_PREC)  # [BLOCK_N, BLOCK_V]
         m, s, t = _online_softmax_tile(y, scale2, m, s, t, every_v, False)
-    for tile in range(tl.maximum(full_hi, tile_lo), tile_hi):  # the last, partial tile (0 or 1)
+    # the last, partial tile (0 or 1)
+    for tile in range(loop_bound(tl.maximum(full_hi, tile_lo)), loop_bound(tile_hi)):
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
         y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
@@ -333,7 +346,7 @@ def _add_tile_grads(
     if COMPUTE_DB:
         tl.atomic_add(db_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem="relaxed")
     dzc = dz.to(h_ptr.dtype.element_ty)  # the dots take the inputs' dtype, accumulate in fp32
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(0, loop_bound(D), BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         if COMPUTE_DH:  # frozen inputs (e.g. a frozen lm_head) skip their half of the work

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .linear_logprobs import _NO_EPILOGUE, NEG_BIG, _store_token_results
+from .linear_logprobs import _NO_EPILOGUE, NEG_BIG, _store_token_results, loop_bound
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _logits_logprob_fwd_kernel(
     m = tl.full([ROWS], NEG_BIG, tl.float32)  # running max
     s = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)
     t = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)·(z - m)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         msk = n_mask[:, None] & (offs_v[None, :] < V)
         z = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
@@ -111,7 +111,7 @@ def _logits_logprob_bwd_kernel(
         busy += tl.max(tl.abs(gh), axis=0)
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         msk = n_mask[:, None] & (offs_v[None, :] < V)
         if busy != 0.0:
