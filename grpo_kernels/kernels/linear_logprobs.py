@@ -20,6 +20,7 @@ import triton.language as tl
 from . import tile_configs
 from .epilogue import grpo_token_outputs
 from .precision import dot_precision, head_dot, split_dot, tile_dot
+from .tile_configs import INTERPRET
 
 # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite (constexpr: jit globals)
 NEG_BIG = tl.constexpr(-1.0e38)
