@@ -1,5 +1,6 @@
 """grpo-kernels: fused Triton GRPO losses with TRL semantics, without full-vocabulary logits."""
 
+from . import torch_check  # noqa: F401  (first: an unsupported torch fails here, in one line)
 from .fused_linear_grpo import fused_linear_grpo_loss
 from .logits_grpo import GRPOLoss, grpo_loss, logprobs_from_logits
 from .modules import FusedLinearGRPOLoss

@@ -100,7 +100,13 @@ def grpo_loss(
     Returns:
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
     """
-    params = GRPOParams.pick(locals())
+    params = GRPOParams(  # spelled out: torch.compile of torch 2.4-2.8 cannot trace locals()
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
+        entropy_coef=entropy_coef, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg)
     return grpo_loss_with_params(logits, completion_ids, advantages, completion_mask, old_logps,
                                  ref_logps, params, num_items_in_batch,
                                  importance_sampling_ratio, inplace)

@@ -56,7 +56,13 @@ def grpo_loss(
     entropy_coef=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
 ):
     """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] -> (loss, metrics)."""
-    params = GRPOParams.pick(locals())
+    params = GRPOParams(  # spelled out: torch.compile of torch 2.4-2.8 cannot trace locals()
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
+        entropy_coef=entropy_coef, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch)
@@ -82,7 +88,13 @@ def fused_linear_grpo_loss(
 ):
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits).
     Always exact: grad_filter is validated for signature parity and has no effect."""
-    params = GRPOParams.pick(locals())
+    params = GRPOParams(  # spelled out: torch.compile of torch 2.4-2.8 cannot trace locals()
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
+        entropy_coef=entropy_coef, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg)
     # validate before materializing [B, T, V] logits, with the same errors as the kernel path
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,

@@ -1,12 +1,17 @@
 """Compatibility guards (docs/compatibility.md): every runtime `range()` bound in a kernel goes
 through `loop_bound` (Triton 3.4-3.6's interpreter cannot take a bare one with NumPy >= 2.4,
-which the main environment's Triton 3.9 does not show)."""
+which the main environment's Triton 3.9 does not show), and an old torch is refused in one line."""
 
 import ast
 import inspect
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
+import grpo_kernels
 from grpo_kernels import (
     accumulate_mm,
     epilogue,
@@ -14,10 +19,12 @@ from grpo_kernels import (
     linear_logprobs,
     logits_logprobs,
     precision,
+    torch_check,
 )
 
 KERNEL_MODULES = [accumulate_mm, epilogue, linear_backward_gemm, linear_logprobs,
                   logits_logprobs, precision]
+ROOT = pathlib.Path(grpo_kernels.__file__).parents[1]
 
 
 def bare_bounds(source: str) -> list:
@@ -52,3 +59,44 @@ def test_a_bare_runtime_bound_is_seen():
            "    for i in range(0, n, B):\n        pass\n"
            "    for i in range(loop_bound(n), B):\n        pass\n")
     assert bare_bounds(src) == ["k: range(0, n, B)"]
+
+
+def test_old_torch_is_refused_in_one_line():
+    for fine in ("2.8.0", "2.8.0+cu128", "2.13.0+cpu"):
+        torch_check.check(fine)
+    with pytest.raises(ImportError) as err:
+        torch_check.check("2.7.1+cu126")
+    assert str(err.value) == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.7.1+cu126"
+
+
+def test_range_is_pyproject_s():
+    tomllib = pytest.importorskip("tomllib")
+    if not (ROOT / "pyproject.toml").exists():
+        pytest.skip("installed without its pyproject.toml")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split("#")[0].strip() == f"torch{torch_check.TORCH_RANGE}" for d in deps), deps
+
+
+def test_importing_the_package_on_an_old_torch_fails_in_one_line():
+    code = ("import torch\ntorch.__version__ = '2.6.0'\n"
+            "try:\n    import grpo_kernels\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=os.environ)
+    assert out.stdout.strip() == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.6.0", out
+
+
+def test_traced_entry_points_build_params_without_locals():
+    """torch.compile of torch 2.4-2.8 cannot trace locals(): the functions a user compiles build
+    GRPOParams with every field spelled out (a new field must be added to each)."""
+    from grpo_kernels import fused_linear_grpo, logits_grpo, reference
+    from grpo_kernels.params import FIELD_NAMES
+
+    for fn in (fused_linear_grpo.fused_linear_grpo_loss, logits_grpo.grpo_loss,
+               reference.fused_linear_grpo_loss, reference.grpo_loss):
+        tree = ast.parse(inspect.getsource(fn).lstrip())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        assert not [c for c in calls if ast.unparse(c.func) == "locals"], fn.__qualname__
+        built = [c for c in calls if ast.unparse(c.func) == "GRPOParams"]
+        assert len(built) == 1, fn.__qualname__
+        assert sorted(k.arg for k in built[0].keywords) == sorted(FIELD_NAMES), fn.__qualname__
+        assert all(ast.unparse(k.value) == k.arg for k in built[0].keywords), fn.__qualname__
