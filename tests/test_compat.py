@@ -1,12 +1,17 @@
 """Compatibility guards (docs/compatibility.md): every runtime `range()` bound in a kernel goes
 through `loop_bound` (Triton 3.4-3.6's interpreter cannot take a bare one with NumPy >= 2.4,
-which the main environment's Triton 3.9 does not show)."""
+which the main environment's Triton 3.9 does not show), and an old torch is refused in one line."""
 
 import ast
 import inspect
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
+import grpo_kernels
 from grpo_kernels.kernels import (
     accumulate_mm,
     epilogue,
@@ -15,9 +20,11 @@ from grpo_kernels.kernels import (
     logits_logprobs,
     precision,
 )
+from grpo_kernels.ops import torch_check
 
 KERNEL_MODULES = [accumulate_mm, epilogue, linear_backward_gemm, linear_logprobs,
                   logits_logprobs, precision]
+ROOT = pathlib.Path(grpo_kernels.__file__).parents[1]
 
 
 def bare_bounds(source: str) -> list:
@@ -52,3 +59,42 @@ def test_a_bare_runtime_bound_is_seen():
            "    for i in range(0, n, B):\n        pass\n"
            "    for i in range(loop_bound(n), B):\n        pass\n")
     assert bare_bounds(src) == ["k: range(0, n, B)"]
+
+
+def test_old_torch_is_refused_in_one_line():
+    for fine in ("2.8.0", "2.8.0+cu128", "2.13.0+cpu"):
+        torch_check.check(fine)
+    with pytest.raises(ImportError) as err:
+        torch_check.check("2.7.1+cu126")
+    assert str(err.value) == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.7.1+cu126"
+
+
+def test_range_is_pyproject_s():
+    tomllib = pytest.importorskip("tomllib")
+    if not (ROOT / "pyproject.toml").exists():
+        pytest.skip("installed without its pyproject.toml")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split("#")[0].strip() == f"torch{torch_check.TORCH_RANGE}" for d in deps), deps
+
+
+def test_importing_the_losses_on_an_old_torch_fails_in_one_line():
+    # `import grpo_kernels` itself loads only GRPOParams; the losses load the op layer
+    code = ("import torch\ntorch.__version__ = '2.6.0'\n"
+            "try:\n    from grpo_kernels import fused_linear_grpo_loss\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=os.environ)
+    assert out.stdout.strip() == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.6.0", out
+
+
+def test_traced_entry_points_take_hyperparameters_without_locals():
+    """torch.compile of torch 2.4-2.8 cannot trace locals(): the functions a user compiles take
+    the hyperparameters as **hyperparameters (GRPOParams.resolve), never from locals()."""
+    from grpo_kernels import functional, reference
+
+    for fn in (functional.fused_linear_grpo_loss, functional.grpo_loss,
+               reference.fused_linear_grpo_loss, reference.grpo_loss):
+        tree = ast.parse(inspect.getsource(fn).lstrip())
+        calls = [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        assert "locals" not in calls, fn.__qualname__
+        assert "GRPOParams.resolve" in calls, fn.__qualname__
