@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cli import BoolFlag, MissingPathError, Parser, UsageError
+from .cli import BoolFlag, MissingPathError, Parser, UsageError, VersionAction
 
 
 @dataclass
@@ -76,7 +76,11 @@ class TrainConfig:
     prompt_column: str = "question"  # text prompt, or a list of chat messages
     answer_column: str = "answer"  # ground truth ("" = none); GSM8K "... #### 42" -> "42"
     system_prompt: str | None = None  # prepended as a system message when the template has one
-    eval_size: int = 200  # held-out prompts (embedded task: problems never seen in training)
+    # Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out problems
+    # (61, see task_eval_fraction); the first 200 rows of --eval_split; else min(200, 10% of the
+    # dataset's rows) taken out of training (none under 10 rows). A number N: the first N of
+    # those, or N rows taken out of training.
+    eval_size: int | None = None
     max_prompt_length: int | None = None  # keep the last N prompt tokens (none: no limit)
     # Embedded task: sums of this many digits ("2+0+1+2+1"). Five digits 0-2 give 243 problems
     # whose sums 0-10 are all single digits but 10, so every answer is common enough to learn.
@@ -102,7 +106,7 @@ class TrainConfig:
 
     # ---- loss: TRL's names and defaults unless noted -------------------------------------------
     loss: str = "fused"  # "fused" (hidden states, no logits) | "reference" (materialized logits)
-    loss_type: str = "dapo"  # how token losses are normalized (see README "Semantics")
+    loss_type: str = "dapo"  # how token losses are normalized (see docs/semantics.md)
     # KL weight; > 0 loads a frozen reference model, 0 loads none. The embedded run needs it:
     # anchored to the warm-up policy, the tiny model keeps exploring instead of collapsing onto
     # the most frequent answer (0.3 learned faster and more reliably than 0.1 there).
@@ -119,7 +123,7 @@ class TrainConfig:
     backend: str = "auto"  # fused-loss kernels: auto = Triton on CUDA; torch = chunked PyTorch
     # Gradient filtering in the Triton backward: none = exact; "auto" (2^-12 in bf16) or a number
     # skips vocabulary tiles whose d logits are all below it (approximate, faster on peaked
-    # softmaxes; see README "Gradient filtering").
+    # softmaxes; see docs/internals.md, "Gradient filtering").
     grad_filter: str | None = None
 
     # ---- optimization ------------------------------------------------------------------------
@@ -179,6 +183,9 @@ AUTO = {
     "num_threads": (1, 0),
 }
 
+# Fields whose "auto" (None) is resolved later, from the data: their --help default.
+RESOLVED_LATER = {"eval_size": "auto"}
+
 CHOICES = {
     "tiny_arch": ("qwen2", "llama"),
     "model_dtype": ("float32", "bfloat16", "float16"),
@@ -208,9 +215,10 @@ def _scalar_type(tp):
 
 def _converter(name: str, tp):
     base, optional = _scalar_type(tp)
+    auto = name in AUTO or name in RESOLVED_LATER
 
     def convert(text: str):
-        if optional and text.lower() in ("none", "null"):
+        if optional and text.lower() in (("none", "null", "auto") if auto else ("none", "null")):
             return None
         return base(text)
 
@@ -260,6 +268,8 @@ def _default_text(name: str, default) -> str:
     if name in AUTO:
         embedded, pretrained = AUTO[name]
         return f"default: {embedded} for the embedded run, {pretrained} with --model"
+    if name in RESOLVED_LATER:
+        return f"default: {RESOLVED_LATER[name]}"
     if isinstance(default, bool):
         return f"default: {'on' if default else 'off'}"
     if default is None:
@@ -280,9 +290,18 @@ def _metavar(name: str, tp) -> str:
         return _METAVARS[name]
     if name in CHOICES:
         return "{" + "|".join(CHOICES[name]) + "}"
+    if name in RESOLVED_LATER:
+        return "N|auto"
     base, optional = _scalar_type(tp)
     word = {int: "N", float: "X"}.get(base, "TEXT")
     return f"{word}|none" if optional and base is not str else word
+
+
+def package_version() -> str:
+    """grpo_kernels.__version__: the version of the code that runs (imports torch)."""
+    import grpo_kernels
+
+    return grpo_kernels.__version__
 
 
 def build_parser() -> Parser:
@@ -302,6 +321,8 @@ def build_parser() -> Parser:
                          help="YAML or JSON file of the settings below (field: value)")
     general.add_argument("--debug", action="store_true",
                          help="show the Python traceback of an error instead of one line")
+    general.add_argument("--version", action=VersionAction, version=package_version,
+                         help="print the version of grpo-kernels (this trainer's package) and exit")
     defaults, types = TrainConfig(), _field_types()
     for topic, names in topics:
         title, _, about = topic.partition(": ")  # "loss: TRL's names ..." -> title, description
@@ -346,7 +367,7 @@ def _coerce(name: str, value, tp, where: str):
         return base(value)
     elif isinstance(value, str):
         try:
-            return _str2bool(value) if base is bool else base(value)
+            return _str2bool(value) if base is bool else _converter(name, tp)(value)
         except ValueError:
             pass
     kind = "a list of strings" if typing.get_origin(tp) is list else base.__name__
