@@ -20,13 +20,45 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from . import parse_config, train  # the trainer loads after parsing: --help stays fast
 
-    result = train(parse_config(argv))
+    cfg = parse_config(argv)
+    if _run_is_complete(cfg):
+        return 0
+    result = train(cfg)
     history = result["eval_accuracy"]
     if history and not result["interrupted"] and result["main_process"]:
-        first, last = min(history), max(history)
-        print(f"held-out accuracy: step {first} {history[first]:.3f} -> "
-              f"step {last} {history[last]:.3f}", flush=True)
+        _print_held_out(history)
     return 130 if result["interrupted"] else 0
+
+
+def _print_held_out(history: dict) -> None:
+    first, last = min(history), max(history)
+    print(f"held-out accuracy: step {first} {history[first]:.3f} -> "
+          f"step {last} {history[last]:.3f}", flush=True)
+
+
+def _run_is_complete(cfg) -> bool:
+    """--resume on a run whose latest checkpoint is at --steps already: say so (and its held-out
+    accuracy) without loading a model or writing anything."""
+    if not cfg.resume:
+        return False
+    from pathlib import Path
+
+    from .checkpoint import checkpoint_dir, checkpoint_step, find_checkpoint
+    from .logs import read_metrics
+
+    found = find_checkpoint(cfg.resume, cfg.output_dir)
+    done = None if found is None else checkpoint_step(found)
+    if done is None or done < cfg.steps:
+        return False
+    print(f"the run is complete: checkpoint {found} is at step {done}, --steps is {cfg.steps}; "
+          "nothing to do (a larger --steps trains further)", flush=True)
+    metrics = Path(cfg.output_dir) / "metrics.jsonl"
+    if metrics.is_file() and found.resolve().parent == checkpoint_dir(cfg.output_dir).resolve():
+        history = {r["step"]: r["eval_accuracy"] for r in read_metrics(metrics)
+                   if "eval_accuracy" in r and r["step"] <= done}
+        if history:
+            _print_held_out(history)
+    return True
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ def find_checkpoint(resume: str | None, output_dir) -> Path | None:
                             "(expected a step_*.pt file, a run directory, or 'auto')")
 
 
+def checkpoint_step(path) -> int | None:
+    """The step in a checkpoint's file name (step_000123.pt -> 123); None for other names."""
+    match = _NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def load_checkpoint(path) -> dict:
     # Our own files: they hold numpy/python RNG states, which weights_only loading rejects.
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -37,9 +37,13 @@ class TrainConfig:
     tiny_arch: str = "qwen2"  # embedded model's architecture
     tiny_hidden_size: int = 64  # embedded model width
     tiny_layers: int = 2  # embedded model depth
+    # Standard deviation of the embedded model's random initial weights (transformers'
+    # initializer_range, 0.02 by default). At 0.1, about 1/sqrt(width), the embedded run starts
+    # learning after 10-25 steps; at 0.02 its output ignored the prompt for 20-60 steps.
+    tiny_init_std: float = 0.1
     # Supervised warm-up of the embedded model before step 0 on *random* answers: it learns the
     # output format (digits, then EOS), never which answer is right. 0 disables it.
-    format_warmup_steps: int = 60
+    format_warmup_steps: int = 30
     format_warmup_lr: float = 3e-3  # learning rate of the format warm-up
     # LoRA rank (PEFT, `pip install grpo-kernels[lora]`); 0 = train every weight. With r > 0
     # only the adapters train; the reference policy (beta > 0) is the model without them.
@@ -62,10 +66,16 @@ class TrainConfig:
     prompt_column: str = "question"  # text prompt, or a list of chat messages
     answer_column: str = "answer"  # ground truth ("" = none); GSM8K "... #### 42" -> "42"
     system_prompt: str | None = None  # prepended as a system message when the template has one
-    eval_size: int = 200  # held-out prompts (embedded task: problems never seen in training)
+    # Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out problems
+    # (61, see task_eval_fraction); the first 200 rows of --eval_split; else min(200, 10% of the
+    # dataset's rows) taken out of training (none under 10 rows). A number N: the first N of
+    # those, or N rows taken out of training.
+    eval_size: int | None = None
     max_prompt_length: int | None = None  # keep the last N prompt tokens (none: no limit)
-    task_terms: int = 4  # embedded task: sums of this many digits ("3+0+2+1")
-    task_max_operand: int = 3  # embedded task: each digit is in [0, this]
+    # Embedded task: sums of this many digits ("2+0+1+2+1"). Five digits 0-2 give 243 problems
+    # whose sums 0-10 are all single digits but 10, so every answer is common enough to learn.
+    task_terms: int = 5
+    task_max_operand: int = 2  # embedded task: each digit is in [0, this]
     task_eval_fraction: float = 0.25  # embedded task: share of the problems held out for eval
 
     # ---- rewards -----------------------------------------------------------------------------
@@ -86,10 +96,10 @@ class TrainConfig:
 
     # ---- loss: TRL's names and defaults unless noted -------------------------------------------
     loss: str = "fused"  # "fused" (hidden states, no logits) | "reference" (materialized logits)
-    loss_type: str = "dapo"  # how token losses are normalized (see README "Semantics")
+    loss_type: str = "dapo"  # how token losses are normalized (see docs/semantics.md)
     # KL weight; > 0 loads a frozen reference model, 0 loads none. The embedded run needs it:
     # anchored to the warm-up policy, the tiny model keeps exploring instead of collapsing onto
-    # the most frequent answer.
+    # the most frequent answer (0.3 learned faster and more reliably than 0.1 there).
     beta: float | None = None
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
     epsilon_high: float | None = None  # upper clip (none = epsilon)
@@ -103,11 +113,11 @@ class TrainConfig:
     backend: str = "auto"  # fused-loss kernels: auto = Triton on CUDA; torch = chunked PyTorch
     # Gradient filtering in the Triton backward: none = exact; "auto" (2^-12 in bf16) or a number
     # skips vocabulary tiles whose d logits are all below it (approximate, faster on peaked
-    # softmaxes; see README "Gradient filtering").
+    # softmaxes; see docs/internals.md, "Gradient filtering").
     grad_filter: str | None = None
 
     # ---- optimization ------------------------------------------------------------------------
-    steps: int = 200  # generation steps (each does num_iterations optimizer steps)
+    steps: int | None = None  # generation steps (each does num_iterations optimizer steps)
     learning_rate: float | None = None  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta1
@@ -145,18 +155,26 @@ class TrainConfig:
     # replicating them (DDP); launch with accelerate launch / torchrun as for DDP
     fsdp: bool = False
     device: str = "auto"  # auto = cuda when available
-    num_threads: int = 0  # torch CPU threads (0 = torch's default)
+    # torch CPU threads; 0 = torch's default (one per core). The embedded model is too small
+    # to gain from more: on a 2-core CPU with other processes busy, two threads ran it 3-5x
+    # slower than one.
+    num_threads: int | None = None
 
 
 # (embedded tiny run, pretrained --model) values of the "auto" (None) fields.
 AUTO = {
+    "steps": (75, 200),
     "num_prompts": (64, 16),
-    "max_new_tokens": (4, 256),
-    "beta": (0.1, 0.0),
+    "max_new_tokens": (3, 256),
+    "beta": (0.3, 0.0),
     "num_iterations": (4, 1),
     "learning_rate": (1e-3, 1e-6),
     "micro_batch_size": (0, 8),
+    "num_threads": (1, 0),
 }
+
+# Fields whose "auto" (None) is resolved later, from the data: their --help default.
+RESOLVED_LATER = {"eval_size": "auto"}
 
 CHOICES = {
     "tiny_arch": ("qwen2", "llama"),
@@ -191,6 +209,7 @@ _LOWER_BOUNDS = [
     ("top_k", 0, False), ("lr_warmup_steps", 0, False), ("max_grad_norm", 0, False),
     ("learning_rate", 0, False), ("weight_decay", 0, False), ("temperature", 0, True),
     ("top_p", 0, True), ("max_prompt_length", 1, False), ("lora_r", 0, False),
+    ("tiny_init_std", 0, True),
 ]
 
 

@@ -162,26 +162,33 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
     return examples
 
 
+DEFAULT_EVAL_ROWS = 200  # --eval_size auto with a dataset: at most this many held-out rows
+
+
 def load_examples(cfg) -> tuple[list[dict], list[dict]]:
     """(train, held_out) examples for the configuration: the embedded task or a dataset."""
-    if not cfg.dataset:
-        return arithmetic_task(cfg.task_max_operand, cfg.task_eval_fraction, cfg.seed,
-                               cfg.task_terms)
+    if not cfg.dataset:  # held-out problems stay out of training whatever --eval_size says
+        train, held_out = arithmetic_task(cfg.task_max_operand, cfg.task_eval_fraction, cfg.seed,
+                                          cfg.task_terms)
+        return train, held_out if cfg.eval_size is None else held_out[: cfg.eval_size]
     rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.split)
     train = to_examples(rows, cfg.prompt_column, cfg.answer_column, f"--dataset {cfg.dataset!r}")
     if cfg.eval_split:
         eval_rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.eval_split)
         held_out = to_examples(eval_rows, cfg.prompt_column, cfg.answer_column,
                                f"--dataset {cfg.dataset!r} split {cfg.eval_split!r}")
-        return train, held_out[: cfg.eval_size] if cfg.eval_size else held_out
-    if cfg.eval_size <= 0:
+        return train, held_out[: DEFAULT_EVAL_ROWS if cfg.eval_size is None else cfg.eval_size]
+    eval_size = cfg.eval_size
+    if eval_size is None:  # auto: a tenth of the rows, at most DEFAULT_EVAL_ROWS
+        eval_size = min(DEFAULT_EVAL_ROWS, len(train) // 10)
+    if eval_size <= 0:
         return train, []
-    if cfg.eval_size >= len(train):
-        raise UsageError(f"--eval_size {cfg.eval_size} leaves no training rows out of "
+    if eval_size >= len(train):
+        raise UsageError(f"--eval_size {eval_size} leaves no training rows out of "
                          f"{len(train)}; lower it or pass --eval_split")
     order = list(range(len(train)))
     random.Random(cfg.seed).shuffle(order)
-    held = set(order[: cfg.eval_size])
+    held = set(order[:eval_size])
     return ([ex for i, ex in enumerate(train) if i not in held],
             [ex for i, ex in enumerate(train) if i in held])
 

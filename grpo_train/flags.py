@@ -56,6 +56,19 @@ class BoolFlag(argparse.Action):
         setattr(namespace, self.dest, low in ("1", "true", "yes", "on"))
 
 
+class VersionAction(argparse.Action):
+    """`--version`: print `PROG VERSION` and exit 0; `version` is called only then (it may
+    import something heavy)."""
+
+    def __init__(self, option_strings, dest, version: Callable[[], str], **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.version = version
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {self.version()}", flush=True)
+        parser.exit(0)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """argparse's layout at 100 columns; booleans as `--flag/--no_flag`."""
 

@@ -117,7 +117,8 @@ def build_embedded(cfg):
 
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, arch=cfg.tiny_arch, hidden_size=cfg.tiny_hidden_size,
-                             num_layers=cfg.tiny_layers, seed=cfg.seed)
+                             num_layers=cfg.tiny_layers, seed=cfg.seed,
+                             initializer_range=cfg.tiny_init_std)
     return model.to(DTYPES[cfg.model_dtype]), prepare_tokenizer(tokenizer, model)
 
 

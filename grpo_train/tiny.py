@@ -63,8 +63,10 @@ def build_tiny_model(
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    initializer_range: float = 0.02,
 ):
-    """A randomly initialised Qwen2 or Llama causal LM sized for a CPU, matched to `tokenizer`."""
+    """A randomly initialised Qwen2 or Llama causal LM sized for a CPU, matched to `tokenizer`;
+    `initializer_range` is the weights' standard deviation (transformers' default 0.02)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
@@ -83,6 +85,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        initializer_range=initializer_range,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -150,7 +150,45 @@ def test_output_dir_is_never_overwritten_silently(tmp_path):
     assert "holds a previous run's files but no checkpoint" in line
 
 
-# ---- grpo-train: --help ------------------------------------------------------------------------
+def test_resume_of_a_complete_run_changes_nothing(tmp_path):
+    """--resume auto after the last step: one line saying the run is complete (and its held-out
+    accuracy), exit 0; no model is loaded and no file in OUTPUT_DIR is rewritten."""
+    out = tmp_path / "run"
+    args = [*TINY_RUN, "--output_dir", str(out), "--save_every", "1", "--steps", "2",
+            "--eval_every", "1"]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    def snapshot():
+        return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
+
+    before = snapshot()
+    assert "checkpoints/step_000002.pt" in before and "metrics.jsonl" in before
+    time.sleep(0.05)  # a rewrite would show in the nanosecond mtimes
+    again = run([*args, "--resume", "auto"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = again.stdout.strip().splitlines()
+    assert lines[0].startswith("the run is complete: checkpoint ") and "at step 2" in lines[0]
+    assert lines[1].startswith("held-out accuracy: step 0 ") and len(lines) == 2, lines
+    assert "resumed from" not in again.stdout and "format warm-up" not in again.stdout
+    assert snapshot() == before
+    # a larger --steps continues the same run
+    more = run([*TINY_RUN, "--output_dir", str(out), "--save_every", "1", "--steps", "3",
+                "--resume", "auto"])
+    assert more.returncode == 0 and "resumed from" in more.stdout, more.stderr[-3000:]
+    assert (out / "checkpoints" / "step_000003.pt").exists()
+
+
+# ---- grpo-train: --help and --version ------------------------------------------------------------
+
+
+def test_version_prints_the_package_version():
+    import grpo_kernels
+
+    proc = run(["--version"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"grpo-train {grpo_kernels.__version__}\n"
+    assert "--version" in run(["--help"]).stdout
 
 
 def test_help_documents_every_flag_by_topic():
@@ -165,6 +203,11 @@ def test_help_documents_every_flag_by_topic():
     assert "(default: 64 for the embedded run, 16 with --model)" in " ".join(text.split())
     assert "--bf16/--no_bf16" in text and "--progress/--no_progress" in text
     assert "(default: None)" not in text and "[BF16]" not in text
+    # defaults as they behave; documentation cited by file, not by README section
+    flat = " ".join(text.split())
+    assert "--eval_size N|auto" in text and "(default: auto)" in flat
+    assert "(default: 1 for the embedded run, 0 with --model)" in flat  # --num_threads
+    assert "docs/semantics.md" in flat and "docs/internals.md" in flat and "README" not in flat
     from grpo_train.config import TrainConfig
 
     for name in TrainConfig.__dataclass_fields__:

@@ -257,9 +257,11 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, argv, match):
 
 @pytest.mark.slow
 def test_embedded_default_learns(tmp_path):
-    """The default configuration, cut to its first 50 steps, already shows learning: held-out
-    accuracy (greedy, problems never trained on) rises well above its step-0 value."""
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), steps=50, eval_every=50, save_every=0,
-                      progress=False, plot=False, save_final_model=False, backend="torch")
+    """The default configuration (75 steps, about a minute and a half on 2 cores) ends at held-out
+    accuracy >= 0.9 (greedy, 61 problems never trained on) from about chance at step 0. Seeds 0-5
+    ended at 0.967-1.0 on an AMD EPYC, so this has a margin for other CPUs' rounding."""
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), save_every=0, progress=False, plot=False,
+                      save_final_model=False, backend="torch")
     history = train(cfg)["eval_accuracy"]
-    assert history[50] >= history[0] + 0.3, history
+    assert sorted(history) == [0, 25, 50, 75], history
+    assert history[0] <= 0.25 and history[75] >= 0.9, history

@@ -142,6 +142,38 @@ def test_held_out_rows_come_out_of_training(tmp_path):
     assert not {e["prompt"] for e in train} & {e["prompt"] for e in held_out}
 
 
+def test_eval_size_auto_follows_the_data(tmp_path):
+    """--eval_size auto: the embedded task's held-out problems; 10% of a dataset's rows, at most
+    200, none below 10 rows; the first 200 rows of an --eval_split. A number caps or holds out."""
+    assert parse_config([]).eval_size is None and parse_config(["--eval_size", "auto"]) == \
+        parse_config([])
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("eval_size: auto\n")
+    assert parse_config(["--config", str(yaml_file)]).eval_size is None
+    train, held_out = load_examples(TrainConfig())
+    assert (len(train), len(held_out)) == (182, 61)  # 3^5 problems, a quarter held out
+    capped_train, capped = load_examples(TrainConfig(eval_size=10))
+    assert capped == held_out[:10] and capped_train == train  # never trained on either way
+    assert load_examples(TrainConfig(eval_size=0))[1] == []
+
+    def rows(n, name):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"q": f"p{i}", "a": str(i)}) + "\n" for i in range(n)))
+        return str(path)
+
+    for n, held in [(5, 0), (20, 2), (2500, 200)]:
+        cfg = TrainConfig(dataset=rows(n, f"d{n}.jsonl"), prompt_column="q", answer_column="a")
+        train, held_out = load_examples(cfg)
+        assert (len(train), len(held_out)) == (n - held, held), n
+    # an --eval_split (a local file's rows are its every split): the first 200 rows, or N
+    path = rows(300, "d300.jsonl")
+    for eval_size, held in [(None, 200), (7, 7), (0, 0)]:
+        cfg = TrainConfig(dataset=path, eval_split="test", prompt_column="q", answer_column="a",
+                          eval_size=eval_size)
+        train, held_out = load_examples(cfg)
+        assert (len(train), len(held_out)) == (300, held), eval_size
+
+
 def test_sampler_resumes_exactly():
     a = PromptSampler(7, seed=3)
     first = a.next(5)
