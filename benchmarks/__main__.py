@@ -6,9 +6,11 @@ Examples:
     python -m benchmarks --plot bench.png --markdown  # also draw the figure, print Markdown
 
 Rows go to <out>/<device>.csv (one file per device, appended; see runner.COLUMNS); <out> is
-the current directory unless --out says otherwise. Flags are written with underscores
-(--time_budget); the hyphenated spelling (--time-budget) is accepted too. A bad argument or input
-is one line "python -m benchmarks: error: ..." and exit status 2 (--debug: the traceback).
+results/ under the current directory (created if missing) unless --out says otherwise, so a run
+never writes into the directory it is started from, such as the repository root. Flags are
+written with underscores (--time_budget); the hyphenated spelling (--time-budget) is accepted
+too. A bad argument or input is one line "python -m benchmarks: error: ..." and exit status 2
+(--debug: the traceback).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from .runner import CsvLog, base_row, new_run_id, read_csv, sweep
 CUDA_FULL = dict(heads="qwen0.5b,qwen7b,llama8b", tokens="4096,16384,65536", modes=",".join(MODES))
 CUDA_QUICK = dict(heads="qwen0.5b,llama8b", tokens="16384", modes="fwd+bwd")
 CPU_QUICK = dict(heads="tiny,small", tokens="256,1024", modes=",".join(MODES))
+# Default dtype per device. On CPU the chunked path computes in float32 whatever the input dtype
+# (bf16 operands are upcast a tile at a time), while the eager reference given bf16 inputs runs
+# bf16 GEMMs and rounds the logits to bf16: a different, less precise computation, so float32 is
+# the like-for-like default there. --dtype bfloat16 measures the bf16 case.
+DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
 
 
 def _csv_list(s: str) -> list[str]:
@@ -45,14 +52,18 @@ def parse_args(argv):
     ap.add_argument("--modes", default=None, help="forward,backward,fwd+bwd")
     ap.add_argument("--heads", default=None, help=",".join(HEADS))
     ap.add_argument("--tokens", default=None, help="N = B·T values, e.g. 4096,16384,65536")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="default: bfloat16 on CUDA, float32 on CPU (where the chunked path "
+                         "computes in float32 and the eager reference in bf16 would round its "
+                         "logits to bf16)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--quick", action="store_true",
                     help="CUDA: target shapes (N=16384, qwen0.5b+llama8b, fwd+bwd); "
                          "CPU: small shapes (the default there)")
-    ap.add_argument("--out", default=".", metavar="DIR",
-                    help="results directory (default: the current directory; the committed "
-                         "results were written with --out benchmarks/results)")
+    ap.add_argument("--out", default="results", metavar="DIR",
+                    help="results directory, created if missing (default: results/ under the "
+                         "current directory; the committed results were written with --out "
+                         "benchmarks/results)")
     ap.add_argument("--csv", default=None, help="CSV path (default: <out>/<device>.csv)")
     ap.add_argument("--no_csv", action="store_true", help="print only")
     ap.add_argument("--plot", default=None, help="write the comparison PNG here")
@@ -182,7 +193,7 @@ def _main(argv: list[str]) -> int:
         bad = [x for x in given if x not in allowed]
         if bad:
             raise UsageError(f"--{name}s: unknown {name}(s) {bad}; choose from {list(allowed)}")
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype or DEFAULT_DTYPE[device.type])
     if args.from_csv:
         return show_csv(args, heads if args.heads else None,
                         tokens if args.tokens else None, modes)

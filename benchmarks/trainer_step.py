@@ -26,7 +26,8 @@ the rest of `_generate_and_score_completions`, loss = `training_step` after it, 
 `on_pre_optimizer_step` to `on_step_end` (TRL clips gradients just before, outside the phases).
 Reported: medians over the --steps timed steps of time, highest peak and rise; also the process'
 lifetime peak (CPU: peak RSS, dominated by the first step's AdamW allocation). One row appended to
-benchmarks/results/<device>-trainer.csv with the device, versions, commit and command.
+<out>/<device>-trainer.csv (default: results/ under the current directory, created if missing)
+with the device, versions, commit and command.
 """
 
 from __future__ import annotations
@@ -275,10 +276,11 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                         help="grpo_train's fused-loss backend (auto: Triton on CUDA)")
-    parser.add_argument("--out", "--results", dest="out", default=".", metavar="DIR",
-                        help="the CSV <device>-trainer.csv is appended in this directory "
-                             "(default: the current directory; the committed rows were written "
-                             "with --out benchmarks/results)")
+    parser.add_argument("--out", "--results", dest="out", default="results", metavar="DIR",
+                        help="the CSV <device>-trainer.csv is appended in this directory, "
+                             "created if missing (default: results/ under the current "
+                             "directory; the committed rows were written with --out "
+                             "benchmarks/results)")
     parser.add_argument("--no_record", action="store_true", help="print only, write no CSV")
     parser.add_argument("--max_rss_gib", type=float, default=None,
                         help="CPU: stop the run when the process' RSS passes this (a shared "

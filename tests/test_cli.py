@@ -250,20 +250,24 @@ def test_benchmark_clis_share_the_conventions(tmp_path):
         assert proc.returncode == 0 and "| fused_linear | ours |" in proc.stdout, proc.stderr
 
 
-def test_benchmark_results_go_to_the_current_directory(tmp_path):
-    """No --out: the CSVs land in the working directory, not in the package's results/."""
+def test_benchmark_results_go_to_a_results_directory(tmp_path):
+    """No --out: the CSVs land in results/ under the working directory (created), never in the
+    working directory itself (the repository root, when run from there) nor in the package's
+    results/."""
     before = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
     sweep = run(["--heads", "tiny", "--tokens", "64", "--kernels", "fused_linear",
                  "--providers", "reference", "--modes", "forward", "--no_ceilings",
                  "--cpu_budget", "0", "--device", "cpu", "--threads", "1"],
                 cwd=tmp_path, module="benchmarks")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
-    csvs = [p.name for p in tmp_path.glob("*.csv")]
+    out = tmp_path / "results"
+    csvs = [p.name for p in out.glob("*.csv")]
     assert len(csvs) == 1 and csvs[0].startswith("cpu-"), csvs
     step = run(["--provider", "fused", "--tiny", "--steps", "1", "--backend", "torch",
                 "--device", "cpu"], cwd=tmp_path, module="benchmarks.trainer_step")
     assert step.returncode == 0, step.stderr[-3000:]
-    assert [p.name for p in tmp_path.glob("*-trainer.csv")] == [csvs[0][:-4] + "-trainer.csv"]
+    assert [p.name for p in out.glob("*-trainer.csv")] == [csvs[0][:-4] + "-trainer.csv"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
     assert sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir()) == before
 
 

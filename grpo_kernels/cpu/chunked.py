@@ -14,11 +14,18 @@ and each weight tile is read from memory once per pass:
   are dropped before the tiles, and the target's one-hot term is added outside them.
 Logits always accumulate in float32 (float64 for float64 inputs), whatever the input dtype: half
 operands are upcast a tile at a time (and hidden once, [N, D]), never the whole [V, D] weight.
+Scratch buffers are allocated once per call, not per tile, and sized to the problem (a logits
+tile never has more elements than N·V); nothing is zero-filled that a GEMM or a copy overwrites.
+Each op over a whole tile is a parallel region, and on a shared CPU each region can wait for a
+core, so the passes over a tile are kept few, and small per-token work uses ops that stay on the
+calling thread (index_select, not advanced indexing, which forks threads at any size).
 A float32 weight with bf16/fp16 hidden (mixed head precision) gives the fp32 head's logits of the
 hidden states as given; each gradient comes back in its input's dtype.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -104,6 +111,23 @@ def _logits_tile(h, w, b, out):
     return torch.addmm(b, h, w.T, out=out)
 
 
+def _weight_tile(weight, v0, cols, dtype, buf):
+    """weight[v0:v0 + cols] in the compute dtype: a view when it already is, else copied into
+    `buf` (one buffer reused by every vocabulary tile of the call)."""
+    w = weight[v0:v0 + cols]
+    if w.dtype == dtype:
+        return w
+    return buf[:w.numel()].view(w.shape).copy_(w)
+
+
+def _tile_buffer(weight, dtype, cols):
+    """The buffer `_weight_tile` copies half weights into (None when no copy is needed)."""
+    if weight.dtype == dtype:
+        return None
+    return torch.empty(min(cols, weight.shape[0]) * weight.shape[1], dtype=dtype,
+                       device=weight.device)
+
+
 def _in_tile(targets, v0, c):
     """Column of each token's target in the tile [v0, v0 + c) (clamped), and whether it is there:
     [r] each. Lets one small gather/scatter per tile touch the target column."""
@@ -126,8 +150,9 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
         b = None if bias is None else bias.to(dtype) * inv_t
         m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
         z_buf, e_buf = (torch.empty(rows * cols, dtype=dtype, device=h.device) for _ in range(2))
+        w_buf = _tile_buffer(weight, dtype, cols)
         for v0 in range(0, V, cols):
-            w = weight[v0:v0 + cols].to(dtype)  # [c, D]: a copy only for half weights
+            w = _weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
             bt = None if b is None else b[v0:v0 + cols]
             c = w.shape[0]
             col, inside = _in_tile(targets, v0, c)
@@ -141,14 +166,19 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     return out
 
 
-def _dz_tile(z, scratch, lse, ent, g, gh):
-    """z [r, c] (scaled logits; overwritten) -> d z without the one-hot term, for
-    Σ g·logp + Σ gh·H:  -p·(g + gh·(log p + H)); lse, ent, g, gh [r]."""
-    z.sub_(lse[:, None])  # log p
+def _neg_dz_tile(logp, scratch, ent, g, gh):
+    """logp [r, c] (log p of the tile; overwritten) -> -d z without the one-hot term, for
+    Σ g·logp + Σ gh·H:  p·(g + gh·(log p + H)); ent, g, gh [r, 1] (gh may be None)."""
     if gh is None:
-        return z.exp_().mul_(-g[:, None])
-    p = torch.exp(z, out=scratch)
-    return z.add_(ent[:, None]).mul_(gh[:, None]).add_(g[:, None]).mul_(p).neg_()
+        return logp.exp_().mul_(g)
+    p = torch.exp(logp, out=scratch)
+    return torch.addcmul(g, gh, logp.add_(ent), out=logp).mul_(p)
+
+
+def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
+    """acc = alpha·(a @ b) when `first` (acc's old values are ignored, so it need not be
+    zeroed), else acc += alpha·(a @ b)."""
+    torch.addmm(acc, a, b, beta=0.0 if first else 1.0, alpha=alpha, out=acc)
 
 
 def _active_rows(g, gh):
@@ -169,28 +199,31 @@ def linear_logprob_backward(
     backward; here every tile is one dense matmul either way."""
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
-    dh = torch.zeros_like(hidden) if want_dh else None
-    dw = torch.zeros_like(weight) if want_dw else None
-    db = torch.zeros_like(bias) if want_db else None
     idx = _active_rows(g_logp, g_ent)
-    if (idx is not None and idx.numel() == 0) or not (want_dh or want_dw or want_db):
-        return dh, dw, db  # masked tokens only: no work
+    V = weight.shape[0]
+    if (idx is not None and idx.numel() == 0) or V == 0 or not (want_dh or want_dw or want_db):
+        # masked tokens only: no work
+        return tuple(torch.zeros_like(x) if want else None
+                     for x, want in ((hidden, want_dh), (weight, want_dw), (bias, want_db)))
     dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
 
     def pick(x):  # [N, ...] -> the active tokens' rows, in the compute dtype
         if x is None:
             return None
-        return (x if idx is None else x[idx]).to(dtype if x.is_floating_point() else x.dtype)
+        x = x if idx is None else x.index_select(0, idx)  # advanced indexing would fork threads
+        return x.to(dtype) if x.is_floating_point() else x
 
     with torch.no_grad():
         h = _scaled_hidden(pick(hidden), dtype, inv_t)  # [Na, D]
         tg, g, gh, lse_a, ent_a = (pick(x) for x in (targets, g_logp, g_ent, lse, ent))
         b = None if bias is None else bias.to(dtype) * inv_t
-        Na, V = h.shape[0], weight.shape[0]
-        # Without bias and entropy gradient, d z = -sign(g)·exp(z - lse + log|g|) (+ the one-hot
-        # term): the per-token constants ride in the GEMM's input and -sign(g) moves onto hidden
-        # (for d W) and onto d hidden at the end, so a tile is one addmm, one exp_, one small
-        # scatter and the two gradient GEMMs, in one buffer.
+        Na, D = h.shape
+        # Each tile is turned into x with d z = σ·x per token. Fast (no bias, no entropy
+        # gradient): x = exp(z - lse + log|g|) - |g|·onehot and σ = -sign(g); the per-token
+        # constants ride in the GEMM's input, so a tile is one addmm, one exp_, one small scatter
+        # and the two gradient GEMMs, in one buffer; σ goes onto hidden (for d W) and onto d
+        # hidden at the end. General: x = p·(g + g_H·(log p + H)) - g·onehot and σ = -1, which
+        # goes into the GEMMs' alpha.
         fast = b is None and gh is None
         rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
         if fast:
@@ -198,16 +231,29 @@ def linear_logprob_backward(
             neg_sign = -g.sign()
             h_dw = h * neg_sign[:, None] if want_dw else None
             one_hot = -g.abs()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
+            alpha_dh, alpha_dw, dh_scale = 1.0, 1.0, (neg_sign * inv_t)[:, None]
         else:
-            h_dw, one_hot = h, g
-        # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]
-        direct_dh = want_dh and idx is None and dh.dtype == dtype
-        dh_acc = dh if direct_dh else (torch.zeros_like(h) if want_dh else None)
+            neg_lse = None if b is not None else (-lse_a)[:, None]  # log p straight from addmm
+            cols_of = lambda x: None if x is None else x[:, None]  # noqa: E731
+            g_c, gh_c, ent_c = cols_of(g), cols_of(gh), cols_of(ent_a)
+            h_dw, one_hot = h, -g
+            alpha_dh, alpha_dw, dh_scale = -inv_t, -1.0, None
+        # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]; the first
+        # vocabulary tile writes it, so nothing is zeroed
+        direct_dh = want_dh and idx is None and hidden.dtype == dtype
+        dh_acc = None
+        if want_dh:
+            dh_acc = torch.empty_like(hidden) if direct_dh else torch.empty_like(h)
+        dw = torch.empty_like(weight) if want_dw else None  # every vocabulary tile is written
+        dw_buf = None
+        if want_dw and weight.dtype != dtype:  # [c, D] of d W in the compute dtype
+            dw_buf = torch.empty(min(cols, V) * D, dtype=dtype, device=h.device)
         db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
         z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
         e_buf = None if gh is None else torch.empty_like(z_buf)  # p, for the entropy term
+        w_buf = _tile_buffer(weight, dtype, cols)
         for v0 in range(0, V, cols):
-            w = weight[v0:v0 + cols].to(dtype)  # [c, D]
+            w = _weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
             c = w.shape[0]
             bt = None if b is None else b[v0:v0 + c]
             col, inside = _in_tile(tg, v0, c)
@@ -215,34 +261,40 @@ def linear_logprob_backward(
             # d W of this tile accumulates over token blocks, then is written once
             dw_tile = None
             if want_dw:
-                dw_tile = dw[v0:v0 + c] if dw.dtype == dtype else torch.zeros_like(w)
+                dw_tile = dw[v0:v0 + c] if dw.dtype == dtype else _view(dw_buf, c, D)
             for r0 in range(0, Na, rows):
                 sl = slice(r0, min(r0 + rows, Na))
                 r = sl.stop - r0
                 z = _view(z_buf, r, c)
                 if fast:
-                    dz = torch.addmm(row_shift[sl], h[sl], w.T, out=z).exp_()
+                    x = torch.addmm(row_shift[sl], h[sl], w.T, out=z).exp_()
                 else:
-                    dz = _dz_tile(_logits_tile(h[sl], w, bt, z), _view(e_buf, r, c),
-                                  lse_a[sl], ent_a[sl], g[sl], None if gh is None else gh[sl])
-                dz.scatter_add_(1, col[sl], target_term[sl])
+                    if bt is None:
+                        x = torch.addmm(neg_lse[sl], h[sl], w.T, out=z)
+                    else:
+                        x = torch.addmm(bt, h[sl], w.T, out=z).sub_(lse_a[sl, None])
+                    x = _neg_dz_tile(x, _view(e_buf, r, c), None if gh is None else ent_c[sl],
+                                     g_c[sl], None if gh is None else gh_c[sl])
+                x.scatter_add_(1, col[sl], target_term[sl])
                 if dh_acc is not None:
-                    dh_acc[sl].addmm_(dz, w)
+                    _gemm_into(dh_acc[sl], x, w, first=v0 == 0, alpha=alpha_dh)
                 if dw_tile is not None:
-                    dw_tile.addmm_(dz.T, h_dw[sl])
+                    _gemm_into(dw_tile, x.T, h_dw[sl], first=r0 == 0, alpha=alpha_dw)
                 if db_acc is not None:
-                    db_acc[v0:v0 + c] += dz.sum(dim=0)
+                    db_acc[v0:v0 + c] += x.sum(dim=0)
             if dw_tile is not None and dw_tile.dtype != dw.dtype:
-                dw[v0:v0 + c] = dw_tile
+                dw[v0:v0 + c].copy_(dw_tile)
+        dh = None
         if dh_acc is not None:
-            dh_acc.mul_((neg_sign * inv_t)[:, None] if fast else inv_t)  # z = (h W^T + b) / τ
-            if not direct_dh:
-                if idx is None:
-                    dh.copy_(dh_acc)
-                else:
-                    dh.index_copy_(0, idx, dh_acc.to(dh.dtype))
-        if db_acc is not None:
-            db.copy_(db_acc.mul_(inv_t))
+            if dh_scale is not None:  # z = (h W^T + b) / τ, and the sign of the fast path
+                dh_acc.mul_(dh_scale)
+            if direct_dh:
+                dh = dh_acc
+            elif idx is None:
+                dh = dh_acc.to(hidden.dtype)
+            else:
+                dh = torch.zeros_like(hidden).index_copy_(0, idx, dh_acc.to(hidden.dtype))
+        db = None if db_acc is None else db_acc.mul_(-inv_t).to(bias.dtype)
     return dh, dw, db
 
 
@@ -260,10 +312,14 @@ def _row_blocks(B: int, T: int, C: int):
                 yield slice(b, b + 1), slice(t, t + C), b * T + t
 
 
-def _scaled_block(x, buf, inv_t):
-    """x [n, V] (any float dtype, maybe strided) -> buf [n, V] = x / τ in the compute dtype."""
-    buf.copy_(x)
-    return buf if inv_t == 1.0 else buf.mul_(inv_t)
+def _block(x, buf, lead):
+    """buf (flat) viewed as x's leading shape `lead` + x's last dimension."""
+    return buf[:x.shape[-1] * lead[0] * lead[1]].view(*lead, x.shape[-1])
+
+
+def _per_token(v, lead):
+    """[b·t] -> [b, t, 1], to broadcast over a block's vocabulary."""
+    return v.view(*lead, 1)
 
 
 def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
@@ -276,13 +332,21 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
         z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
                         for _ in range(2))
         for bs, ts, i in _row_blocks(B, T, C):
-            x = logits[bs, ts].reshape(-1, V)
-            n = x.shape[0]
-            z = _scaled_block(x, z_buf[:n * V].view(n, V), inv_t)
-            picked = z.gather(1, targets[i:i + n, None]).squeeze(1)
-            m, s, t = (torch.empty(n, dtype=dtype, device=z.device) for _ in range(3))
-            _tile_update(z, _view(e_buf, n, V), m, s, t, first=True)
-            _finish_stats(m, s, t, picked, [o[i:i + n] for o in out])
+            x = logits[bs, ts]  # [b, t, V], a view of the input (read in its own dtype)
+            lead = x.shape[:2]
+            n = lead[0] * lead[1]
+            m = x.amax(dim=-1).to(dtype).mul_(inv_t)  # [b, t]: the max of z = x / τ
+            # z - m in the compute dtype: one pass that reads x and writes the buffer
+            z = torch.add(m.neg()[..., None], x, alpha=inv_t, out=_block(x, z_buf, lead))
+            picked = z.gather(-1, targets[i:i + n].view(*lead, 1)).view(n)  # z_target - m
+            e = torch.exp(z, out=_block(x, e_buf, lead))
+            s = e.sum(dim=-1).view(n)
+            t = e.mul_(z).sum(dim=-1).view(n)  # Σ e^(z-m)·(z-m)
+            log_s = s.log()
+            logp, entropy, lse = (o[i:i + n] for o in out)
+            logp.copy_(picked - log_s)  # z_target - lse, with lse = m + log s
+            entropy.copy_(log_s - t / s)
+            lse.copy_(m.view(n) + log_s)
     return out
 
 
@@ -297,15 +361,26 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
         z_buf = torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
         e_buf = None if g_ent is None else torch.empty_like(z_buf)
         for bs, ts, i in _row_blocks(B, T, C):
-            x, dx = logits[bs, ts].reshape(-1, V), dx3[bs, ts]
-            n = x.shape[0]
+            x, dx = logits[bs, ts], dx3[bs, ts]  # [b, t, V] views
+            lead = x.shape[:2]
+            n = lead[0] * lead[1]
             g, gh = g_logp[i:i + n].to(dtype), None if g_ent is None else g_ent[i:i + n]
             if not (bool(g.any()) or (gh is not None and bool(gh.any()))):
                 dx.zero_()
                 continue
-            z = _scaled_block(x, z_buf[:n * V].view(n, V), inv_t)
-            dz = _dz_tile(z, _view(e_buf, n, V), lse[i:i + n].to(dtype),
-                          ent[i:i + n].to(dtype), g, None if gh is None else gh.to(dtype))
-            dz.scatter_add_(1, targets[i:i + n, None], g[:, None])
-            dx.copy_(dz.mul_(inv_t).view(dx.shape))
+            per_token = functools.partial(_per_token, lead=lead)
+            z = _block(x, z_buf, lead)
+            lse_i = lse[i:i + n].to(dtype)
+            if gh is None:
+                # d x = -g/τ · (p - onehot): one pass from x to the tile (p = exp(x/τ - lse)),
+                # one exp_, one small scatter, one pass from the tile into d x
+                torch.add(per_token(-lse_i), x, alpha=inv_t, out=z).exp_()
+                z.scatter_add_(-1, per_token(targets[i:i + n]), z.new_full((*lead, 1), -1.0))
+                torch.mul(z, per_token(g * -inv_t), out=dx)
+            else:
+                torch.add(per_token(-lse_i), x, alpha=inv_t, out=z)  # log p
+                _neg_dz_tile(z, _block(x, e_buf, lead), per_token(ent[i:i + n].to(dtype)),
+                             per_token(g), per_token(gh.to(dtype)))
+                z.scatter_add_(-1, per_token(targets[i:i + n]), per_token(-g))  # -d z
+                torch.mul(z, -inv_t, out=dx)
     return dx3
