@@ -84,7 +84,8 @@ def parse_args(argv):
                     help="measure nothing: print the table (and --plot) of the latest rows of "
                          "this CSV that match the selection (--kernels/--providers/--modes/...)")
     ap.add_argument("--cpu_budget", type=float, default=2.0,
-                    help="CPU: seconds of timed calls per measurement (3 to 15 calls)")
+                    help="CPU: seconds of timed calls per mode for the slowest provider of a "
+                         "shape; the providers of a shape are called in turns, 3 to 15 rounds")
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     return ap.parse_args(argv)
 

@@ -4,7 +4,9 @@ CUDA: `triton.testing.do_bench` (L2 flushed between calls, CUDA events), quantil
 peak memory from the caching allocator's statistics around ONE separate call (do_bench itself
 allocates a cache-flush buffer, so memory is never read during timing).
 CPU: `time.perf_counter` around each call, the same quantiles; peak memory from a dispatch-mode
-tracker of live tensor storages (an estimate: scratch inside a single aten op is not seen).
+tracker of live tensor storages (an estimate: scratch inside a single aten op is not seen). The
+providers of one shape are timed in turns (`time_cpu_interleaved`), so that the load of other
+processes on a shared machine, which changes within seconds, falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -76,6 +78,49 @@ def time_cpu(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = ()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return _quantiles(samples)
+
+
+def time_cpu_interleaved(calls: dict, min_reps: int = 3, max_reps: int = 15,
+                         budget_s: float = 2.0) -> dict:
+    """calls: {key: (fn, tensors whose .grad is reset before each call)} -> {key: Timing}, or
+    the exception (traceback dropped) for a call that raised; it leaves the turns.
+
+    One warm-up call each, then rounds of one call each (A, B, C, A, B, C, ...): as many rounds
+    as fit budget_s for the slowest call (min_reps to max_reps); median per call."""
+    out, first = {}, {}
+
+    def call(key):
+        fn, grads = calls[key]
+        _reset(grads)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def failed(key, exc):
+        out[key] = exc.with_traceback(None)  # no frames (and their tensors) kept alive
+
+    for key in calls:
+        try:
+            first[key] = call(key)
+        except Exception as exc:  # noqa: BLE001 - returned to the caller
+            failed(key, exc)
+    live = [k for k in calls if k in first]
+    if not live:
+        return out
+    slowest = max(first[k] for k in live)
+    reps = int(min(max_reps, max(min_reps, budget_s // max(slowest, 1e-6))))
+    samples: dict = {k: [] for k in live}
+    for _ in range(reps):
+        for key in list(live):
+            try:
+                samples[key].append(call(key) * 1e3)
+            except Exception as exc:  # noqa: BLE001
+                failed(key, exc)
+                live.remove(key)
+    for key in live:
+        _reset(calls[key][1])
+        out[key] = _quantiles(samples[key])
+    return out
 
 
 def time_call(fn, device: torch.device, grad_to_none=(), **kw) -> Timing:

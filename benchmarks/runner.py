@@ -1,5 +1,10 @@
 """The sweep: shapes × providers × modes -> result rows, appended to a CSV as they are measured.
 
+On CPU the providers of one shape are built together and each mode's calls are timed in turns
+(A, B, A, B, ...; `measure.time_cpu_interleaved`): on a shared machine the load of other
+processes changes within seconds, and timing one provider after the other would compare them
+under different loads. On CUDA each provider is timed on its own (do_bench).
+
 A provider that runs out of memory gives a row with status "OOM" (memory is released and the
 sweep goes on); any other failure gives "error: ..." rather than ending the run. Rows are written
 one at a time so a run cut short (time limit, crash) keeps what it measured.
@@ -18,7 +23,16 @@ import torch
 from grpo_train.flags import UsageError
 
 from . import MODES, Shape, flops, logits_bytes
-from .measure import MiB, is_oom, memory_cpu, memory_cuda, release_memory, time_call
+from .measure import (
+    MiB,
+    Timing,
+    is_oom,
+    memory_cpu,
+    memory_cuda,
+    release_memory,
+    time_call,
+    time_cpu_interleaved,
+)
 from .providers import GRADED, Case, LossConfig, Provider
 
 COLUMNS = [
@@ -104,6 +118,13 @@ def measure_mode(case: Case, provider: Provider, shape: Shape, mode: str, dtype,
     step = case.step(mode)
     grads = case.leaves if mode in GRADED else []
     t = time_call(step, device, grads, **(timing or {}))
+    return _result(case, provider, shape, mode, dtype, device, ceilings, t, step, memory)
+
+
+def _result(case: Case, provider: Provider, shape: Shape, mode: str, dtype, device,
+            ceilings: dict, t: Timing, step, memory: bool) -> dict:
+    """The row fields of a timed mode: times, rates and (one separate call) peak memory."""
+    grads = case.leaves if mode in GRADED else []
     out = dict(status="ok", ms_p50=t.p50, ms_p20=t.p20, ms_p80=t.p80,
                reps=t.reps if t.reps > 0 else None, input_mib=case.input_bytes / MiB)
     if mode in case.rated_modes:
@@ -150,6 +171,55 @@ def run_provider(provider: Provider, shape: Shape, modes: Sequence[str], dtype, 
     release_memory(device)
 
 
+def run_group(providers: Sequence[Provider], shape: Shape, modes: Sequence[str], dtype, device,
+              cfg: LossConfig, ceilings: dict, memory: bool = True,
+              timing: dict | None = None) -> Iterable[tuple[Provider, str, dict]]:
+    """CPU: yields (provider, mode, result) for every provider and mode, mode by mode; the
+    providers' calls of a mode are timed in turns. A provider that fails (building its inputs,
+    or a call) gets its status in its rows; the others go on."""
+    cases = {}
+    for p in providers:
+        try:
+            cases[p.key] = p.build(shape, dtype, device, cfg)
+        except Exception as exc:  # noqa: BLE001 - recorded in the row, the sweep goes on
+            status = "OOM" if is_oom(exc) else _short(exc)
+            del exc
+            release_memory(device)
+            for mode in modes:
+                yield p, mode, dict(status=status, note="while building inputs")
+    live = [p for p in providers if p.key in cases]
+    for mode in modes:
+        steps, results = {}, {}
+        for p in live:
+            try:
+                steps[p.key] = cases[p.key].step(mode)  # "backward": runs the forward here
+            except Exception as exc:  # noqa: BLE001
+                results[p.key] = dict(status="OOM" if is_oom(exc) else _short(exc))
+                del exc
+        grads = {k: cases[k].leaves if mode in GRADED else [] for k in steps}
+        timed = time_cpu_interleaved({k: (steps[k], grads[k]) for k in steps}, **(timing or {}))
+        for p in live:
+            case, t = cases[p.key], timed.get(p.key)
+            res = results.get(p.key)
+            if res is None and isinstance(t, BaseException):
+                res = dict(status="OOM" if is_oom(t) else _short(t))
+            if res is None:
+                try:
+                    res = _result(case, p, shape, mode, dtype, device, ceilings, t,
+                                  steps[p.key], memory)
+                except Exception as exc:  # noqa: BLE001
+                    res = dict(status="OOM" if is_oom(exc) else _short(exc))
+                    del exc
+            res["note"] = "; ".join(x for x in (case.note, res.get("note")) if x)
+            for x in case.leaves:
+                x.grad = None
+            yield p, mode, res
+        del steps, timed
+        release_memory(device)
+    del cases
+    release_memory(device)
+
+
 def sweep(
     providers: Sequence[Provider], shapes: Sequence[Shape], modes: Sequence[str], dtype,
     device: torch.device, cfg: LossConfig, ceilings: dict, env: dict, command: str,
@@ -173,23 +243,37 @@ def sweep(
     reported: set[str] = set()
     compiled = [p for p in providers if p.name.endswith("-compile")]
     eager = [p for p in providers if p not in compiled]
-    order = [(sh, p) for group in (eager, compiled) for sh in shapes for p in group]
-    for shape, p in order:
-        fields = dict(kernel=p.kernel, provider=p.name)
-        reason = p.unavailable(device)
-        if reason is not None:
-            if p.key not in reported:  # one row per provider and run, not per shape
-                reported.add(p.key)
-                emit(base_row(env, command, run_id, mode="-", shape="-",
-                              dtype=str(dtype).split(".")[-1], status=f"n/a: {reason}",
-                              note=p.note, **fields))
+    # CPU: the providers of a shape run together (timed in turns); CUDA: one at a time
+    together = device.type != "cuda"
+    order = [(sh, grp) for group in (eager, compiled) for sh in shapes
+             for grp in ([group] if together else [[p] for p in group])]
+    for shape, group in order:
+        todo = []
+        for p in group:
+            fields = dict(kernel=p.kernel, provider=p.name)
+            reason = p.unavailable(device)
+            if reason is not None:
+                if p.key not in reported:  # one row per provider and run, not per shape
+                    reported.add(p.key)
+                    emit(base_row(env, command, run_id, mode="-", shape="-",
+                                  dtype=str(dtype).split(".")[-1], status=f"n/a: {reason}",
+                                  note=p.note, **fields))
+            elif time_budget_s is not None and time.monotonic() - start > time_budget_s:
+                emit(base_row(env, command, run_id, mode="-", status="skipped: time budget",
+                              **_shape_fields(shape, dtype), **fields))
+            else:
+                todo.append(p)
+        if not todo:
             continue
-        if time_budget_s is not None and time.monotonic() - start > time_budget_s:
-            emit(base_row(env, command, run_id, mode="-", status="skipped: time budget",
-                          **_shape_fields(shape, dtype), **fields))
-            continue
-        results = run_provider(p, shape, modes, dtype, device, cfg, ceilings, memory, timing)
-        for mode, res in zip(modes, results):
+        if together:
+            results = run_group(todo, shape, modes, dtype, device, cfg, ceilings, memory,
+                                timing)
+        else:
+            (p,) = todo
+            results = ((p, mode, res) for mode, res in zip(
+                modes, run_provider(p, shape, modes, dtype, device, cfg, ceilings, memory,
+                                    timing)))
+        for p, mode, res in results:
             emit(base_row(env, command, run_id, mode=mode, **_shape_fields(shape, dtype),
-                          **fields, **res))
+                          kernel=p.kernel, provider=p.name, **res))
     return rows

@@ -143,3 +143,24 @@ def test_cpu_memory_is_not_reported_where_the_tracker_cannot_see():
                           h.numel() * 4, 0) is None
     measured = memory_cpu(lambda: (h @ w.T).logsumexp(-1).sum().backward(), [h], h.numel() * 4, 0)
     assert measured is not None and measured.peak_bytes >= 64 * 128 * 4
+
+
+def test_cpu_providers_are_timed_in_turns():
+    """CPU: one warm-up call each, then rounds A, B, A, B, ...; a call that raises leaves the
+    turns and its exception comes back in its place."""
+    from benchmarks.measure import time_cpu_interleaved
+
+    calls = []
+
+    def call(key):
+        return lambda: calls.append(key)
+
+    def broken():
+        calls.append("c")
+        raise RuntimeError("boom")
+
+    out = time_cpu_interleaved({"a": (call("a"), []), "b": (call("b"), []), "c": (broken, [])},
+                               budget_s=0)
+    assert calls == ["a", "b", "c"] + ["a", "b"] * 3
+    assert out["a"].reps == out["b"].reps == 3
+    assert isinstance(out["c"], RuntimeError) and out["c"].__traceback__ is None
