@@ -23,7 +23,9 @@ class _GRPOModule(nn.Module):
         self.options = options  # kernel options, not GRPO hyperparameters
 
     def extra_repr(self) -> str:
-        items = {**vars(self.params), **{k: v for k, v in self.options.items() if v}}
+        # options at their defaults (None, False) are left out; grad_filter=0.0 is shown
+        shown = {k: v for k, v in self.options.items() if v is not None and v is not False}
+        items = {**vars(self.params), **shown}
         return ", ".join(f"{k}={v!r}" for k, v in items.items())
 
 
