@@ -10,7 +10,6 @@ from .cli import parse_config
 from .config import TrainConfig, resolve_auto, validate
 
 __all__ = ["TrainConfig", "parse_config", "train", "main"]
-__version__ = "0.1.0"
 
 
 def train(cfg: TrainConfig, phases=None) -> dict:
