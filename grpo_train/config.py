@@ -155,9 +155,9 @@ class TrainConfig:
     # replicating them (DDP); launch with accelerate launch / torchrun as for DDP
     fsdp: bool = False
     device: str = "auto"  # auto = cuda when available
-    # torch CPU threads; 0 = torch's default (one per core). The embedded model is too small
-    # to gain from more: on a 2-core CPU with other processes busy, two threads ran it 3-5x
-    # slower than one.
+    # torch CPU threads; 0 = torch's default (one per core). The embedded model runs on one: two
+    # are faster on an idle 2-core CPU (45 vs 76 s) but 2.4x slower beside two busy processes
+    # (docs/trainer.md, Threads).
     num_threads: int | None = None
 
 
