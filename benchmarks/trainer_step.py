@@ -9,10 +9,13 @@ GRPOTrainer with the same settings.
 
 One provider per process, so that peak memory is never shared between providers. Every provider
 gets the same work: Qwen2.5-0.5B's configuration (random weights, float32 master weights), one
-prompt of --prompt_tokens tokens, G = --num_generations completions of exactly
---completion_tokens tokens (EOS suppressed with min_new_tokens), sampling at temperature 1, one
-optimizer step (AdamW) per generation batch with all G sequences in one micro-batch, beta = 0,
-loss_type "dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults).
+prompt of --prompt_tokens tokens, G = --num_generations completions whose lengths follow
+--length_profile with cap --completion_tokens (benchmarks/lengths.py: `fixed` = every completion
+at the cap; `lognormal` = long-tailed, median a third of the cap; the same draws for every
+provider, enforced with EOS at the drawn length), sampling at temperature 1, one optimizer step
+(AdamW) per generation batch with all G sequences in one micro-batch, beta = 0, loss_type
+"dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults). grpo_train packs
+its micro-batch (--padding_free on, its default) unless --padding_free off; TRL pads.
 
 Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end),
 tokens/s = G·(prompt + completion tokens) / step time, and memory by phase (benchmarks/phases.py):
@@ -104,7 +107,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         model=str(model_dir), dataset=str(data), prompt_column="prompt", answer_column="answer",
         eval_size=0, output_dir=str(workdir / "run"), steps=args.warmup + args.steps,
         num_prompts=1, num_generations=args.num_generations,
-        max_new_tokens=args.completion_tokens, min_new_tokens=args.completion_tokens,
+        max_new_tokens=args.completion_tokens, padding_free=args.padding_free == "on",
         micro_batch_size=args.num_generations, beta=0.0, num_iterations=1, loss_type="dapo",
         loss=args.provider, learning_rate=1e-6, bf16=cuda and not args.no_bf16,
         gradient_checkpointing=not args.no_gradient_checkpointing,
@@ -120,7 +123,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
 
 
 def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
-            recorder) -> list[dict]:
+            recorder, forcing) -> list[dict]:
     """Steps of TRL's GRPOTrainer, timed and measured by a callback around each step."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -133,7 +136,6 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
 
     cuda = device.type == "cuda"
     per_step = []
-    tokens = args.num_generations * (args.prompt_tokens + args.completion_tokens)
 
     class StepMeter(TrainerCallback):
         def on_step_begin(self, *_, **__):
@@ -152,6 +154,8 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - self.t0
+            # this step's prompt + completion tokens (its generate call was the latest)
+            tokens = args.num_generations * args.prompt_tokens + sum(forcing.history[-1])
             per_step.append(dict(step_time_s=elapsed, tokens_per_s=tokens / elapsed,
                                  peak_gib=peak_memory_bytes(device) / 2**30))
 
@@ -162,7 +166,6 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.completion_tokens,
-        generation_kwargs={"min_new_tokens": args.completion_tokens},
         gradient_accumulation_steps=1, max_steps=args.warmup + args.steps, learning_rate=1e-6,
         bf16=cuda and not args.no_bf16,
         gradient_checkpointing=not args.no_gradient_checkpointing, beta=0.0, loss_type="dapo",
@@ -259,6 +262,8 @@ def versions(provider: str) -> dict:
 
 
 def parse_args(argv):
+    from benchmarks import lengths  # in the function: grpo_train loads this file as a path
+
     parser = Parser("python -m benchmarks.trainer_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--provider", choices=("fused", "reference", "trl"), required=True)
     parser.add_argument("--tiny", action="store_true",
@@ -267,6 +272,12 @@ def parse_args(argv):
     parser.add_argument("--completion_tokens", type=int, default=None,
                         help="tokens per completion (default 1024; tiny 16)")
     parser.add_argument("--prompt_tokens", type=int, default=None, help="default 64; tiny 16")
+    parser.add_argument("--length_profile", default="fixed", choices=lengths.PROFILES,
+                        help="completion lengths: fixed = all at the cap; lognormal = "
+                             "long-tailed, median cap/3 (benchmarks/lengths.py)")
+    parser.add_argument("--padding_free", default="on", choices=("on", "off"),
+                        help="grpo_train providers: packed micro-batches (on, the trainer's "
+                             "default) or padded rows; TRL always pads")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--model_dtype", default="float32", choices=("float32", "bfloat16"))
@@ -313,6 +324,8 @@ def main(argv=None) -> dict | int:
 
 
 def measure(args, argv) -> dict:
+    from benchmarks import lengths  # in the function: grpo_train loads this file as a path
+
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
     # the checkout as the run starts (a commit made while a long run goes on is not its code)
@@ -320,19 +333,29 @@ def measure(args, argv) -> dict:
     with tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
+        forcing = lengths.ForcedLengths(args.length_profile, args.completion_tokens,
+                                        eos_id=_eos_id(model_dir), seed=args.seed).install()
         recorder = make_recorder(args, device, workdir, env)
         if args.provider == "trl":
-            steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device, recorder)
+            steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device, recorder,
+                                      forcing)
         else:
             steps, recorder = run_grpo_train(args, model_dir, data, workdir, device, recorder)
     timed = steps[args.warmup:]
     if not timed:
         raise RuntimeError(f"no timed steps ({len(steps)} steps ran, --warmup {args.warmup})")
-    lengths = [s["completion_length"] for s in timed if "completion_length" in s]
-    if lengths and min(lengths) != args.completion_tokens:  # the work must be what we claim
-        raise RuntimeError(f"completions were {lengths} tokens, not {args.completion_tokens}")
+    drawn = forcing.history[args.warmup:]  # one generate call per step, for every provider
+    if len(forcing.history) != len(steps):
+        raise RuntimeError(f"{len(forcing.history)} generate calls in {len(steps)} steps: the "
+                           "forced lengths did not cover every step")
+    mean_len = statistics.mean(x for call in drawn for x in call)
+    ours = [s["completion_length"] for s in timed if "completion_length" in s]
+    if ours and abs(statistics.mean(ours) - mean_len) > 1e-6:  # the work must be what we claim
+        raise RuntimeError(f"completions averaged {statistics.mean(ours)} tokens, drawn "
+                           f"{mean_len}")
     row = {
         **describe(args, cuda), "status": "ok", "timed_steps": len(timed),
+        "completion_tokens_mean": round(mean_len, 1),
         "step_time_s_median": round(statistics.median(s["step_time_s"] for s in timed), 4),
         "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),
         **phase_columns(recorder, args.warmup),
@@ -345,6 +368,12 @@ def measure(args, argv) -> dict:
     return row
 
 
+def _eos_id(model_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).eos_token_id
+
+
 def describe(args, cuda: bool) -> dict:
     """The row's leading columns: what was run."""
     return {
@@ -353,7 +382,9 @@ def describe(args, cuda: bool) -> dict:
                      "trl": "trl GRPOTrainer"}[args.provider],
         "model": "tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random",
         "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
-        "completion_tokens": args.completion_tokens,
+        "completion_tokens": args.completion_tokens, "length_profile": args.length_profile,
+        "padding_free": "off" if args.provider == "trl" else args.padding_free,
+        "warmup": args.warmup,
         "bf16_autocast": cuda and not args.no_bf16,
         "gradient_checkpointing": not args.no_gradient_checkpointing,
         "model_dtype": args.model_dtype,

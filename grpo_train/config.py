@@ -127,6 +127,14 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping; 0 disables it
     # Sequences per forward/backward; 0 = the whole per-process batch
     micro_batch_size: int | None = None
+    # Cut micro-batches by tokens instead (0 = off): as many whole sequences as fit N tokens
+    # (packed: real prompt + completion tokens; padded: rows x padded length); a longer
+    # sequence goes alone. Replaces --micro_batch_size.
+    max_tokens_per_microbatch: int = 0
+    # Pack each micro-batch's sequences end to end in one row (position_ids restarting, no
+    # attention mask): no forward or backward work on padding. Used where the model attends
+    # within the packed sequences (checked once at start; otherwise one line, and padded rows).
+    padding_free: bool = True
     bf16: bool = False  # bfloat16 autocast (with float32 weights: mixed precision)
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
 
@@ -209,7 +217,7 @@ _LOWER_BOUNDS = [
     ("top_k", 0, False), ("lr_warmup_steps", 0, False), ("max_grad_norm", 0, False),
     ("learning_rate", 0, False), ("weight_decay", 0, False), ("temperature", 0, True),
     ("top_p", 0, True), ("max_prompt_length", 1, False), ("lora_r", 0, False),
-    ("tiny_init_std", 0, True),
+    ("tiny_init_std", 0, True), ("max_tokens_per_microbatch", 0, False),
 ]
 
 

@@ -25,8 +25,9 @@ import torch
 
 from grpo_kernels import FusedLinearGRPOLoss, force_backend
 from grpo_kernels import reference as reference_impl
+from grpo_kernels.hf import check_packed_attention
 
-from . import sharding
+from . import batching, sharding
 from .checkpoint import (
     capture_rng,
     clear_run_files,
@@ -47,7 +48,6 @@ from .models import (
     eos_token_ids,
     format_warmup,
     load_pretrained,
-    position_ids,
     save_model,
     use_fp32_head,
 )
@@ -105,11 +105,10 @@ def _train(cfg, phases) -> dict:
                          f"processes ({world}): every process takes whole groups")
     P_local = cfg.num_prompts // world
     B = P_local * G
-    micro = cfg.micro_batch_size or B
-    if B % micro:
+    micro = cfg.micro_batch_size or B  # sequences per micro-batch, unless a token budget
+    if B % micro and not cfg.max_tokens_per_microbatch:
         raise UsageError(f"--micro_batch_size {micro} must divide the per-process batch "
                          f"num_prompts/processes x num_generations = {P_local} x {G} = {B}")
-    n_micro = B // micro
 
     # ---- data, rewards, models ----------------------------------------------------------------
     specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
@@ -128,6 +127,10 @@ def _train(cfg, phases) -> dict:
     if cfg.lora_r:  # adapters on the policy only: the reference is the model without them, so
         model = add_lora_adapters(model, cfg, say)  # no copy (`_adapters_off`)
     eos_ids = eos_token_ids(model, tokenizer)
+    packed = _padding_free(model, cfg, say)  # before any wrapper: checks the bare model once
+    # flash attention works on the packed sequences themselves: one row; dense masks: rows as
+    # wide as the longest sequence (attention then costs no more than on padded rows)
+    one_row = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -159,6 +162,9 @@ def _train(cfg, phases) -> dict:
         say(f"resumed from {ckpt_path} at step {start}")
     # DistributedDataParallel when several processes; FSDP: the sharded model as it is
     ddp_model = model if cfg.fsdp else accel.prepare_model(model)
+    # every process must run as many forwards as the others (batching.py)
+    agree = None if world == 1 else (
+        lambda n: int(accel.reduce(torch.tensor(n, device=device), "max").item()))
     loss_fn = FusedLinearGRPOLoss(params=grpo_params(cfg),
                                   grad_filter=grad_filter_value(cfg.grad_filter))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
@@ -207,45 +213,43 @@ def _train(cfg, phases) -> dict:
                     rewards = combine(all_rewards, weights)
                     advantages = group_advantages(rewards, G, cfg.scale_rewards)
                     advantages = advantages[rank * B:(rank + 1) * B].to(device)
-                    # 4. reference and old log-probs [B, T], float32, no grad, no logits; the
-                    # policy in train mode, as in the loss below, so the first ratio is exactly 1
-                    ids, attn, T = batch["input_ids"], batch["attention_mask"], batch["T"]
-                    pos = position_ids(attn)
+                    # 4. micro-batches (packed rows or padded, batching.py), then reference and
+                    # old log-probs per micro-batch ([b, T] or [N], float32, no grad, no
+                    # logits); the policy in train mode, as in the loss below, so the first
+                    # ratio is exactly 1
+                    mbs = batching.micro_batches(batch, packed, micro,
+                                                 cfg.max_tokens_per_microbatch, agree, one_row)
                     model.train()
                     with autocast:
-                        ref_logps = None
+                        ref_logps = [None] * len(mbs)
                         if cfg.beta != 0.0:
                             with _reference_policy(model, ref_model) as reference:
-                                ref_logps = causal_lm_logprobs(
-                                    reference, ids, attn, T, temperature=cfg.temperature,
-                                    batch_size=micro, position_ids=pos, **head)
-                        old_logps = None if cfg.num_iterations == 1 else causal_lm_logprobs(
-                            model, ids, attn, T, temperature=cfg.temperature,
-                            batch_size=micro, position_ids=pos, **head)
+                                ref_logps = [_logprobs(reference, mb, cfg, head) for mb in mbs]
+                        old_logps = [None] * len(mbs)
+                        if cfg.num_iterations > 1:
+                            old_logps = [_logprobs(model, mb, cfg, head) for mb in mbs]
                 # 5. optimize: micro-batches, accumulation normalized as TRL does
-                mask = batch["completion_mask"].float()
                 num_items = None
                 if loss_fn.params.normalizes_by_token_count:
                     # per-process share of the step's token count: DDP averages the gradients,
                     # so the micro-batch losses add up to sum(token losses) / all tokens
-                    num_items = accel.reduce(mask.sum(), "sum") / world
+                    n_tokens = batch["completion_mask"].sum().float()
+                    num_items = accel.reduce(n_tokens, "sum") / world
                 sums, loss_total, grad_norms = {}, 0.0, []
                 for _ in range(cfg.num_iterations):
                     with phases.phase("loss"):  # forward + backward of every micro-batch
-                        for i in range(n_micro):
-                            s = slice(i * micro, (i + 1) * micro)
-                            sync = i == n_micro - 1 or world == 1
+                        for i, mb in enumerate(mbs):
+                            sync = i == len(mbs) - 1 or world == 1
                             no_sync = contextlib.nullcontext() if sync else ddp_model.no_sync()
                             with no_sync, autocast:
-                                loss, metrics = _loss(
-                                    ddp_model, loss_fn, ids[s], attn[s], pos[s], T,
-                                    advantages[s], mask[s], _sl(old_logps, s), _sl(ref_logps, s),
-                                    num_items, cfg.loss, head)
-                                if num_items is None:
-                                    loss = loss / n_micro  # mean of the micro-batch means
+                                loss, metrics = _loss(ddp_model, loss_fn, mb, advantages[mb.seqs],
+                                                      old_logps[i], ref_logps[i], num_items,
+                                                      cfg.loss, head)
+                                if num_items is None:  # per-sequence means: weight by share
+                                    loss = loss * (mb.num_seqs / B)  # (1/n_micro if equal)
                             loss.backward()
                             loss_total += loss.item() / cfg.num_iterations
-                            n_tok = mask[s].sum().item()
+                            n_tok = mb.num_loss_tokens
                             for k, v in metrics.items():
                                 sums[k] = sums.get(k, 0.0) + v.item() * n_tok
                             sums["_tokens"] = sums.get("_tokens", 0.0) + n_tok
@@ -296,16 +300,49 @@ def _train(cfg, phases) -> dict:
 # ---- the pieces of a step -----------------------------------------------------------------------
 
 
-def _loss(model, loss_fn, ids, attn, pos, T, adv, mask, old, ref, num_items, which, head):
+def _padding_free(model, cfg, say) -> bool:
+    """Whether micro-batches are packed rows: --padding_free (the default) and a model that
+    attends within the sequences of a packed row (checked once on it); else one line why not."""
+    if not cfg.padding_free:
+        say("micro-batches: padded (--no_padding_free)")
+        return False
+    reason = check_packed_attention(model)
+    if reason is not None:
+        say(f"micro-batches: padded, not packed: {reason}")
+        return False
+    say("micro-batches: packed rows, no padding (--padding_free)")
+    return True
+
+
+def _logprobs(model, mb, cfg, head):
+    """No-grad log-probs of one micro-batch's completion tokens: [b, T] padded, [N] packed."""
+    return causal_lm_logprobs(model, *mb.inputs, temperature=cfg.temperature,
+                              position_ids=mb.position_ids, **head)
+
+
+def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
     """(loss, metrics) of one micro-batch: the fused loss from hidden states, or the reference
-    that materializes [b, T, V] logits (for comparison and benchmarks). head: head_dtype."""
+    that materializes [b, T, V] (packed: [N, V]) logits, for comparison and benchmarks.
+    adv: [b] of its sequences; old/ref: from `_logprobs`; head: head_dtype."""
     if which == "fused":
-        return causal_lm_grpo_loss(model, ids, attn, T, adv, mask, old, ref, loss_fn=loss_fn,
-                                   num_items_in_batch=num_items, position_ids=pos, **head)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1,
-                   use_cache=False).logits[:, :-1]  # [b, T, V]
-    return reference_impl.grpo_loss(logits, ids[:, -T:], adv, mask, old, ref,
-                                    num_items_in_batch=num_items, params=loss_fn.params)
+        return causal_lm_grpo_loss(model, *mb.inputs, adv, mb.mask, old, ref, loss_fn=loss_fn,
+                                   num_items_in_batch=num_items, cu_seqlens=mb.cu_seqlens,
+                                   position_ids=mb.position_ids, **head)
+    ids, attn, keep = mb.inputs
+    if mb.packed is None:
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=mb.position_ids,
+                       logits_to_keep=keep + 1, use_cache=False).logits[:, :-1]  # [b, T, V]
+        targets = ids[:, -keep:]
+    else:  # transformers keeps packed positions given as a boolean [R, W] mask, row-major
+        where = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
+        where[keep] = True
+        logits = model(input_ids=ids, position_ids=mb.position_ids,
+                       logits_to_keep=where.view(ids.shape), use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])[keep.argsort().argsort()]  # [N, V]
+        targets = ids.reshape(-1)[keep + 1]
+    return reference_impl.grpo_loss(logits, targets, adv, mb.mask, old, ref,
+                                    num_items_in_batch=num_items, cu_seqlens=mb.cu_seqlens,
+                                    params=loss_fn.params)
 
 
 def _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_total, grad_norms,
@@ -399,10 +436,6 @@ def _reference_policy(model, ref_model):
             yield model
     finally:
         model.train(was_training)
-
-
-def _sl(x, s):
-    return None if x is None else x[s]
 
 
 def _printer(enabled: bool):

@@ -312,3 +312,34 @@ def test_opcheck_packed_loss_op():
              "test_aot_dispatch_dynamic"]
     result = torch.library.opcheck(OPS.linear_grpo_loss.default, args, test_utils=tests)
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("impl", ["fused_linear", "logits"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_no_tokens_at_all_gives_zero_loss_and_gradients(impl, loss_type):
+    """A packed micro-batch whose sequences are all empty (e.g. masked truncated completions):
+    N = 0. The loss is 0 and every gradient is exactly zero (d W is written, never left as
+    uninitialized memory), on the chunked path and in the interpreter."""
+    torch.manual_seed(0)
+    weight = leaf(torch.randn(11, 8))
+    extra = dict(cu_seqlens=torch.tensor([0, 0, 0]), loss_type=loss_type, beta=0.1,
+                 ref_logps=torch.zeros(0),
+                 num_items_in_batch=torch.tensor(5.0) if loss_type == "dapo" else None)
+    for backend in ("torch", "triton"):
+        with gk.force_backend(backend):
+            if impl == "fused_linear":
+                hidden = leaf(torch.randn(0, 8))
+                loss, metrics = gk.fused_linear_grpo_loss(
+                    hidden, weight, torch.zeros(0, dtype=torch.long), torch.randn(2), **extra)
+                grads = (hidden, weight)
+            else:
+                logits = leaf(torch.randn(0, 11))
+                loss, metrics = gk.grpo_loss(logits, torch.zeros(0, dtype=torch.long),
+                                             torch.randn(2), **extra)
+                grads = (logits,)
+            loss.backward()
+        assert loss.item() == 0.0 and all(m.item() == 0.0 for m in metrics.values())
+        for x in grads:
+            if x.grad is not None:
+                assert torch.equal(x.grad, torch.zeros_like(x)), backend
+                x.grad = None

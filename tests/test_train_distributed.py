@@ -40,7 +40,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_stay_in_sync_on_different_prompts(tmp_path):
+@pytest.mark.parametrize("batching", [
+    [],  # sequence-count micro-batches of padded rows
+    # packed rows cut by a small token budget: the ranks' completions differ in length, so their
+    # micro-batch counts would too; they agree on the maximum (a mismatch would hang DDP)
+    ["--padding_free", "--max_tokens_per_microbatch", "16"],
+], ids=["padded", "packed-budget"])
+def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, batching):
     (tmp_path / "recorder.py").write_text(textwrap.dedent(RECORDER))
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER))
@@ -53,7 +59,7 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path):
            "--tiny_hidden_size", "32", "--task_terms", "2", "--task_max_operand", "5",
            "--num_iterations", "2", "--micro_batch_size", "4", "--eval_every", "3",
            "--save_every", "3", "--backend", "torch", "--no-progress", "--no-plot",
-           "--num_threads", "1", "--device", "cpu",
+           "--num_threads", "1", "--device", "cpu", *(batching or ["--no_padding_free"]),
            "--reward", "accuracy", f"{tmp_path / 'recorder.py'}:record:0.1"]
     env = dict(os.environ, GRPO_TEST_DIR=str(tmp_path), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
@@ -74,3 +80,4 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path):
         assert mine and theirs and not set(mine.split("|")) & set(theirs.split("|"))
     assert (out / "checkpoints" / "step_000003.pt").exists()
     assert "eval_acc" in proc.stdout + proc.stderr
+    assert ("packed rows" if batching else "padded") in proc.stdout + proc.stderr

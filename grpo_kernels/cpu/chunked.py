@@ -201,8 +201,9 @@ def linear_logprob_backward(
     want_db = bias is not None and bool(needs[2])
     idx = _active_rows(g_logp, g_ent)
     V = weight.shape[0]
-    if (idx is not None and idx.numel() == 0) or V == 0 or not (want_dh or want_dw or want_db):
-        # masked tokens only: no work
+    if (hidden.shape[0] == 0 or (idx is not None and idx.numel() == 0) or V == 0
+            or not (want_dh or want_dw or want_db)):
+        # no tokens, or masked tokens only: no work (and d W must be zeros, not left unwritten)
         return tuple(torch.zeros_like(x) if want else None
                      for x, want in ((hidden, want_dh), (weight, want_dw), (bias, want_db)))
     dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
@@ -302,6 +303,8 @@ def _row_blocks(B: int, T: int, C: int):
     """Split [B, T] rows into blocks of about C: whole sequences when C >= T, else pieces of one
     sequence. Yields (sequence slice, position slice, flat start); each block of a [B, T, V]
     view is then itself a view, so sliced logits are never copied whole."""
+    if B * T == 0:  # no tokens (e.g. a packed batch of empty sequences): no blocks
+        return
     if C >= T:
         step = C // T
         for b in range(0, B, step):

@@ -15,6 +15,13 @@ or a head that transforms the body's output before its output embedding (BERT-st
 
 Old/reference scoring: `causal_lm_logprobs` (no grad); `completion_logprobs` is the same with grad.
 
+Packed (padding-free) rows: sequences end to end in rows [R, W], `attention_mask=None` and
+`position_ids` [R, W] restarting at 0 for every sequence (transformers then attends within each
+sequence only). `logits_to_keep` is then a LongTensor [N] of positions in the flattened rows
+(for one row, transformers' own convention): those whose hidden state predicts a completion
+token (the token after it), and the loss takes `cu_seqlens` [S + 1] over those N tokens.
+`grpo_kernels.hf.pack_sequences` builds all of it from a padded batch.
+
 Precision of the lm_head projection ("head dtype"): under autocast it runs in the autocast dtype,
 as the model's own `lm_head` would; otherwise in the dtype of the head's weight. `head_dtype=`
 overrides both. Hidden states are cast to the head dtype, except 16-bit ones with a float32 head
@@ -36,6 +43,7 @@ from torch import nn
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from .head_adapters import ResolvedHead, fold_lora, resolve_head
+from .packing import check_packed_positions, completion_targets, keep_positions
 
 __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
            "completion_hidden_states", "completion_logprobs", "head_for", "output_head",
@@ -127,6 +135,9 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(f"input_ids must be a [B, L] tensor, got {shape}")
+    if isinstance(logits_to_keep, torch.Tensor):
+        check_packed_positions(input_ids, attention_mask, logits_to_keep)
+        return
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or attention_mask.shape != input_ids.shape):
         shape = getattr(attention_mask, "shape", type(attention_mask))
@@ -204,10 +215,11 @@ def completion_hidden_states(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    logits_to_keep: int,
+    logits_to_keep: int | torch.Tensor,
     **model_kwargs,
 ) -> torch.Tensor:
-    """Final hidden states that predict the last `logits_to_keep` tokens: [B, T, D].
+    """Final hidden states that predict the last `logits_to_keep` tokens: [B, T, D]; for a
+    packed rows (`logits_to_keep` = positions [N]), those positions' states [1, N, D].
 
     An unwrapped model runs its body (no lm_head at all). A wrapped model (DDP, accelerate,
     torch.compile, PEFT) must be called through its wrapper (gradient synchronization, adapters),
@@ -237,7 +249,7 @@ def completion_hidden_states(
             raise RuntimeError(f"calling {type(model).__name__} never ran its body "
                                f"{type(body).__name__}; cannot capture the hidden states")
         hidden = captured[-1]
-    return hidden[:, -logits_to_keep - 1:-1, :]
+    return keep_positions(hidden, logits_to_keep)
 
 
 def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):
@@ -274,7 +286,7 @@ def causal_lm_grpo_loss(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    logits_to_keep: int,
+    logits_to_keep: int | torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor | None = None,
     old_logps: torch.Tensor | None = None,
@@ -284,30 +296,46 @@ def causal_lm_grpo_loss(
     num_items_in_batch=None,
     importance_sampling_ratio: torch.Tensor | None = None,
     head_dtype: torch.dtype | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     **model_kwargs,
 ):
     """GRPO loss of a causal LM on prompt+completion `input_ids` [B, L]; the completion is the
     last `logits_to_keep` tokens. `loss_fn` holds the hyperparameters (default: TRL's).
     `completion_mask`, `old_logps`, `ref_logps`: [B, T]; `advantages`: [B], [B, 1] or [B, T].
+
+    Packed rows (see the module docstring; `pack_sequences` builds them): input_ids [R, W],
+    attention_mask None, `position_ids=` [R, W], logits_to_keep = positions [N], `cu_seqlens`
+    [S + 1] over the N completion tokens; then old/ref log-probs are [N], advantages [S] or [N],
+    and there is no completion mask (every kept token counts).
     Returns (loss: 0-dim float32, metrics: dict of detached 0-dim tensors)."""
     loss_fn = loss_fn if loss_fn is not None else FusedLinearGRPOLoss()
     if not isinstance(loss_fn, FusedLinearGRPOLoss):
         raise TypeError(f"loss_fn must be a grpo_kernels.FusedLinearGRPOLoss, got "
                         f"{type(loss_fn).__name__}")
+    packed = isinstance(logits_to_keep, torch.Tensor)
+    if packed and (cu_seqlens is None or completion_mask is not None):
+        raise ValueError("packed rows (logits_to_keep = positions) need cu_seqlens [S + 1] "
+                         "and no completion_mask (every kept position is a loss token)")
+    if not packed and cu_seqlens is not None:
+        raise ValueError("cu_seqlens is for packed rows: pass logits_to_keep as the positions "
+                         "[N] (see pack_sequences), not an int")
     hidden = completion_hidden_states(model, input_ids, attention_mask, logits_to_keep,
                                       **model_kwargs)
     hidden, weight, bias = head_for(hidden, model, head_dtype)
-    completion_ids = input_ids[:, -logits_to_keep:].to(hidden.device)
+    completion_ids = completion_targets(input_ids, logits_to_keep).to(hidden.device)
+    if packed:  # [1, N, D] -> [N, D], [1, N] -> [N]: the losses' packed form
+        hidden, completion_ids = hidden[0], completion_ids[0]
     with _no_autocast(hidden):  # inputs are already in the head dtype; keep it
         return loss_fn(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
-                       ref_logps, bias, num_items_in_batch, importance_sampling_ratio)
+                       ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
+                       cu_seqlens=cu_seqlens)
 
 
 def completion_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    logits_to_keep: int,
+    logits_to_keep: int | torch.Tensor,
     *,
     temperature: float = 1.0,
     batch_size: int | None = None,
@@ -316,11 +344,13 @@ def completion_logprobs(
     **model_kwargs,
 ):
     """Log-probs [B, T] float32 of the last `logits_to_keep` tokens (and entropies [B, T] if
-    `return_entropy`), in micro-batches of `batch_size` sequences, without logits.
+    `return_entropy`), in micro-batches of `batch_size` sequences, without logits. Packed rows
+    (logits_to_keep = positions [N], see `causal_lm_grpo_loss`) give [N], in one chunk.
     Differentiable; see `causal_lm_logprobs` for the no-grad scoring entry point."""
     _check_batch(input_ids, attention_mask, logits_to_keep)
     B = input_ids.shape[0]
-    step = max(B, 1) if batch_size is None else batch_size
+    packed = isinstance(logits_to_keep, torch.Tensor)  # positions span all rows: one chunk
+    step = max(B, 1) if batch_size is None or packed else batch_size
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
     logps, ents = [], []
@@ -332,7 +362,7 @@ def completion_logprobs(
         hidden = completion_hidden_states(model, input_ids[i:i + step], am, logits_to_keep,
                                           **kwargs)
         hidden, weight, bias = head_for(hidden, model, head_dtype)
-        ids = input_ids[i:i + step, -logits_to_keep:].to(hidden.device)
+        ids = completion_targets(input_ids[i:i + step], logits_to_keep).to(hidden.device)
         with _no_autocast(hidden):
             out = selective_logprobs(hidden, weight, ids, bias, temperature=temperature,
                                      return_entropy=return_entropy)
@@ -340,11 +370,15 @@ def completion_logprobs(
         if return_entropy:
             ents.append(out[1])
     logp = torch.cat(logps, dim=0)
-    return (logp, torch.cat(ents, dim=0)) if return_entropy else logp
+    ent = torch.cat(ents, dim=0) if return_entropy else None
+    if packed:  # [1, N] -> [N]
+        logp, ent = logp[0], None if ent is None else ent[0]
+    return (logp, ent) if return_entropy else logp
 
 
 def causal_lm_logprobs(model: nn.Module, input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor | None, logits_to_keep: int, **kwargs):
+                       attention_mask: torch.Tensor | None,
+                       logits_to_keep: int | torch.Tensor, **kwargs):
     """No-grad log-probs [B, T] float32 of the last `logits_to_keep` tokens (old or reference
     policy scoring), without logits; the keywords of `completion_logprobs`."""
     with torch.no_grad():

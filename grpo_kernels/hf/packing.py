@@ -1,0 +1,225 @@
+"""Packed (padding-free) rows for Hugging Face causal LMs.
+
+A padded GRPO batch is [S, L]: prompts left-padded, completions right-padded. Its packed form lays
+the real tokens of the S sequences end to end in rows [R, W], with `position_ids` restarting at 0
+for every sequence and `attention_mask=None`: transformers (>= 5, sdpa/eager/flash attention)
+then reads the sequence boundaries from the restarts and attends within each sequence only, so
+every hidden state equals the padded one. A row's unused tail is a filler segment (its own
+restart; nothing reads it).
+
+Row width W: by default the longest sequence rounded up to a multiple of 16 (sequences are
+placed first-fit, longest first). Implementations that build a dense mask (sdpa, eager) spend
+R·W² on attention, so rows about as wide as the longest sequence keep that near the padded
+batch's S·L². The rounding is for the attention kernels: PyTorch's CPU sdpa took 2.6x longer on
+rows of 15 positions than of 16 (512 rows, 4 heads of 16, one thread, torch 2.13). flash
+attention works on the sequences themselves: one row holding everything (`row_width` = the
+total) is best there.
+
+    packed = pack_sequences(input_ids, attention_mask, T, completion_mask)
+    loss, metrics = causal_lm_grpo_loss(model, packed.input_ids, None, packed.logits_to_keep,
+                                        advantages, None, packed.pack(old_logps),
+                                        packed.pack(ref_logps), cu_seqlens=packed.cu_seqlens,
+                                        position_ids=packed.position_ids, loss_fn=loss_fn)
+
+Kept completion tokens are the completion_mask's ones; the mask must be a prefix of each row (1s
+then 0s, as an EOS mask is), because a token left out of the row cannot stay in the context of the
+tokens after it. A row whose mask is all 0 keeps its prompt and no loss token (a zero-length
+sequence: it adds nothing and counts in S, as the fully masked padded row does).
+`check_packed_attention` tells whether a model really attends within the sequences of a row.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["PackedBatch", "check_packed_attention", "pack_sequences"]
+
+
+@dataclass
+class PackedBatch:
+    """S sequences (N completion tokens kept in all) packed into rows [R, W].
+
+    input_ids, position_ids: [R, W] int64; logits_to_keep: [N] int64 positions in the flattened
+    rows (index r·W + w) whose hidden state predicts a kept completion token (the token after
+    it, in the same row); cu_seqlens: [S + 1] int32 over the N tokens, in sequence order;
+    token_index: [N] int64 flat index of each kept token in the padded [S, T] completion grid
+    (`pack` / `unpack` move per-token values between the two)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logits_to_keep: torch.Tensor
+    cu_seqlens: torch.Tensor
+    token_index: torch.Tensor
+    shape: tuple[int, int]  # (S, T) of the padded completion grid
+    real_tokens: int  # prompt + kept completion tokens (the rest of R·W is filler)
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions a forward computes, R·W (real tokens plus the rows' filler)."""
+        return self.input_ids.numel()
+
+    def pack(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token [S, T] -> [N] (the kept tokens, in sequence order); None stays None."""
+        if x is None:
+            return None
+        if tuple(x.shape) != self.shape:
+            raise ValueError(f"expected a per-token [S, T] = {list(self.shape)} tensor, got "
+                             f"{tuple(x.shape)}")
+        return x.reshape(-1)[self.token_index]
+
+    def unpack(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[N] -> [S, T] with `fill` at the tokens the rows do not hold."""
+        out = x.new_full((self.shape[0] * self.shape[1],), fill)
+        return out.index_copy(0, self.token_index, x).view(self.shape)
+
+
+def _place(lengths: list[int], width: int) -> tuple[list[int], list[int], list[int]]:
+    """First fit, longest first: (row, offset) of every sequence and each row's used length."""
+    free: list[int] = []
+    row, offset = [0] * len(lengths), [0] * len(lengths)
+    for s in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((i for i, f in enumerate(free) if f >= lengths[s]), len(free))
+        if r == len(free):
+            free.append(width)
+        row[s], offset[s] = r, width - free[r]
+        free[r] -= lengths[s]
+    return row, offset, [width - f for f in free]
+
+
+def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                   completion_mask: torch.Tensor | None = None, *, pad_token_id: int = 0,
+                   row_width: int | None = None) -> PackedBatch:
+    """The packed rows of a padded batch: input_ids, attention_mask [S, L]; the completion is
+    the last `logits_to_keep` = T columns; completion_mask [S, T] (default: attention_mask's
+    last T columns) says which completion tokens are kept (a prefix of each row). row_width:
+    W (default: the longest sequence rounded up to a multiple of 16; at least the longest);
+    pad_token_id fills the rows' tails."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [S, L], got "
+                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    S, L = input_ids.shape
+    T = logits_to_keep
+    if isinstance(T, bool) or not isinstance(T, int) or not 0 < T < L:
+        raise ValueError(f"logits_to_keep must be an int in [1, L-1] = [1, {L - 1}], got {T!r}")
+    prompt = attention_mask[:, :L - T].bool()  # [S, Lp]
+    comp = attention_mask[:, L - T:].bool() if completion_mask is None else completion_mask.bool()
+    if comp.shape != (S, T):
+        raise ValueError(f"completion_mask must be [S, T] = [{S}, {T}], got {tuple(comp.shape)}")
+    # a prefix: no kept token after a dropped one (cummin keeps 1 only up to the first 0)
+    if not torch.equal(comp, comp.int().cummin(dim=1).values.bool()):
+        raise ValueError("completion_mask must be 1s then 0s in every row (a prefix, as an EOS "
+                         "mask is): a dropped token would otherwise vanish from the context of "
+                         "the kept tokens after it")
+    if not bool(prompt.any(dim=1).all()):
+        raise ValueError("every sequence needs at least one prompt token (attention_mask 1 in "
+                         "its first L - T columns): the first completion token is predicted "
+                         "from the position before it")
+    keep = torch.cat([prompt, comp], dim=1)  # [S, L] the tokens that go into the rows
+    lengths = keep.sum(dim=1).tolist()
+    W = -(-max(lengths) // 16) * 16 if row_width is None else row_width
+    if isinstance(W, bool) or not isinstance(W, int) or W < max(lengths):
+        raise ValueError(f"row_width must be an int >= the longest sequence ({max(lengths)} "
+                         f"tokens), got {row_width!r}")
+    row, offset, used = _place(lengths, W)
+    R, device = len(used), input_ids.device
+    start = torch.tensor([r * W + o for r, o in zip(row, offset)], device=device)  # [S]
+    k = keep.cumsum(dim=1) - 1  # each token's place within its sequence, [S, L]
+    dest = (start.unsqueeze(1) + k)[keep]  # flat row position of every real token
+    ids = torch.full((R * W,), pad_token_id, dtype=input_ids.dtype, device=device)
+    ids[dest] = input_ids[keep]
+    # filler tails restart at 0 (their own segment); real tokens count from 0 per sequence
+    pos = (torch.arange(W, device=device) - torch.tensor(used, device=device).unsqueeze(1))
+    pos = pos.clamp(min=0).reshape(-1)
+    pos[dest] = k[keep]
+    counts = comp.sum(dim=1)  # [S] kept completion tokens
+    cu = torch.zeros(S + 1, dtype=torch.int32, device=device)
+    cu[1:] = counts.cumsum(0)
+    comp_dest = (start.unsqueeze(1) + k)[:, L - T:][comp]  # [N] in sequence order
+    return PackedBatch(
+        input_ids=ids.view(R, W), position_ids=pos.view(R, W),
+        logits_to_keep=comp_dest - 1,  # the position before each kept token
+        cu_seqlens=cu, token_index=comp.reshape(-1).nonzero().squeeze(1), shape=(S, T),
+        real_tokens=sum(lengths))
+
+
+_PACKING_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_packed_attention(model: nn.Module, atol: float = 1e-4) -> str | None:
+    """None if `model` attends within the sequences of a packed row, else why not (a sentence).
+
+    Runs the model once (cached per model) on two short sequences, packed and one at a time, and
+    compares the logits: attention implementations or models that do not read sequence
+    boundaries from position_ids would let the second sequence see the first. Pass the model
+    before a DDP/FSDP wrapper is put around it (a PEFT wrapper is fine)."""
+    inner = model
+    if inner in _PACKING_CHECKED:
+        return _PACKING_CHECKED[inner]
+    config = getattr(inner, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    vocab = getattr(config, "vocab_size", None) or 2
+    device = next(inner.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(0, vocab, (1, 5), generator=generator).to(device)
+    b = torch.randint(0, vocab, (1, 4), generator=generator).to(device)
+    row = torch.cat([a, b], dim=1)
+    pos = torch.cat([torch.arange(5), torch.arange(4)]).unsqueeze(0).to(device)
+    reason = None
+    was_training = inner.training
+    inner.eval()  # no dropout in the comparison
+    try:
+        with torch.no_grad():
+            packed = inner(input_ids=row, position_ids=pos, use_cache=False).logits.float()
+            alone = torch.cat([inner(input_ids=x, use_cache=False).logits.float()
+                               for x in (a, b)], dim=1)
+        err = (packed - alone).abs().max().item()
+        if not err <= atol * max(1.0, alone.abs().max().item()):
+            reason = (f"{type(inner).__name__} with attention {impl!r} attends across the "
+                      f"sequences of a packed row (logits differ by {err:.2g} from separate "
+                      "forwards)")
+    except Exception as exc:  # noqa: BLE001  (any failure means: do not pack)
+        reason = (f"{type(inner).__name__} with attention {impl!r} failed on a packed row: "
+                  f"{type(exc).__name__}: {exc}")
+    finally:
+        inner.train(was_training)
+    _PACKING_CHECKED[inner] = reason
+    return reason
+
+
+# ---- the packed form inside causal_lm.py --------------------------------------------------------
+
+
+def check_packed_positions(input_ids, attention_mask, positions) -> None:
+    """Packed rows: input_ids [R, W], no attention mask, positions [N] int into the flattened
+    rows, never a row's last column (a position predicts the token after it, in its row)."""
+    if attention_mask is not None:
+        raise ValueError("packed rows take attention_mask=None (with position_ids restarting "
+                         "per sequence); an attention mask would let sequences attend across")
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"logits_to_keep as a tensor must be int32/int64 [N] positions, got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    R, W = input_ids.shape
+    if positions.numel() and not (int(positions.min()) >= 0 and int(positions.max()) < R * W
+                                  and not bool((positions % W == W - 1).any())):
+        raise ValueError(f"logits_to_keep positions must index the flattened rows [0, R*W) = "
+                         f"[0, {R * W}) and never a row's last column (each predicts the next "
+                         f"token of its row); got [{int(positions.min())}, "
+                         f"{int(positions.max())}] with W = {W}")
+
+
+def completion_targets(input_ids: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The tokens the kept positions predict: [B, T] (int T) or [1, N] (positions [N])."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return input_ids.reshape(1, -1)[:, logits_to_keep.to(torch.int64) + 1]
+    return input_ids[:, -logits_to_keep:]
+
+
+def keep_positions(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """Hidden states [B, L, D] -> the ones that predict the kept tokens, [B, T, D] / [1, N, D]."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden.reshape(1, -1, hidden.shape[-1])[:, logits_to_keep.to(torch.int64)]
+    return hidden[:, -logits_to_keep - 1:-1, :]

@@ -1,0 +1,134 @@
+"""Micro-batches of a step: which sequences go into each forward/backward, and in what form.
+
+A step's B sequences (this process' share) are cut into contiguous micro-batches, either by a
+sequence count (--micro_batch_size) or by a token budget (--max_tokens_per_microbatch). Each
+micro-batch is then either
+
+- padded: rows [b, Lp + T] with the attention mask, as generation returned them; or
+- packed (padding-free, the default where the model supports it): the real tokens of its
+  sequences end to end in rows [R, W] with position_ids restarting per sequence
+  (`grpo_kernels.hf.pack_sequences`): rows as wide as the longest sequence, or with flash
+  attention (which works on the sequences themselves) one row holding them all.
+
+Both forms give the same loss, gradients and metrics. The padded form's cost is b x (Lp + T)
+tokens; the packed form's is the real prompt + completion tokens plus the rows' unused tails
+(a budget counts the real tokens).
+
+With several processes (DDP/FSDP) every process must run the same number of forwards (each
+runs collectives), so the count is agreed on first (`agree`: the maximum over processes) and a
+process with fewer chunks splits its largest ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo_kernels.hf import PackedBatch, pack_sequences
+
+from .models import position_ids
+
+
+@dataclass
+class MicroBatch:
+    """Sequences `seqs` (a slice of the step's B) in the form the model and the loss take.
+
+    inputs: (input_ids, attention_mask | None, logits_to_keep: int T or positions [N]);
+    position_ids: [b, L] or [1, L']; mask: [b, T] float (padded) or None (packed: every kept
+    token counts); packed: the PackedBatch or None. Per-token values of the step ([B, T]) are
+    taken with `tokens(x)`: [b, T] padded, [N] packed."""
+
+    seqs: slice
+    inputs: tuple
+    position_ids: torch.Tensor
+    mask: torch.Tensor | None
+    packed: PackedBatch | None
+    completion_mask: torch.Tensor  # [b, T] as generated, for token counts
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seqs.stop - self.seqs.start
+
+    @property
+    def num_loss_tokens(self) -> float:
+        return self.completion_mask.sum().item()
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        return None if self.packed is None else self.packed.cu_seqlens
+
+    def tokens(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-token value of the step [B, T] -> this micro-batch's form."""
+        if x is None:
+            return None
+        x = x[self.seqs]
+        return x if self.packed is None else self.packed.pack(x)
+
+
+def sequence_costs_of(attention_mask, completion_mask, T: int) -> torch.Tensor:
+    """[b] real tokens of each sequence: its prompt tokens plus kept completion tokens."""
+    return attention_mask[:, :-T].sum(dim=1) + completion_mask.sum(dim=1)
+
+
+def sequence_costs(batch: dict, packed: bool) -> list[int]:
+    """Tokens one forward spends on each sequence: packed, its real tokens; padded, the full
+    row Lp + T."""
+    if not packed:
+        return [batch["input_ids"].shape[1]] * batch["input_ids"].shape[0]
+    return sequence_costs_of(batch["attention_mask"], batch["completion_mask"],
+                             batch["T"]).tolist()
+
+
+def cut(costs: list[int], micro_batch_size: int, max_tokens: int) -> list[slice]:
+    """Contiguous chunks: `micro_batch_size` sequences each, or with `max_tokens` > 0 as many
+    sequences as fit the budget (a sequence longer than the budget goes alone)."""
+    B = len(costs)
+    if max_tokens <= 0:
+        size = micro_batch_size or B
+        return [slice(i, min(i + size, B)) for i in range(0, B, size)]
+    chunks, start, used = [], 0, 0
+    for i, c in enumerate(costs):
+        if i > start and used + c > max_tokens:
+            chunks.append(slice(start, i))
+            start, used = i, 0
+        used += c
+    chunks.append(slice(start, B))
+    return chunks
+
+
+def split_to(chunks: list[slice], n: int) -> list[slice]:
+    """Split the chunks holding the most sequences in two until there are `n` (n <= B)."""
+    chunks = list(chunks)
+    while len(chunks) < n:
+        i = max(range(len(chunks)), key=lambda j: chunks[j].stop - chunks[j].start)
+        s = chunks[i]
+        if s.stop - s.start < 2:
+            raise ValueError(f"cannot make {n} micro-batches of {chunks[-1].stop} sequences")
+        mid = (s.start + s.stop) // 2
+        chunks[i:i + 1] = [slice(s.start, mid), slice(mid, s.stop)]
+    return chunks
+
+
+def micro_batches(batch: dict, packed: bool, micro_batch_size: int, max_tokens: int,
+                  agree=None, one_row: bool = False) -> list[MicroBatch]:
+    """The step's micro-batches. batch: `generation.generate`'s dict (input_ids, attention_mask
+    [B, Lp + T], completion_mask [B, T], T). agree(n) -> the count every process uses (the
+    maximum over processes); None for one process. one_row: pack each micro-batch into a single
+    row (flash attention) instead of rows as wide as its longest sequence."""
+    chunks = cut(sequence_costs(batch, packed), micro_batch_size, max_tokens)
+    if agree is not None and max_tokens > 0:  # sequence-count chunks are the same everywhere
+        chunks = split_to(chunks, agree(len(chunks)))
+    ids, attn, mask, T = (batch["input_ids"], batch["attention_mask"],
+                          batch["completion_mask"], batch["T"])
+    out = []
+    for s in chunks:
+        if packed:
+            width = int(sequence_costs_of(attn[s], mask[s], T).sum()) if one_row else None
+            pk = pack_sequences(ids[s], attn[s], T, mask[s], row_width=width)
+            out.append(MicroBatch(s, (pk.input_ids, None, pk.logits_to_keep), pk.position_ids,
+                                  None, pk, mask[s]))
+        else:
+            out.append(MicroBatch(s, (ids[s], attn[s], T), position_ids(attn[s]),
+                                  mask[s].float(), None, mask[s]))
+    return out
