@@ -11,12 +11,13 @@ same work: the same lengths, in the same order, step after step.
                the cap ends without EOS (truncated), as a real one would
 
 Draws depend on (seed, call index) only: the k-th generate call of any provider gets the same
-lengths. `ForcedLengths.install()` patches transformers' `GenerationMixin.generate` for the
-process (one provider runs per process) and checks every output against the draw.
+lengths. `with ForcedLengths(...).installed():` patches transformers' `GenerationMixin.generate`
+while a provider runs (and restores it after) and checks every output against the draw.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -75,8 +76,9 @@ class ForcedLengths:
                 raise RuntimeError(f"completion {i} ended at {got} tokens, drawn {want}: the "
                                    "forced lengths did not take effect")
 
-    def install(self):
-        """Patch GenerationMixin.generate for this process; returns self."""
+    @contextlib.contextmanager
+    def installed(self):
+        """GenerationMixin.generate patched to force the lengths, inside the block."""
         from transformers import GenerationMixin, LogitsProcessorList
 
         original = GenerationMixin.generate
@@ -95,4 +97,7 @@ class ForcedLengths:
             return out
 
         GenerationMixin.generate = generate
-        return self
+        try:
+            yield self
+        finally:
+            GenerationMixin.generate = original

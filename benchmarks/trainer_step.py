@@ -334,13 +334,15 @@ def measure(args, argv) -> dict:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
         forcing = lengths.ForcedLengths(args.length_profile, args.completion_tokens,
-                                        eos_id=_eos_id(model_dir), seed=args.seed).install()
+                                        eos_id=_eos_id(model_dir), seed=args.seed)
         recorder = make_recorder(args, device, workdir, env)
-        if args.provider == "trl":
-            steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device, recorder,
-                                      forcing)
-        else:
-            steps, recorder = run_grpo_train(args, model_dir, data, workdir, device, recorder)
+        with forcing.installed():
+            if args.provider == "trl":
+                steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device,
+                                          recorder, forcing)
+            else:
+                steps, recorder = run_grpo_train(args, model_dir, data, workdir, device,
+                                                 recorder)
     timed = steps[args.warmup:]
     if not timed:
         raise RuntimeError(f"no timed steps ({len(steps)} steps ran, --warmup {args.warmup})")

@@ -31,3 +31,33 @@ def test_trainer_step_row_names_the_commit_the_run_started_from(monkeypatch):
     row = trainer_step.main(["--provider", "fused", "--tiny", "--steps", "1", "--no_record",
                              "--backend", "torch", "--device", "cpu"])
     assert row["commit"] == "start"
+
+
+def test_forced_lengths_end_every_completion_where_drawn():
+    """Random weights never stop on their own: the benchmark's lengths are drawn (the same for
+    every provider) and enforced with EOS; a cap-length draw ends without EOS (truncated)."""
+    import torch
+    from transformers import GenerationMixin, Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks import lengths
+
+    drawn = lengths.draw_lengths("lognormal", 4000, 96, seed=0, call=0)
+    assert drawn == lengths.draw_lengths("lognormal", 4000, 96, seed=0, call=0)
+    assert drawn != lengths.draw_lengths("lognormal", 4000, 96, seed=0, call=1)
+    assert min(drawn) >= 1 and max(drawn) == 96
+    assert abs(sorted(drawn)[2000] - 32) <= 3  # median: a third of the cap
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, eos_token_id=7))
+    forcing = lengths.ForcedLengths("lognormal", cap=12, eos_id=7, seed=3)
+    original = GenerationMixin.generate
+    with forcing.installed():
+        out = model.generate(input_ids=torch.ones(6, 3, dtype=torch.long), do_sample=True,
+                             max_new_tokens=12, pad_token_id=0, eos_token_id=7)
+    assert GenerationMixin.generate is original  # restored
+    want = forcing.history[0]
+    assert len(set(want)) > 1
+    for row, n in zip(out[:, 3:].tolist(), want):
+        ended = row.index(7) + 1 if 7 in row else len(row)
+        assert ended == n and (7 in row) == (n < 12)
