@@ -81,7 +81,7 @@ def _wants_continuous(model, ctx: dict, sampling: dict) -> bool:
     """Decided on the first call and kept in ctx; a refusal is logged then."""
     if "_continuous" not in ctx:
         cfg = ctx["cfg"]
-        mode = getattr(cfg, "generation", "padded")
+        mode = cfg.generation
         reason = None if mode != "padded" else "--generation padded"
         if reason is None:
             reason = continuous.unsupported_reason(model, cfg, sampling)
