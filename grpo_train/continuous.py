@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import warnings
 
 import torch
 
@@ -79,7 +80,10 @@ def unsupported_reason(model, cfg, sampling: dict) -> str | None:
     if device.type not in ("cpu", "cuda"):
         return f"device {device.type} is untested with continuous batching"
     gen = generation_config(model, sampling, cfg.max_new_tokens, [0], 0)
-    for proc in hf._get_logits_processor(gen):
+    with warnings.catch_warnings():  # building the list warns as if generate() were called
+        warnings.simplefilter("ignore")
+        processors = hf._get_logits_processor(gen)
+    for proc in processors:
         if getattr(proc, "supports_continuous_batching", None) is not True:
             return (f"{type(proc).__name__} (from the generation config) has no "
                     "continuous-batching form")
