@@ -149,9 +149,12 @@ def cache_config(prompt_lens: list[int], G: int, max_new_tokens: int, seed: int)
     # the eager/sdpa attention mask is preallocated as [M, cache tokens + M] for M batch tokens:
     # enough for every prompt in one forward, capped
     M = min(max(sum(prompt_lens), B), MAX_BATCH_TOKENS)
+    # disable_nccl_graph_mixing would set NCCL_GRAPH_MIXING_SUPPORT=0 in the environment of
+    # every data-parallel process (a tensor-parallel setting; one process runs one engine here)
     return ContinuousBatchingConfig(
         page_size=PAGE_SIZE, num_blocks=pages, max_requests_per_batch=B,
-        max_batch_tokens=max(M, B), seed=seed, allow_block_sharing=False)
+        max_batch_tokens=max(M, B), seed=seed, allow_block_sharing=False,
+        disable_nccl_graph_mixing=False)
 
 
 def generate(model, prompts: list[list[int]], G: int, sampling: dict, max_new_tokens: int,
