@@ -96,7 +96,8 @@ class TrainConfig:
     # How completions are generated: "continuous" = transformers' continuous batching (paged
     # attention: a finished completion leaves the batch and costs nothing more); "padded" =
     # model.generate on the left-padded batch (every row runs until the longest ends); "auto" =
-    # continuous on CUDA where supported, padded on CPU, where it is faster (docs/trainer.md).
+    # continuous on CUDA where supported; padded on CPU, where continuous batching is faster only
+    # for long completions of varied length (docs/trainer.md, Generation paths).
     # Set-ups continuous batching cannot serve (--fsdp, --bf16 autocast, ...) run padded; the log
     # names the path that ran and why.
     generation: str = "auto"

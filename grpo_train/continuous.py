@@ -6,8 +6,8 @@ A finished sequence leaves the batch at once and costs nothing more, where the p
 requests into one row of tokens; with sdpa or eager attention, that row's queries are scored
 against the keys of *every* request in it (then masked), so an attention step costs
 O(requests x all cached tokens) instead of the padded O(requests x one sequence's tokens). Only
-flash attention's varlen kernels avoid that; on CPU the padded path is faster (docs/trainer.md,
-Continuous batching), which is why `auto` picks it there.
+flash attention's varlen kernels avoid that. On CPU this engine wins only for long completions
+of varied length (docs/trainer.md, Generation paths), which is why `auto` runs padded there.
 
 What is driven here rather than through `generate_batch`, and why:
   - every request is queued before the manager's thread starts, so the first batch holds all of

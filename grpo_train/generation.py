@@ -8,8 +8,9 @@ and the [B, T] completion mask (1 up to and including the first EOS).
 Two paths give the same batch (--generation): "padded" = `model.generate` on the left-padded
 batch, which computes every row until the longest completion ends; "continuous" = transformers'
 continuous batching (`continuous.py`), where a finished sequence stops costing anything. "auto"
-takes continuous batching on CUDA where it is supported and the padded path on CPU, where it is
-faster (docs/trainer.md, Continuous batching). The path that ran is logged once.
+takes continuous batching on CUDA where it is supported and the padded path on CPU, where
+continuous batching is faster only for long completions of varied length (docs/trainer.md,
+Generation paths). The path that ran is logged once.
 
 Benchmarks can force completion lengths on either path (`forced_lengths`).
 """
@@ -87,7 +88,7 @@ def _wants_continuous(model, ctx: dict, sampling: dict) -> bool:
             reason = continuous.unsupported_reason(model, cfg, sampling)
         device = next(model.parameters()).device
         if reason is None and mode == "auto" and device.type == "cpu":
-            reason = "auto: faster than continuous batching on CPU"
+            reason = "auto on CPU: continuous batching only pays off for long, varied completions"
         ctx["_continuous"] = reason is None
         if reason is not None:
             _say(ctx, f"generation: padded ({reason})")
