@@ -93,6 +93,14 @@ class TrainConfig:
     top_p: float = 1.0  # nucleus sampling: keep the smallest token set with this probability
     top_k: int = 0  # sample among the k likeliest tokens; 0 = no top-k filtering
     mask_truncated_completions: bool = False  # completions without EOS get no loss
+    # How completions are generated: "continuous" = transformers' continuous batching (paged
+    # attention: a finished completion leaves the batch and costs nothing more); "padded" =
+    # model.generate on the left-padded batch (every row runs until the longest ends); "auto" =
+    # continuous on CUDA where supported; padded on CPU, where continuous batching is faster only
+    # for long completions of varied length (docs/trainer.md, Generation paths).
+    # Set-ups continuous batching cannot serve (--fsdp, --bf16 autocast, ...) run padded; the log
+    # names the path that ran and why.
+    generation: str = "auto"
 
     # ---- loss: TRL's names and defaults unless noted -------------------------------------------
     loss: str = "fused"  # "fused" (hidden states, no logits) | "reference" (materialized logits)
@@ -194,6 +202,7 @@ CHOICES = {
     "backend": ("auto", "triton", "torch"),
     "lr_scheduler": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
+    "generation": ("auto", "continuous", "padded"),
 }
 
 

@@ -4,15 +4,95 @@ held-out evaluation), with EOS handling and the completion mask.
 `generate` returns the batch the rest of a step works on (see its docstring for the keys):
 prompt + completion token ids [B, Lp + T] with prompts left-padded and completions right-padded,
 and the [B, T] completion mask (1 up to and including the first EOS).
+
+Two paths give the same batch (--generation): "padded" = `model.generate` on the left-padded
+batch, which computes every row until the longest completion ends; "continuous" = transformers'
+continuous batching (`continuous.py`), where a finished sequence stops costing anything. "auto"
+takes continuous batching on CUDA where it is supported and the padded path on CPU, where
+continuous batching is faster only for long completions of varied length (docs/trainer.md,
+Generation paths). The path that ran is logged once.
+
+Benchmarks can force completion lengths on either path (`forced_lengths`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
-from . import sharding
+from . import continuous, sharding
 from .models import completion_mask, encode_prompts, render_prompts
 from .rewards import accuracy
+
+_forced_draw = None  # the `forced_lengths` hook in effect outside a ctx that names one
+
+
+@contextlib.contextmanager
+def forced_lengths(draw):
+    """Force completion lengths in every `generate` call inside the block (the trainer's too).
+
+    draw(B) -> B ints, one per sequence of the call in batch order (the G completions of prompt 0
+    first): sequence i samples with EOS banned for its first L_i - 1 tokens and then emits EOS
+    (ctx["eos_ids"][0]) as token L_i, so its completion is exactly L_i tokens; L_i above
+    max_new_tokens gives a truncated completion of max_new_tokens tokens. It overrides
+    min_new_tokens. ctx["forced_lengths"] = draw does the same for one ctx."""
+    global _forced_draw
+    previous, _forced_draw = _forced_draw, draw
+    try:
+        yield
+    finally:
+        _forced_draw = previous
+
+
+class EosSchedule:
+    """The padded path's form of forced lengths, a logits processor for `model.generate`:
+    scores [B, V] of the token at completion index t = input_ids.shape[1] - Lp."""
+
+    def __init__(self, lengths: torch.Tensor, eos_ids: list[int], prompt_len: int):
+        self.lengths, self.eos_ids, self.prompt_len = lengths, eos_ids, prompt_len  # [B]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1] - self.prompt_len
+        lengths = self.lengths.to(scores.device).unsqueeze(1)  # [B, 1]
+        is_eos = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+        is_eos[self.eos_ids] = True
+        only_eos = torch.full_like(scores[0], -math.inf)
+        only_eos[self.eos_ids[0]] = 0.0
+        scores = scores.masked_fill((t < lengths - 1) & is_eos, -math.inf)
+        return torch.where(t == lengths - 1, only_eos, scores)
+
+
+def _draw_lengths(ctx: dict, B: int, max_new_tokens: int) -> list[int] | None:
+    draw = ctx.get("forced_lengths", _forced_draw)
+    if draw is None:
+        return None
+    lengths = [int(n) for n in draw(B)]
+    if len(lengths) != B or min(lengths) < 1:
+        raise ValueError(f"forced_lengths: expected {B} lengths >= 1, got {lengths}")
+    return [min(n, max_new_tokens + 1) for n in lengths]  # beyond the cap: truncated anyway
+
+
+def _say(ctx: dict, msg: str) -> None:
+    (ctx.get("say") or print)(msg)
+
+
+def _wants_continuous(model, ctx: dict, sampling: dict) -> bool:
+    """Decided on the first call and kept in ctx; a refusal is logged then."""
+    if "_continuous" not in ctx:
+        cfg = ctx["cfg"]
+        mode = cfg.generation
+        reason = None if mode != "padded" else "--generation padded"
+        if reason is None:
+            reason = continuous.unsupported_reason(model, cfg, sampling)
+        device = next(model.parameters()).device
+        if reason is None and mode == "auto" and device.type == "cpu":
+            reason = "auto on CPU: continuous batching only pays off for long, varied completions"
+        ctx["_continuous"] = reason is None
+        if reason is not None:
+            _say(ctx, f"generation: padded ({reason})")
+    return ctx["_continuous"]
 
 
 @torch.no_grad()
@@ -23,21 +103,70 @@ def generate(model, examples: list[dict], ctx: dict, greedy: bool = False) -> di
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(
         tok, render_prompts(tok, examples, cfg.system_prompt), cfg.max_prompt_length, device)
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # unpadded
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0)  # [B, Lp], groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
+    B = prompt_ids.shape[0]
+    lengths = _draw_lengths(ctx, B, cfg.max_new_tokens)
     sampling = dict(do_sample=False) if greedy else dict(
         do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     was_training = model.training
     model.eval()
-    with sharding.full_parameters(model), ctx["autocast"]:  # FSDP: gathered once per call
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                             max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                             eos_token_id=ctx["eos_ids"], pad_token_id=tok.pad_token_id,
-                             use_cache=True, **sampling)
-    model.train(was_training)
+    completion_ids = None  # [B, T], right-padded with pad_token_id
+    try:
+        with sharding.full_parameters(model), ctx["autocast"]:  # FSDP: gathered once per call
+            if _wants_continuous(model, ctx, sampling):
+                completion_ids = _continuous(model, prompts, G, sampling, lengths, ctx, device)
+            if completion_ids is None:
+                completion_ids = _padded(model, prompt_ids, prompt_mask, sampling, lengths, ctx)
+    finally:
+        model.train(was_training)
+    return _batch(examples, ctx, G, prompt_ids, prompt_mask, completion_ids)
+
+
+def _continuous(model, prompts, G, sampling, lengths, ctx, device) -> torch.Tensor | None:
+    """[B, T] completion ids from continuous batching; None (logged, and the padded path for
+    the rest of the run) if it failed."""
+    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+    try:
+        rows, attn = continuous.generate(
+            model, prompts, G, sampling, cfg.max_new_tokens, cfg.min_new_tokens, ctx["eos_ids"],
+            tok.pad_token_id, lengths)
+    except Exception as err:  # noqa: BLE001 - any failure of the engine: fall back, say why
+        ctx["_continuous"] = False
+        _say(ctx, f"generation: padded (continuous batching failed: {type(err).__name__}: "
+                  f"{err})")
+        return None
+    if not ctx.get("_continuous_logged"):
+        ctx["_continuous_logged"] = True
+        _say(ctx, f"generation: continuous batching ({attn})")
+    T = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def _padded(model, prompt_ids, prompt_mask, sampling, lengths, ctx) -> torch.Tensor:
+    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+    extra = {}
+    if lengths is not None:
+        extra["logits_processor"] = [EosSchedule(torch.tensor(lengths), ctx["eos_ids"],
+                                                 prompt_ids.shape[1])]
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                         max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+                         eos_token_id=ctx["eos_ids"], pad_token_id=tok.pad_token_id,
+                         use_cache=True, **sampling, **extra)
     completion_ids = out[:, prompt_ids.shape[1]:]  # [B, T]
     if completion_ids.shape[1] == 0:  # nothing generated at all: keep one masked column
-        completion_ids = torch.full((out.shape[0], 1), tok.pad_token_id, device=device)
+        completion_ids = torch.full((out.shape[0], 1), tok.pad_token_id, device=out.device)
+    return completion_ids
+
+
+def _batch(examples, ctx, G, prompt_ids, prompt_mask, completion_ids) -> dict:
+    """The step's batch from [B, Lp] prompts and [B, T] completions (either path)."""
+    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+    device = completion_ids.device
     comp_mask = completion_mask(completion_ids, ctx["eos_ids"])  # [B, T]
     lengths = comp_mask.sum(dim=1)
     is_eos = torch.isin(completion_ids, torch.tensor(ctx["eos_ids"], device=device))

@@ -169,7 +169,8 @@ def _train(cfg, phases) -> dict:
                                   grad_filter=grad_filter_value(cfg.grad_filter))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     log = MetricsLog(out_dir, accel.is_main_process, resume_step=start if start else None)
-    ctx = dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast)
+    ctx = dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast,
+               say=say)  # say: generation logs the path it runs once
     head = dict(head_dtype=torch.float32) if cfg.fp32_lm_head else {}  # fused calls' head dtype
 
     def checkpoint(step):
