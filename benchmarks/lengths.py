@@ -5,14 +5,15 @@ would never show. Here each provider's `generate` calls get lengths drawn from a
 enforced with EOS at exactly the drawn length (and never before), so every provider does the
 same work: the same lengths, in the same order, step after step.
 
-    fixed      every completion is `cap` tokens (EOS suppressed; the last token is not EOS)
+    fixed      every completion is `cap` tokens (EOS suppressed: truncated at the cap)
     lognormal  long-tailed, as real GRPO completions are: log-length ~ N(log(cap / 3), 0.75²),
                so the median is a third of the cap; clipped to [1, cap]; a completion drawn at
                the cap ends without EOS (truncated), as a real one would
 
 Draws depend on (seed, call index) only: the k-th generate call of any provider gets the same
-lengths. `with ForcedLengths(...).installed():` patches transformers' `GenerationMixin.generate`
-while a provider runs (and restores it after) and checks every output against the draw.
+lengths. grpo_train takes them through its `forced_lengths` hook; for TRL,
+`with ForcedLengths(...).installed():` patches transformers' `GenerationMixin.generate` while it
+runs (restored after) and checks every output against the draw.
 """
 
 from __future__ import annotations
@@ -39,40 +40,28 @@ def draw_lengths(profile: str, n: int, cap: int, seed: int, call: int) -> list[i
 
 
 class ForcedLengths:
-    """A logits processor: row i of the batch emits EOS exactly at completion token
-    lengths[i] (if below the cap) and no EOS before it. Installed around `generate`."""
+    """The profile's draws, one list per generate call (`history`), and two ways to enforce
+    them: `draw(B)` is grpo_train's `forced_lengths` hook (both of its generation paths);
+    `installed()` patches transformers' `GenerationMixin.generate` (TRL's generation) with
+    grpo_train's own logits processor. A draw at the cap becomes cap + 1 for both, i.e. a
+    completion truncated at the cap without EOS."""
 
     def __init__(self, profile: str, cap: int, eos_id: int, seed: int = 0):
         self.profile, self.cap, self.eos_id, self.seed = profile, cap, eos_id, seed
-        self.calls, self.history = 0, []  # drawn lengths of every call
-        self._lengths, self._prompt_len = None, 0
+        self.history: list[list[int]] = []  # the drawn lengths of every call
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        # scores [B, V] for completion token t (from 0) = input_ids.shape[1] - prompt length
-        t = input_ids.shape[1] - self._prompt_len
-        lengths = self._lengths.to(scores.device)
-        scores[:, self.eos_id] = float("-inf")  # never EOS before the drawn length
-        # the drawn last token is EOS; a length at the cap runs out without one (truncated)
-        forced = (lengths == t + 1) & (lengths < self.cap)
-        if bool(forced.any()):
-            scores[forced] = float("-inf")
-            scores[forced, self.eos_id] = 0.0
-        return scores
-
-    def begin(self, batch: int, prompt_len: int) -> None:
-        lengths = draw_lengths(self.profile, batch, self.cap, self.seed, self.calls)
-        self.calls += 1
+    def draw(self, batch: int) -> list[int]:
+        lengths = draw_lengths(self.profile, batch, self.cap, self.seed, len(self.history))
         self.history.append(lengths)
-        self._lengths = torch.tensor(lengths)
-        self._prompt_len = prompt_len
+        return [n if n < self.cap else self.cap + 1 for n in lengths]
 
     def check(self, sequences: torch.Tensor, prompt_len: int) -> None:
-        """Every row's completion ends as drawn (EOS at the drawn length, or the cap)."""
+        """Every row of the latest call ends as drawn (EOS at the drawn length, or none)."""
         comp = sequences[:, prompt_len:]
-        for i, want in enumerate(self._lengths.tolist()):
+        for i, want in enumerate(self.history[-1]):
             is_eos = (comp[i] == self.eos_id).nonzero()
             got = int(is_eos[0]) + 1 if len(is_eos) else comp.shape[1]
-            if want < self.cap and got != want or want >= self.cap and len(is_eos):
+            if got != want or (want >= self.cap) != (len(is_eos) == 0):
                 raise RuntimeError(f"completion {i} ended at {got} tokens, drawn {want}: the "
                                    "forced lengths did not take effect")
 
@@ -81,19 +70,19 @@ class ForcedLengths:
         """GenerationMixin.generate patched to force the lengths, inside the block."""
         from transformers import GenerationMixin, LogitsProcessorList
 
+        from grpo_train.generation import EosSchedule
+
         original = GenerationMixin.generate
         forcing = self
 
         def generate(model, *args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            forcing.begin(ids.shape[0], ids.shape[1])
+            lengths = torch.tensor(forcing.draw(ids.shape[0]))
             processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-            processors.append(forcing)
-            kwargs.setdefault("max_new_tokens", forcing.cap)
-            kwargs["min_new_tokens"] = 0  # the processor decides where EOS goes
+            processors.append(EosSchedule(lengths, [forcing.eos_id], ids.shape[1]))
+            kwargs["min_new_tokens"] = 0  # the schedule decides where EOS goes
             out = original(model, *args, logits_processor=processors, **kwargs)
-            sequences = out if isinstance(out, torch.Tensor) else out.sequences
-            forcing.check(sequences, ids.shape[1])
+            forcing.check(out if isinstance(out, torch.Tensor) else out.sequences, ids.shape[1])
             return out
 
         GenerationMixin.generate = generate

@@ -108,6 +108,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         eval_size=0, output_dir=str(workdir / "run"), steps=args.warmup + args.steps,
         num_prompts=1, num_generations=args.num_generations,
         max_new_tokens=args.completion_tokens, padding_free=args.padding_free == "on",
+        generation=args.generation,
         micro_batch_size=args.num_generations, beta=0.0, num_iterations=1, loss_type="dapo",
         loss=args.provider, learning_rate=1e-6, bf16=cuda and not args.no_bf16,
         gradient_checkpointing=not args.no_gradient_checkpointing,
@@ -278,6 +279,9 @@ def parse_args(argv):
     parser.add_argument("--padding_free", default="on", choices=("on", "off"),
                         help="grpo_train providers: packed micro-batches (on, the trainer's "
                              "default) or padded rows; TRL always pads")
+    parser.add_argument("--generation", default="auto", choices=("auto", "continuous", "padded"),
+                        help="grpo_train providers' generation path (auto: padded on CPU); "
+                             "TRL uses model.generate")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--model_dtype", default="float32", choices=("float32", "bfloat16"))
@@ -336,11 +340,14 @@ def measure(args, argv) -> dict:
         forcing = lengths.ForcedLengths(args.length_profile, args.completion_tokens,
                                         eos_id=_eos_id(model_dir), seed=args.seed)
         recorder = make_recorder(args, device, workdir, env)
-        with forcing.installed():
-            if args.provider == "trl":
+        if args.provider == "trl":
+            with forcing.installed():
                 steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device,
                                           recorder, forcing)
-            else:
+        else:
+            from grpo_train.generation import forced_lengths
+
+            with forced_lengths(forcing.draw):
                 steps, recorder = run_grpo_train(args, model_dir, data, workdir, device,
                                                  recorder)
     timed = steps[args.warmup:]
@@ -386,6 +393,7 @@ def describe(args, cuda: bool) -> dict:
         "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "length_profile": args.length_profile,
         "padding_free": "off" if args.provider == "trl" else args.padding_free,
+        "generation": "generate (padded)" if args.provider == "trl" else args.generation,
         "warmup": args.warmup,
         "bf16_autocast": cuda and not args.no_bf16,
         "gradient_checkpointing": not args.no_gradient_checkpointing,

@@ -61,3 +61,19 @@ def test_forced_lengths_end_every_completion_where_drawn():
     for row, n in zip(out[:, 3:].tolist(), want):
         ended = row.index(7) + 1 if 7 in row else len(row)
         assert ended == n and (7 in row) == (n < 12)
+
+
+@pytest.mark.parametrize("provider", ["fused", "trl"])
+def test_trainer_step_long_tailed_lengths(provider):
+    """Both providers get the same drawn lengths: the row's mean is the draws' mean."""
+    if provider == "trl":
+        pytest.importorskip("trl")
+    from benchmarks import lengths
+
+    args = ["--provider", provider, "--tiny", "--steps", "1", "--no_record", "--backend",
+            "torch", "--device", "cpu", "--length_profile", "lognormal",
+            "--completion_tokens", "24"]
+    row = trainer_step.main(args)
+    drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=1)  # the timed step's
+    assert row["completion_tokens_mean"] == pytest.approx(sum(drawn) / 4, abs=0.05)
+    assert row["length_profile"] == "lognormal" and row["warmup"] == 1
