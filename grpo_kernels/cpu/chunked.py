@@ -8,7 +8,8 @@ Linear head: the logits z = (hidden @ weight.T + bias) / τ are produced one [ro
 time (vocabulary tiles outer, token blocks inner), so at most two tiles of float32 exist at once
 and each weight tile is read from memory once per pass:
 - forward keeps an online softmax per token (running max m, Σ e^(z-m) and Σ e^(z-m)·(z-m)), so
-  lse and the entropy come out of one pass over the vocabulary;
+  lse and the entropy come out of one pass over the vocabulary (a tile that spans the vocabulary
+  gives them directly);
 - backward recomputes each tile, turns it into d z in place and feeds it straight to the two
   GEMMs (d hidden += d z @ W_tile, d W_tile += d z^T @ hidden). Tokens with no gradient (padding)
   are dropped before the tiles, and the target's one-hot term is added outside them.
@@ -21,6 +22,11 @@ core, so the passes over a tile are kept few, and small per-token work uses ops 
 calling thread (index_select, not advanced indexing, which forks threads at any size).
 A float32 weight with bf16/fp16 hidden (mixed head precision) gives the fp32 head's logits of the
 hidden states as given; each gradient comes back in its input's dtype.
+Tiles hold their logits in log2 units, so that every exponential is PyTorch's exp2, about three
+times faster than its exp on CPU; the per-tile operations are in `tiles.py`. Small problems pay
+mostly per-op overhead, so a tile that spans the vocabulary (V within the tile budget, the common
+case on CPU) skips the per-tile target bookkeeping, and one block that holds every token is
+handed on without row views.
 """
 
 from __future__ import annotations
@@ -28,6 +34,23 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from .tiles import (
+    LN2,
+    LOG2E,
+    compute_dtype,
+    empty_stats,
+    exp_sums,
+    finish_stats,
+    in_tile,
+    log2_head,
+    logits_tile,
+    neg_dz_tile,
+    tile_buffer,
+    tile_update,
+    view,
+    weight_tile,
+)
 
 # Logits input: elements of one [rows, V] float32 block (one buffer; two with an entropy
 # gradient): 16 MiB.
@@ -54,125 +77,57 @@ def _tile_shape(N: int, V: int, chunk_elements: int | None, buffers: int) -> tup
     return rows, cols
 
 
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float64 if any input is float64, else float32 (half inputs accumulate in float32)."""
-    dtypes = [t.dtype for t in tensors if t is not None]
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+def _whole(x):
+    return x
 
 
-def _empty_stats(N, device):
-    return tuple(torch.empty(N, device=device, dtype=torch.float32) for _ in range(3))
-
-
-def _view(buf, r, c):
-    return None if buf is None else buf[:r * c].view(r, c)
-
-
-def _tile_update(z, scratch, m, s, t, first: bool) -> None:
-    """Online softmax over one tile. z [r, c] (consumed), scratch [r, c]; state [r] each:
-    m = running max, s = Σ e^(z-m), t = Σ e^(z-m)·(z-m), all relative to the current m."""
-    tile_max = z.amax(dim=1)
-    m_new = tile_max if first else torch.maximum(m, tile_max)
-    z.sub_(m_new[:, None])  # z - m_new <= 0
-    e = torch.exp(z, out=scratch)
-    tile_s = e.sum(dim=1)
-    tile_t = e.mul_(z).sum(dim=1)
-    if first:
-        m.copy_(m_new), s.copy_(tile_s), t.copy_(tile_t)
+def _row_parts(n: int, rows: int):
+    """Blocks of at most `rows` of n rows: (first row, rows, x -> the block's rows of x). One
+    block of all n rows hands tensors on as they are (no view op per tensor and block)."""
+    if rows >= n:
+        yield 0, n, _whole
         return
-    shift = m - m_new  # <= 0: move the old sums to the new max
-    alpha = shift.exp()
-    t.add_(shift * s).mul_(alpha).add_(tile_t)
-    s.mul_(alpha).add_(tile_s)
-    m.copy_(m_new)
-
-
-def _finish_stats(m, s, t, picked, out) -> None:
-    """lse = m + log s; entropy = log s - E[z - m] (no cancellation for peaked rows);
-    logp = z_target - lse. Written into out = (logp, entropy, lse), float32 [r] each."""
-    log_s = s.log()
-    lse = m + log_s
-    out[0].copy_(picked - lse)
-    out[1].copy_(log_s - t / s)
-    out[2].copy_(lse)
-
-
-def _scaled_hidden(hidden, dtype, inv_t):
-    """hidden [N, D] in the compute dtype, times 1/τ (so z = h' @ W^T + b/τ); a copy only when
-    needed (half hidden, or τ != 1)."""
-    h = hidden.to(dtype)
-    return h if inv_t == 1.0 else h * inv_t
-
-
-def _logits_tile(h, w, b, out):
-    """out [r, c] = h [r, D] @ w [c, D]^T (+ b [c])."""
-    if b is None:
-        return torch.mm(h, w.T, out=out)
-    return torch.addmm(b, h, w.T, out=out)
-
-
-def _weight_tile(weight, v0, cols, dtype, buf):
-    """weight[v0:v0 + cols] in the compute dtype: a view when it already is, else copied into
-    `buf` (one buffer reused by every vocabulary tile of the call)."""
-    w = weight[v0:v0 + cols]
-    if w.dtype == dtype:
-        return w
-    return buf[:w.numel()].view(w.shape).copy_(w)
-
-
-def _tile_buffer(weight, dtype, cols):
-    """The buffer `_weight_tile` copies half weights into (None when no copy is needed)."""
-    if weight.dtype == dtype:
-        return None
-    return torch.empty(min(cols, weight.shape[0]) * weight.shape[1], dtype=dtype,
-                       device=weight.device)
-
-
-def _in_tile(targets, v0, c):
-    """Column of each token's target in the tile [v0, v0 + c) (clamped), and whether it is there:
-    [r] each. Lets one small gather/scatter per tile touch the target column."""
-    col = targets - v0
-    inside = (col >= 0) & (col < c)
-    return col.clamp_(0, c - 1)[:, None], inside
+    for r0 in range(0, n, rows):
+        r = min(rows, n - r0)
+        yield r0, r, lambda x, r0=r0, r=r: x[r0:r0 + r]
 
 
 def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]
     -> float32 (logp, entropy, lse), each [N]."""
     N, V = hidden.shape[0], weight.shape[0]
-    out = _empty_stats(N, hidden.device)
+    out = empty_stats(N, hidden.device)
     if N == 0:
         return out
-    dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
+    dtype = compute_dtype(hidden, weight, bias)
     rows, cols = _tile_shape(N, V, chunk_elements, buffers=2)
     with torch.no_grad():
-        h = _scaled_hidden(hidden, dtype, inv_t)
-        b = None if bias is None else bias.to(dtype) * inv_t
-        m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
+        h, b = log2_head(hidden, bias, dtype, temperature)  # z = h @ W^T + b, log2 units
         z_buf, e_buf = (torch.empty(rows * cols, dtype=dtype, device=h.device) for _ in range(2))
-        w_buf = _tile_buffer(weight, dtype, cols)
+        w_buf = tile_buffer(weight, dtype, cols)
+        if cols == V:  # whole rows: each row block's statistics directly, nothing carried over
+            w = weight_tile(weight, 0, V, dtype, w_buf)
+            for _, r, part in _row_parts(N, rows):
+                z = logits_tile(part(h), w, b, view(z_buf, r, V))  # [r, V]
+                m = z.amax(dim=1)
+                picked = z.gather(1, part(targets)[:, None]).squeeze_(1).sub_(m)  # z_target - m
+                z.sub_(m[:, None])
+                s, t = exp_sums(z, view(e_buf, r, V))
+                finish_stats(m, s, t, picked, [part(o) for o in out])
+            return out
+        m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
         for v0 in range(0, V, cols):
-            w = _weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
+            w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
             bt = None if b is None else b[v0:v0 + cols]
             c = w.shape[0]
-            col, inside = _in_tile(targets, v0, c)
-            for r0 in range(0, N, rows):
-                sl = slice(r0, min(r0 + rows, N))
-                r = sl.stop - r0
-                z = _logits_tile(h[sl], w, bt, _view(z_buf, r, c))
-                picked[sl] = torch.where(inside[sl], z.gather(1, col[sl]).squeeze(1), picked[sl])
-                _tile_update(z, _view(e_buf, r, c), m[sl], s[sl], t[sl], first=v0 == 0)
-        _finish_stats(m, s, t, picked, out)
+            col, inside = in_tile(targets, v0, c)
+            for _, r, part in _row_parts(N, rows):
+                z = logits_tile(part(h), w, bt, view(z_buf, r, c))
+                pk = part(picked)
+                pk.copy_(torch.where(part(inside), z.gather(1, part(col)).squeeze(1), pk))
+                tile_update(z, view(e_buf, r, c), part(m), part(s), part(t), first=v0 == 0)
+        finish_stats(m, s, t, picked.sub_(m), out)  # picked: z_target, gathered before the shift
     return out
-
-
-def _neg_dz_tile(logp, scratch, ent, g, gh):
-    """logp [r, c] (log p of the tile; overwritten) -> -d z without the one-hot term, for
-    Σ g·logp + Σ gh·H:  p·(g + gh·(log p + H)); ent, g, gh [r, 1] (gh may be None)."""
-    if gh is None:
-        return logp.exp_().mul_(g)
-    p = torch.exp(logp, out=scratch)
-    return torch.addcmul(g, gh, logp.add_(ent), out=logp).mul_(p)
 
 
 def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
@@ -206,7 +161,7 @@ def linear_logprob_backward(
         # no tokens, or masked tokens only: no work (and d W must be zeros, not left unwritten)
         return tuple(torch.zeros_like(x) if want else None
                      for x, want in ((hidden, want_dh), (weight, want_dw), (bias, want_db)))
-    dtype, inv_t = _compute_dtype(hidden, weight, bias), 1.0 / temperature
+    dtype, inv_t = compute_dtype(hidden, weight, bias), 1.0 / temperature
 
     def pick(x):  # [N, ...] -> the active tokens' rows, in the compute dtype
         if x is None:
@@ -215,30 +170,33 @@ def linear_logprob_backward(
         return x.to(dtype) if x.is_floating_point() else x
 
     with torch.no_grad():
-        h = _scaled_hidden(pick(hidden), dtype, inv_t)  # [Na, D]
-        tg, g, gh, lse_a, ent_a = (pick(x) for x in (targets, g_logp, g_ent, lse, ent))
-        b = None if bias is None else bias.to(dtype) * inv_t
+        ha = pick(hidden)  # [Na, D]
+        h, b = log2_head(ha, bias, dtype, temperature)  # z = h @ W^T + b, log2 units
+        tg, g, gh = pick(targets), pick(g_logp), pick(g_ent)
+        lse2 = pick(lse) * LOG2E  # [Na], log2 units
         Na, D = h.shape
-        # Each tile is turned into x with d z = σ·x per token. Fast (no bias, no entropy
-        # gradient): x = exp(z - lse + log|g|) - |g|·onehot and σ = -sign(g); the per-token
-        # constants ride in the GEMM's input, so a tile is one addmm, one exp_, one small scatter
-        # and the two gradient GEMMs, in one buffer; σ goes onto hidden (for d W) and onto d
-        # hidden at the end. General: x = p·(g + g_H·(log p + H)) - g·onehot and σ = -1, which
-        # goes into the GEMMs' alpha.
+        # Each tile is turned into x with d z = σ·x per token (z in nats). Fast (no bias, no
+        # entropy gradient): x = 2^(z·log2(e) - lse·log2(e) + log2|g|) - |g|·onehot and
+        # σ = -sign(g); the per-token constants ride in the GEMM's input, so a tile is one addmm,
+        # one exp2_, one small scatter and the two gradient GEMMs, in one buffer; σ/τ goes onto
+        # hidden (for d W) and onto d hidden at the end. General:
+        # x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which goes into the GEMMs' alpha
+        # (with ln 2 for d W, whose hidden operand carries log2(e)/τ).
         fast = b is None and gh is None
         rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
         if fast:
-            row_shift = (g.abs().log() - lse_a)[:, None]  # [Na, 1]; g != 0 on active rows
-            neg_sign = -g.sign()
-            h_dw = h * neg_sign[:, None] if want_dw else None
-            one_hot = -g.abs()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
-            alpha_dh, alpha_dw, dh_scale = 1.0, 1.0, (neg_sign * inv_t)[:, None]
+            row_shift = g.abs().log2_().sub_(lse2)[:, None]  # [Na, 1]; g != 0 on active rows
+            dh_scale = g.sign().mul_(-inv_t)[:, None]  # σ/τ
+            h_dw = ha * dh_scale if want_dw else None
+            one_hot = g.abs().neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
+            alpha_dh, alpha_dw = 1.0, 1.0
         else:
-            neg_lse = None if b is not None else (-lse_a)[:, None]  # log p straight from addmm
-            cols_of = lambda x: None if x is None else x[:, None]  # noqa: E731
-            g_c, gh_c, ent_c = cols_of(g), cols_of(gh), cols_of(ent_a)
+            neg_lse = None if b is not None else (-lse2)[:, None]  # log2 p straight from addmm
+            g_c = g[:, None]
+            gh_c = None if gh is None else (gh * LN2)[:, None]
+            ent_c = None if gh is None else (pick(ent) * LOG2E)[:, None]
             h_dw, one_hot = h, -g
-            alpha_dh, alpha_dw, dh_scale = -inv_t, -1.0, None
+            alpha_dh, alpha_dw, dh_scale = -inv_t, -LN2, None
         # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]; the first
         # vocabulary tile writes it, so nothing is zeroed
         direct_dh = want_dh and idx is None and hidden.dtype == dtype
@@ -252,35 +210,37 @@ def linear_logprob_backward(
         db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
         z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
         e_buf = None if gh is None else torch.empty_like(z_buf)  # p, for the entropy term
-        w_buf = _tile_buffer(weight, dtype, cols)
+        w_buf = tile_buffer(weight, dtype, cols)
         for v0 in range(0, V, cols):
-            w = _weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
+            w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
             c = w.shape[0]
-            bt = None if b is None else b[v0:v0 + c]
-            col, inside = _in_tile(tg, v0, c)
-            target_term = (one_hot * inside)[:, None]
+            bt = None if b is None or c == V else b[v0:v0 + c]
+            if c == V:  # every target is in the tile
+                bt, col, target_term = b, tg[:, None], one_hot[:, None]
+            else:
+                col, inside = in_tile(tg, v0, c)
+                target_term = (one_hot * inside)[:, None]
             # d W of this tile accumulates over token blocks, then is written once
             dw_tile = None
             if want_dw:
-                dw_tile = dw[v0:v0 + c] if dw.dtype == dtype else _view(dw_buf, c, D)
-            for r0 in range(0, Na, rows):
-                sl = slice(r0, min(r0 + rows, Na))
-                r = sl.stop - r0
-                z = _view(z_buf, r, c)
+                dw_tile = view(dw, c, D) if c == V else dw[v0:v0 + c]
+                dw_tile = dw_tile if dw.dtype == dtype else view(dw_buf, c, D)
+            for r0, r, part in _row_parts(Na, rows):
+                z = view(z_buf, r, c)
                 if fast:
-                    x = torch.addmm(row_shift[sl], h[sl], w.T, out=z).exp_()
+                    x = torch.addmm(part(row_shift), part(h), w.T, out=z).exp2_()
                 else:
                     if bt is None:
-                        x = torch.addmm(neg_lse[sl], h[sl], w.T, out=z)
+                        x = torch.addmm(part(neg_lse), part(h), w.T, out=z)
                     else:
-                        x = torch.addmm(bt, h[sl], w.T, out=z).sub_(lse_a[sl, None])
-                    x = _neg_dz_tile(x, _view(e_buf, r, c), None if gh is None else ent_c[sl],
-                                     g_c[sl], None if gh is None else gh_c[sl])
-                x.scatter_add_(1, col[sl], target_term[sl])
+                        x = torch.addmm(bt, part(h), w.T, out=z).sub_(part(lse2)[:, None])
+                    x = neg_dz_tile(x, view(e_buf, r, c), None if gh is None else part(ent_c),
+                                    part(g_c), None if gh is None else part(gh_c))
+                x.scatter_add_(1, part(col), part(target_term))
                 if dh_acc is not None:
-                    _gemm_into(dh_acc[sl], x, w, first=v0 == 0, alpha=alpha_dh)
+                    _gemm_into(part(dh_acc), x, w, first=v0 == 0, alpha=alpha_dh)
                 if dw_tile is not None:
-                    _gemm_into(dw_tile, x.T, h_dw[sl], first=r0 == 0, alpha=alpha_dw)
+                    _gemm_into(dw_tile, x.T, part(h_dw), first=r0 == 0, alpha=alpha_dw)
                 if db_acc is not None:
                     db_acc[v0:v0 + c] += x.sum(dim=0)
             if dw_tile is not None and dw_tile.dtype != dw.dtype:
@@ -301,55 +261,49 @@ def linear_logprob_backward(
 
 def _row_blocks(B: int, T: int, C: int):
     """Split [B, T] rows into blocks of about C: whole sequences when C >= T, else pieces of one
-    sequence. Yields (sequence slice, position slice, flat start); each block of a [B, T, V]
-    view is then itself a view, so sliced logits are never copied whole."""
+    sequence. Yields (block of a [B, T, ...] tensor, block of a flat [B·T, ...] one): each block
+    of a [B, T, V] view is itself a view, so sliced logits are never copied whole; one block of
+    all B·T rows hands tensors on as they are."""
     if B * T == 0:  # no tokens (e.g. a packed batch of empty sequences): no blocks
         return
-    if C >= T:
+    if C >= B * T:
+        yield _whole, _whole
+    elif C >= T:
         step = C // T
         for b in range(0, B, step):
-            yield slice(b, b + step), slice(0, T), b * T
+            n = min(step, B - b) * T
+            yield (lambda x, b=b: x[b:b + step]), (lambda v, i=b * T, n=n: v[i:i + n])
     else:
         for b in range(B):
             for t in range(0, T, C):
-                yield slice(b, b + 1), slice(t, t + C), b * T + t
+                n = min(C, T - t)
+                yield ((lambda x, b=b, t=t: x[b:b + 1, t:t + C]),
+                       (lambda v, i=b * T + t, n=n: v[i:i + n]))
 
 
-def _block(x, buf, lead):
-    """buf (flat) viewed as x's leading shape `lead` + x's last dimension."""
-    return buf[:x.shape[-1] * lead[0] * lead[1]].view(*lead, x.shape[-1])
-
-
-def _per_token(v, lead):
-    """[b·t] -> [b, t, 1], to broadcast over a block's vocabulary."""
-    return v.view(*lead, 1)
+def _block(buf, shape):
+    """The first elements of a flat buffer viewed as `shape` ([b, t, V])."""
+    n = shape[0] * shape[1] * shape[2]
+    return buf.view(shape) if buf.numel() == n else buf[:n].view(shape)
 
 
 def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
     """logits [B, T, V], targets [B·T] -> float32 (logp, entropy, lse), each [B·T]."""
     B, T, V = logits.shape
-    out = _empty_stats(B * T, logits.device)
-    dtype, inv_t = _compute_dtype(logits), 1.0 / temperature
+    out = empty_stats(B * T, logits.device)
+    dtype, scale = compute_dtype(logits), LOG2E / temperature
     C = _chunk_rows(V, chunk_elements)
     with torch.no_grad():
         z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
                         for _ in range(2))
-        for bs, ts, i in _row_blocks(B, T, C):
-            x = logits[bs, ts]  # [b, t, V], a view of the input (read in its own dtype)
-            lead = x.shape[:2]
-            n = lead[0] * lead[1]
-            m = x.amax(dim=-1).to(dtype).mul_(inv_t)  # [b, t]: the max of z = x / τ
+        for rows, tokens in _row_blocks(B, T, C):
+            x = rows(logits)  # [b, t, V], a view of the input (read in its own dtype)
+            m = x.amax(dim=-1).to(dtype).mul_(scale)  # [b, t]: the max of z = x·log2(e)/τ
             # z - m in the compute dtype: one pass that reads x and writes the buffer
-            z = torch.add(m.neg()[..., None], x, alpha=inv_t, out=_block(x, z_buf, lead))
-            picked = z.gather(-1, targets[i:i + n].view(*lead, 1)).view(n)  # z_target - m
-            e = torch.exp(z, out=_block(x, e_buf, lead))
-            s = e.sum(dim=-1).view(n)
-            t = e.mul_(z).sum(dim=-1).view(n)  # Σ e^(z-m)·(z-m)
-            log_s = s.log()
-            logp, entropy, lse = (o[i:i + n] for o in out)
-            logp.copy_(picked - log_s)  # z_target - lse, with lse = m + log s
-            entropy.copy_(log_s - t / s)
-            lse.copy_(m.view(n) + log_s)
+            z = torch.add(m.neg()[..., None], x, alpha=scale, out=_block(z_buf, x.shape))
+            picked = z.gather(-1, tokens(targets).view(*x.shape[:2], 1)).view(-1)  # z_target - m
+            s, t = exp_sums(z, _block(e_buf, x.shape))
+            finish_stats(m.view(-1), s.view(-1), t.view(-1), picked, [tokens(o) for o in out])
     return out
 
 
@@ -358,32 +312,32 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself)."""
     B, T, V = logits.shape
     dx3 = torch.empty_like(logits) if out is None else out
-    dtype, inv_t = _compute_dtype(logits), 1.0 / temperature
+    dtype, inv_t = compute_dtype(logits), 1.0 / temperature
+    scale = LOG2E * inv_t  # z = x·log2(e)/τ: logits in log2 units
     C = _chunk_rows(V, chunk_elements)
     with torch.no_grad():
         z_buf = torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
         e_buf = None if g_ent is None else torch.empty_like(z_buf)
-        for bs, ts, i in _row_blocks(B, T, C):
-            x, dx = logits[bs, ts], dx3[bs, ts]  # [b, t, V] views
-            lead = x.shape[:2]
-            n = lead[0] * lead[1]
-            g, gh = g_logp[i:i + n].to(dtype), None if g_ent is None else g_ent[i:i + n]
+        for rows, tokens in _row_blocks(B, T, C):
+            x, dx = rows(logits), rows(dx3)  # [b, t, V] views
+            per_token = functools.partial(torch.Tensor.view, size=(*x.shape[:2], 1))
+            g, gh = tokens(g_logp).to(dtype), None if g_ent is None else tokens(g_ent)
             if not (bool(g.any()) or (gh is not None and bool(gh.any()))):
                 dx.zero_()
                 continue
-            per_token = functools.partial(_per_token, lead=lead)
-            z = _block(x, z_buf, lead)
-            lse_i = lse[i:i + n].to(dtype)
+            z = _block(z_buf, x.shape)
+            neg_lse = tokens(lse).to(dtype) * -LOG2E  # [n], log2 units
+            ids = per_token(tokens(targets))
             if gh is None:
-                # d x = -g/τ · (p - onehot): one pass from x to the tile (p = exp(x/τ - lse)),
-                # one exp_, one small scatter, one pass from the tile into d x
-                torch.add(per_token(-lse_i), x, alpha=inv_t, out=z).exp_()
-                z.scatter_add_(-1, per_token(targets[i:i + n]), z.new_full((*lead, 1), -1.0))
+                # d x = -g/τ · (p - onehot): one pass from x to the tile (p = 2^(z - lse)),
+                # one exp2_, one small scatter, one pass from the tile into d x
+                torch.add(per_token(neg_lse), x, alpha=scale, out=z).exp2_()
+                z.scatter_add_(-1, ids, z.new_full(ids.shape, -1.0))
                 torch.mul(z, per_token(g * -inv_t), out=dx)
             else:
-                torch.add(per_token(-lse_i), x, alpha=inv_t, out=z)  # log p
-                _neg_dz_tile(z, _block(x, e_buf, lead), per_token(ent[i:i + n].to(dtype)),
-                             per_token(g), per_token(gh.to(dtype)))
-                z.scatter_add_(-1, per_token(targets[i:i + n]), per_token(-g))  # -d z
+                torch.add(per_token(neg_lse), x, alpha=scale, out=z)  # log2 p
+                neg_dz_tile(z, _block(e_buf, x.shape), per_token(tokens(ent).to(dtype) * LOG2E),
+                            per_token(g), per_token(gh.to(dtype) * LN2))
+                z.scatter_add_(-1, ids, per_token(-g))  # -d z
                 torch.mul(z, -inv_t, out=dx)
     return dx3
