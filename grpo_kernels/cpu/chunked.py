@@ -102,13 +102,13 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     dtype = compute_dtype(hidden, weight, bias)
     rows, cols = _tile_shape(N, V, chunk_elements, buffers=2)
     with torch.no_grad():
-        h, b = log2_head(hidden, bias, dtype, temperature)  # z = h @ W^T + b, log2 units
+        h, b, alpha = log2_head(hidden, bias, dtype, temperature)  # z = α·h @ W^T + b, log2 units
         z_buf, e_buf = (torch.empty(rows * cols, dtype=dtype, device=h.device) for _ in range(2))
         w_buf = tile_buffer(weight, dtype, cols)
         if cols == V:  # whole rows: each row block's statistics directly, nothing carried over
             w = weight_tile(weight, 0, V, dtype, w_buf)
             for _, r, part in _row_parts(N, rows):
-                z = logits_tile(part(h), w, b, view(z_buf, r, V))  # [r, V]
+                z = logits_tile(part(h), w, b, view(z_buf, r, V), alpha)  # [r, V]
                 m = z.amax(dim=1)
                 picked = z.gather(1, part(targets)[:, None]).squeeze_(1).sub_(m)  # z_target - m
                 z.sub_(m[:, None])
@@ -122,7 +122,7 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
             c = w.shape[0]
             col, inside = in_tile(targets, v0, c)
             for _, r, part in _row_parts(N, rows):
-                z = logits_tile(part(h), w, bt, view(z_buf, r, c))
+                z = logits_tile(part(h), w, bt, view(z_buf, r, c), alpha)
                 pk = part(picked)
                 pk.copy_(torch.where(part(inside), z.gather(1, part(col)).squeeze(1), pk))
                 tile_update(z, view(e_buf, r, c), part(m), part(s), part(t), first=v0 == 0)
@@ -170,24 +170,24 @@ def linear_logprob_backward(
         return x.to(dtype) if x.is_floating_point() else x
 
     with torch.no_grad():
-        ha = pick(hidden)  # [Na, D]
-        h, b = log2_head(ha, bias, dtype, temperature)  # z = h @ W^T + b, log2 units
+        h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
         tg, g, gh = pick(targets), pick(g_logp), pick(g_ent)
         lse2 = pick(lse) * LOG2E  # [Na], log2 units
         Na, D = h.shape
         # Each tile is turned into x with d z = σ·x per token (z in nats). Fast (no bias, no
-        # entropy gradient): x = 2^(z·log2(e) - lse·log2(e) + log2|g|) - |g|·onehot and
-        # σ = -sign(g); the per-token constants ride in the GEMM's input, so a tile is one addmm,
-        # one exp2_, one small scatter and the two gradient GEMMs, in one buffer; σ/τ goes onto
-        # hidden (for d W) and onto d hidden at the end. General:
-        # x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which goes into the GEMMs' alpha
-        # (with ln 2 for d W, whose hidden operand carries log2(e)/τ).
+        # entropy gradient): x = 2^(α·h W^T - lse·log2(e) + log2|g|) - |g|·onehot, α = log2(e)/τ,
+        # and σ = -sign(g); the per-token constants ride in the GEMM's bias, so a tile is one
+        # addmm, one exp2_, one small scatter and the two gradient GEMMs, in one buffer; σ/τ goes
+        # onto hidden (for d W) and onto d hidden at the end. General:
+        # x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which goes with 1/τ into the GEMMs'
+        # alpha.
         fast = b is None and gh is None
         rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
         if fast:
-            row_shift = g.abs().log2_().sub_(lse2)[:, None]  # [Na, 1]; g != 0 on active rows
+            # [Na, 1]; g != 0 on active rows (xlogy: torch.log2 forks threads, see tiles.py)
+            row_shift = torch.xlogy(LOG2E, g.abs()).sub_(lse2)[:, None]
             dh_scale = g.sign().mul_(-inv_t)[:, None]  # σ/τ
-            h_dw = ha * dh_scale if want_dw else None
+            h_dw = h * dh_scale if want_dw else None
             one_hot = g.abs().neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
             alpha_dh, alpha_dw = 1.0, 1.0
         else:
@@ -196,7 +196,7 @@ def linear_logprob_backward(
             gh_c = None if gh is None else (gh * LN2)[:, None]
             ent_c = None if gh is None else (pick(ent) * LOG2E)[:, None]
             h_dw, one_hot = h, -g
-            alpha_dh, alpha_dw, dh_scale = -inv_t, -LN2, None
+            alpha_dh, alpha_dw, dh_scale = -inv_t, -inv_t, None
         # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]; the first
         # vocabulary tile writes it, so nothing is zeroed
         direct_dh = want_dh and idx is None and hidden.dtype == dtype
@@ -228,12 +228,13 @@ def linear_logprob_backward(
             for r0, r, part in _row_parts(Na, rows):
                 z = view(z_buf, r, c)
                 if fast:
-                    x = torch.addmm(part(row_shift), part(h), w.T, out=z).exp2_()
+                    x = torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z).exp2_()
                 else:
                     if bt is None:
-                        x = torch.addmm(part(neg_lse), part(h), w.T, out=z)
+                        x = torch.addmm(part(neg_lse), part(h), w.T, alpha=alpha, out=z)
                     else:
-                        x = torch.addmm(bt, part(h), w.T, out=z).sub_(part(lse2)[:, None])
+                        x = torch.addmm(bt, part(h), w.T, alpha=alpha, out=z)
+                        x.sub_(part(lse2)[:, None])
                     x = neg_dz_tile(x, view(e_buf, r, c), None if gh is None else part(ent_c),
                                     part(g_c), None if gh is None else part(gh_c))
                 x.scatter_add_(1, part(col), part(target_term))

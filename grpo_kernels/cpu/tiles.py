@@ -69,7 +69,7 @@ def finish_stats(m, s, t, picked, out) -> None:
     cancellation for peaked rows); logp = ln2·picked - ln s. Written into out = (logp, entropy,
     lse), float32 [r] each: directly when the statistics are float32 (one op each)."""
     t.div_(s)
-    log_s = s.log_()
+    log_s = torch.xlogy(1.0, s)  # ln s: torch.log of even 128 values forks threads (MKL VML)
     direct = out[0].dtype == log_s.dtype
     results = (torch.mul(picked, LN2, out=out[0] if direct else None).sub_(log_s),
                torch.add(log_s, t, alpha=-LN2, out=out[1] if direct else None),
@@ -90,19 +90,17 @@ def neg_dz_tile(logp, scratch, ent, g, gh):
 
 
 def log2_head(hidden, bias, dtype, temperature):
-    """hidden [N, D] and bias [V] | None in the compute dtype, times log2(e)/τ, so that
-    z = h @ W^T + b is the logits in log2 units (hidden is copied, [N, D]; the weight never is)."""
-    scale = LOG2E / temperature
-    h = hidden.to(dtype)
-    h = h.mul_(scale) if h is not hidden else h * scale
-    return h, None if bias is None else bias.to(dtype) * scale
+    """(hidden [N, D] and bias [V] | None in the compute dtype, alpha = log2(e)/τ), so that
+    z = alpha·(h @ W^T) + b is the logits in log2 units: the GEMM applies alpha, so hidden is
+    never scaled (the bias is, [V])."""
+    alpha = LOG2E / temperature
+    return hidden.to(dtype), None if bias is None else bias.to(dtype) * alpha, alpha
 
 
-def logits_tile(h, w, b, out):
-    """out [r, c] = h [r, D] @ w [c, D]^T (+ b [c])."""
-    if b is None:
-        return torch.mm(h, w.T, out=out)
-    return torch.addmm(b, h, w.T, out=out)
+def logits_tile(h, w, b, out, alpha):
+    """out [r, c] = alpha·(h [r, D] @ w [c, D]^T) (+ b [c]); out's old values are ignored."""
+    return torch.addmm(out if b is None else b, h, w.T, beta=0.0 if b is None else 1.0,
+                       alpha=alpha, out=out)
 
 
 def weight_tile(weight, v0, cols, dtype, buf):
