@@ -171,8 +171,7 @@ def linear_logprob_backward(
 
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
-        tg, g, gh = pick(targets), pick(g_logp), pick(g_ent)
-        lse2 = pick(lse) * LOG2E  # [Na], log2 units
+        tg, g, gh, lse_a = pick(targets), pick(g_logp), pick(g_ent), pick(lse)
         Na, D = h.shape
         # Each tile is turned into x with d z = σ·x per token (z in nats). Fast (no bias, no
         # entropy gradient): x = 2^(α·h W^T - lse·log2(e) + log2|g|) - |g|·onehot, α = log2(e)/τ,
@@ -184,13 +183,15 @@ def linear_logprob_backward(
         fast = b is None and gh is None
         rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
         if fast:
-            # [Na, 1]; g != 0 on active rows (xlogy: torch.log2 forks threads, see tiles.py)
-            row_shift = torch.xlogy(LOG2E, g.abs()).sub_(lse2)[:, None]
+            g_abs = g.abs()  # > 0 on active rows
+            # log2|g| - lse·log2(e), [Na, 1] (xlogy: torch.log2 forks threads, see tiles.py)
+            row_shift = torch.xlogy(LOG2E, g_abs).sub_(lse_a, alpha=LOG2E)[:, None]
             dh_scale = g.sign().mul_(-inv_t)[:, None]  # σ/τ
             h_dw = h * dh_scale if want_dw else None
-            one_hot = g.abs().neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
+            one_hot = g_abs.neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
             alpha_dh, alpha_dw = 1.0, 1.0
         else:
+            lse2 = lse_a * LOG2E  # [Na], log2 units
             neg_lse = None if b is not None else (-lse2)[:, None]  # log2 p straight from addmm
             g_c = g[:, None]
             gh_c = None if gh is None else (gh * LN2)[:, None]
