@@ -79,6 +79,24 @@ def test_float32_matches_truth(chunk_elements, bias, temperature, entropy):
             assert scaled_err(o, t) < 2e-5, name
 
 
+# N > 256 tokens, so that tiles come in several row blocks: 2·256·300 elements give forward tiles
+# that span the vocabulary in three row blocks (256, 256, 88); 256·300 give two vocabulary tiles
+# × three row blocks forward, and whole-row tiles in two row blocks for the fast backward.
+@pytest.mark.parametrize("chunk_elements", [2 * 256 * 300, 256 * 300])
+@pytest.mark.parametrize("bias,temperature,entropy", [(False, 1.0, False), (True, 0.7, True)])
+def test_float32_row_blocks_match_truth(chunk_elements, bias, temperature, entropy):
+    """Several token blocks per tile, with tiles that span the vocabulary and with vocabulary
+    tiles, fast and general backward: within a small multiple of float32 rounding."""
+    hidden, weight, b, ids = _head(torch.float32, bias=bias, N=600, D=32, V=300, seed=11)
+    g_logp, g_ent = _coefficients(ids.numel(), 12, entropy)
+    ours = _chunked(hidden, weight, b, ids, temperature, g_logp, g_ent, chunk_elements)
+    truth = _truth(hidden, weight, b, ids, temperature, g_logp, g_ent)
+    for name, o, t in zip(["logp", "entropy", "d hidden", "d weight", "d bias"], ours, truth):
+        assert (o is None) == (t is None), name
+        if t is not None:
+            assert scaled_err(o, t) < 2e-5, name
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("entropy", [False, True])
 def test_half_logits_accumulate_in_float32(dtype, entropy):
