@@ -25,32 +25,38 @@ def _per_token(g, like):
     return torch.zeros_like(like) if g is None else g.float().contiguous()
 
 
-def linear_grads(ctx, g_logp, g_ent):
-    """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent)."""
+def linear_grads(ctx, g_logp, g_ent, backward=None):
+    """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent).
+    backward: linear_logprobs_backward's eager body, called directly (default: the operator)."""
     hidden, weight, bias, targets, lse, ent = ctx.saved_tensors[:6]
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if (g_logp is None and g_ent is None) or not any(needs):
         return None, None, None
     temperature, grad_filter, backend = ctx.config
     g_ent = None if g_ent is None else g_ent.float().contiguous()
-    grads = torch.ops.grpo_kernels.linear_logprobs_backward(
-        hidden, weight, bias, targets, lse, ent, _per_token(g_logp, lse), g_ent, temperature,
-        grad_filter, backend, needs)
+    backward = backward or torch.ops.grpo_kernels.linear_logprobs_backward
+    grads = backward(hidden, weight, bias, targets, lse, ent, _per_token(g_logp, lse), g_ent,
+                     temperature, grad_filter, backend, needs)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
-def logits_grads(ctx, g_logp, g_ent):
-    """d logits from the saved (logits, targets, lse, ent); in place when ctx.inplace."""
+def logits_grads(ctx, g_logp, g_ent, backward=None):
+    """d logits from the saved (logits, targets, lse, ent); in place when ctx.inplace.
+    backward: the eager bodies (out of place, in place) of logits_logprobs_backward[_], called
+    directly (default: the operators)."""
     logits, targets, lse, ent = ctx.saved_tensors[:4]
     if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
         return None
     temperature, backend, inplace = ctx.config
     args = (targets, lse, ent, _per_token(g_logp, lse),
             None if g_ent is None else g_ent.float().contiguous(), temperature, backend)
+    ops = torch.ops.grpo_kernels
+    out_of_place, in_place = backward or (ops.logits_logprobs_backward,
+                                          ops.logits_logprobs_backward_)
     if inplace:
-        torch.ops.grpo_kernels.logits_logprobs_backward_(logits, *args)
+        in_place(logits, *args)
         return logits  # d logits now lives in the logits buffer (version counter bumped)
-    return torch.ops.grpo_kernels.logits_logprobs_backward(logits, *args)
+    return out_of_place(logits, *args)
 
 
 def setup_linear(ctx, inputs, output):
@@ -62,8 +68,8 @@ def setup_linear(ctx, inputs, output):
     ctx.config = (temperature, grad_filter, backend)
 
 
-def linear_backward(ctx, g_logp, g_ent, _g_lse):
-    return (*linear_grads(ctx, g_logp, g_ent), None, None, None, None, None)
+def linear_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
+    return (*linear_grads(ctx, g_logp, g_ent, backward), None, None, None, None, None)
 
 
 def setup_logits(ctx, inputs, output):
@@ -75,8 +81,8 @@ def setup_logits(ctx, inputs, output):
     ctx.config = (temperature, backend, inplace)
 
 
-def logits_backward(ctx, g_logp, g_ent, _g_lse):
-    return logits_grads(ctx, g_logp, g_ent), None, None, None, None, None
+def logits_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
+    return logits_grads(ctx, g_logp, g_ent, backward), None, None, None, None, None
 
 
 def loss_token_grads(ctx, g_loss):

@@ -27,6 +27,7 @@ driven by g_loss × coefficients (`autograd.py`; never logits saved).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..grpo_math import metric_names
 from ..validation import check_finite_advantages, check_token_id_values
@@ -38,7 +39,6 @@ from .loss_terms import LOSS_ARGS_SCHEMA, grpo_loss_terms, unpack_loss_args
 LOSS_OUT = "(Tensor loss, Tensor metrics, Tensor lse, Tensor entropy, Tensor coef_logp, " \
            "Tensor coef_entropy)"
 F32 = torch.float32
-OPS = torch.ops.grpo_kernels  # the operators defined below
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,6 @@ torch.library.define(
     "bool[] needs) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
 
-@torch.library.impl("grpo_kernels::linear_logprobs", "default")
 def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)
     -> float32 (logp, entropy, lse), each [N]."""
@@ -67,18 +66,23 @@ def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, ba
     return op.forward(targets, None, hidden, weight, bias)
 
 
+torch.library.impl("grpo_kernels::linear_logprobs", "default", _linear_logprobs)
+
+
 @torch.library.register_fake("grpo_kernels::linear_logprobs")
 def _linear_logprobs_fake(hidden, weight, bias, targets, *args):
     return tuple(hidden.new_empty(hidden.shape[0], dtype=F32) for _ in range(3))
 
 
-@torch.library.impl("grpo_kernels::linear_logprobs_backward", "default")
 def _linear_logprobs_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
                               temperature, grad_filter, backend, needs):
     """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed."""
     op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
     grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs)
     return tuple(_empty(hidden) if g is None else g for g in grads)
+
+
+torch.library.impl("grpo_kernels::linear_logprobs_backward", "default", _linear_logprobs_backward)
 
 
 @torch.library.register_fake("grpo_kernels::linear_logprobs_backward")
@@ -104,11 +108,13 @@ torch.library.define("grpo_kernels::logits_logprobs_backward_",
                      f"(Tensor(a!) logits, {LOGITS_BWD_ARGS}) -> ()")
 
 
-@torch.library.impl("grpo_kernels::logits_logprobs", "default")
 def _logits_logprobs(logits, targets, temperature, backend, ids_name, inplace):
     """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse)."""
     check_token_id_values(ids_name, targets, logits.shape[-1], "logits.shape[-1]")
     return LogitsOp(IMPLS[backend], temperature).forward(targets, None, logits)
+
+
+torch.library.impl("grpo_kernels::logits_logprobs", "default", _logits_logprobs)
 
 
 @torch.library.register_fake("grpo_kernels::logits_logprobs")
@@ -121,14 +127,17 @@ def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, back
     return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,))[0]
 
 
-@torch.library.impl("grpo_kernels::logits_logprobs_backward", "default")
 def _logits_logprobs_backward(logits, *args):
     return _logits_backward(logits, *args, inplace=False)
 
 
-@torch.library.impl("grpo_kernels::logits_logprobs_backward_", "default")
 def _logits_logprobs_backward_inplace(logits, *args):
     _logits_backward(logits, *args, inplace=True)
+
+
+torch.library.impl("grpo_kernels::logits_logprobs_backward", "default", _logits_logprobs_backward)
+torch.library.impl("grpo_kernels::logits_logprobs_backward_", "default",
+                   _logits_logprobs_backward_inplace)
 
 
 @torch.library.register_fake("grpo_kernels::logits_logprobs_backward")
@@ -208,3 +217,98 @@ torch.library.register_autograd("grpo_kernels::linear_grpo_loss", autograd.linea
                                 setup_context=autograd.setup_linear_loss)
 torch.library.register_autograd("grpo_kernels::logits_grpo_loss", autograd.logits_loss_backward,
                                 setup_context=autograd.setup_logits_loss)
+
+
+# ---- eager calls of the selective log-prob ops ------------------------------------------------
+# Called from Python, `torch.ops.grpo_kernels.linear_logprobs` (or logits_logprobs) reaches the
+# eager body above through torch.library's Python autograd wrapper and a redispatch, and its
+# backward through a second operator call: together about 0.13 ms per forward + backward on one
+# core of an AMD EPYC (torch 2.13), which a small problem feels (the tiny benchmark head at
+# N = 256: ~1.5 % of the fused loss, ~5 % of the logits loss, and a longer serial stretch between
+# parallel regions, during which a busy machine may take the intra-op threads' cores). A plain
+# eager call on the chunked backend runs the same bodies in a torch.autograd.Function with the
+# same autograd formulas instead. Every call that something may need to see as the operator goes
+# through the operator: under torch.compile or export, under a dispatch or function mode
+# (FakeTensorMode, a tracer, a memory tracker), under a functorch transform, with tensor
+# subclasses (DTensor, FakeTensor), and on the Triton backend.
+
+
+def direct(*tensors) -> bool:
+    """May a call with these tensor arguments run as the autograd.Function (see above)?"""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """grpo_kernels::linear_logprobs in eager mode: same inputs, outputs, saved tensors and
+    backward as the operator's registration."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _linear_logprobs(*inputs)
+        autograd.setup_linear(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable  # as the operator: its backward op has no autograd formula
+    def backward(ctx, g_logp, g_ent, g_lse):
+        return autograd.linear_backward(ctx, g_logp, g_ent, g_lse,
+                                        backward=_linear_logprobs_backward)
+
+
+class _LogitsLogprobs(torch.autograd.Function):
+    """grpo_kernels::logits_logprobs in eager mode (see `_LinearLogprobs`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _logits_logprobs(*inputs)
+        autograd.setup_logits(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp, g_ent, g_lse):
+        return autograd.logits_backward(
+            ctx, g_logp, g_ent, g_lse,
+            backward=(_logits_logprobs_backward, _logits_logprobs_backward_inplace))
+
+
+class _EagerFirst:
+    """An operator packet that a plain eager call on the chunked backend (args[backend_at] ==
+    "torch", `direct` on the first `tensors` arguments) runs as `function` instead; every
+    attribute (`.default`, the schema) is the operator's."""
+
+    def __init__(self, packet, function, backend_at: int, tensors: int):
+        self.packet, self.function = packet, function
+        self.backend_at, self.tensors = backend_at, tensors
+
+    def __call__(self, *args):
+        if args[self.backend_at] == "torch" and direct(*args[:self.tensors]):
+            return self.function.apply(*args)
+        return self.packet(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.packet, name)
+
+
+class _Operators:
+    """`torch.ops.grpo_kernels` as the public functions call it: the selective log-prob ops
+    through `_EagerFirst`, every other name the operator itself."""
+
+    def __init__(self, ops):
+        self._ops = ops
+        self.linear_logprobs = _EagerFirst(ops.linear_logprobs, _LinearLogprobs, 6, 4)
+        self.logits_logprobs = _EagerFirst(ops.logits_logprobs, _LogitsLogprobs, 3, 2)
+        self.linear_grpo_loss = ops.linear_grpo_loss
+        self.logits_grpo_loss = ops.logits_grpo_loss
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+
+OPS = _Operators(torch.ops.grpo_kernels)  # the operators defined above
