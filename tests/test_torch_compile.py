@@ -5,11 +5,14 @@ checks each operator's schema, fake (meta) implementation and autograd registrat
 
 Runs on both backends: the Triton kernels in the interpreter and the chunked PyTorch path."""
 
+import functools
+
 import pytest
 import torch
 from helpers import leaf, make_grpo_batch, make_head
 
 import grpo_kernels as gk
+from benchmarks.measure import LiveStorageTracker
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
 from grpo_kernels.ops import custom_ops
 from grpo_kernels.ops.loss_terms import pack_loss_args
@@ -159,6 +162,43 @@ def test_opcheck_selective_ops(backend):
     logits = leaf(hidden @ weight.T).detach().requires_grad_()
     _opcheck(custom_ops.OPS.logits_logprobs.default,
              (logits, flat, 0.7, backend, "targets", False))
+
+
+def _linear_call(call, head):
+    hidden, weight, bias, ids = head
+    h, w, b = leaf(hidden.reshape(-1, hidden.shape[-1])), leaf(weight), leaf(bias)
+    logp, ent, lse = call(h, w, b, ids.reshape(-1), 0.7, None, "torch", "targets")
+    (logp * 0.3 + ent).sum().backward()
+    return [logp, ent, lse, h.grad, w.grad, b.grad], type(logp.grad_fn).__name__
+
+
+def _logits_call(call, head, inplace):
+    hidden, weight, bias, ids = head
+    x = leaf(hidden @ weight.T + bias)
+    y = x * 1.0  # the op may write d logits over its input: not over the leaf
+    logp, ent, lse = call(y, ids.reshape(-1), 0.7, "torch", "targets", inplace)
+    (logp * 0.3 + ent).sum().backward()
+    return [logp, ent, lse, x.grad], type(logp.grad_fn).__name__
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_eager_selective_ops_match_the_operators(inplace):
+    """On the chunked backend a plain eager call of OPS.linear_logprobs / logits_logprobs runs
+    the operators' eager bodies as an autograd.Function: bitwise the operators' outputs and
+    gradients (in place too); under a dispatch mode the operator itself runs."""
+    head, _ = problem(seed=5)
+    ops = torch.ops.grpo_kernels
+    calls = {"linear_logprobs": _linear_call,
+             "logits_logprobs": functools.partial(_logits_call, inplace=inplace)}
+    for name, call in calls.items():
+        fast, fast_node = call(getattr(custom_ops.OPS, name), head)
+        want, op_node = call(getattr(ops, name), head)
+        assert "GeneratedBackwardFor" in op_node and "GeneratedBackwardFor" not in fast_node
+        for a, b in zip(fast, want):
+            assert torch.equal(a, b)
+    with LiveStorageTracker() as tracker:  # a dispatch mode: it must see the operator
+        _linear_call(custom_ops.OPS.linear_logprobs, head)
+    assert tracker.opaque
 
 
 @pytest.mark.parametrize("backend", ["triton"])  # the loss ops run the fused token-level path
