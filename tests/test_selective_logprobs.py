@@ -144,6 +144,10 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
     hidden, weight, b, ids = make_head(2, 9, 12, 70, torch.float32, "cpu", seed=11, bias=True)
     coef = torch.randn(2, 9)
     full = _run(reference.selective_logprobs, hidden, weight, b, ids, 0.9, (coef, coef))
+    # bounded as elsewhere: by PyTorch's own float32 error against float64 (a fixed 1e-5 was
+    # within float32 rounding of the threads' summation order)
+    truth = _run(reference.selective_logprobs, hidden.double(), weight.double(), b.double(), ids,
+                 0.9, (coef.double(), coef.double()))
     for frozen in ("weight", "hidden"):
         h = hidden.clone().requires_grad_(frozen != "hidden")
         w = weight.clone().requires_grad_(frozen != "weight")
@@ -152,7 +156,9 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
         (coef * logp[0] + coef * logp[1]).sum().backward()
         live, dead = (h, w) if frozen == "weight" else (w, h)
         assert dead.grad is None
-        assert max_err(live.grad, full[2] if frozen == "weight" else full[3]) < 1e-5
+        k = 2 if frozen == "weight" else 3
+        scale = max(1.0, truth[k].abs().max().item())
+        assert max_err(live.grad, truth[k]) <= 2 * max_err(full[k], truth[k]) + 1e-6 * scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
