@@ -113,3 +113,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def recompute_tiles(monkeypatch):
+    """Eager calls on the chunked backend recompute the linear head's logits in the backward,
+    as the operator that a compiled graph calls does, so that compiled and eager gradients can
+    be compared bitwise (from a tile kept by the forward they differ by float32 rounding; see
+    tests/test_torch_compile.py)."""
+    from grpo_kernels.cpu import chunked
+
+    monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)

@@ -46,11 +46,17 @@ def _truth(hidden, weight, bias, ids, temperature, g_logp, g_ent):
     return logp, ent, h.grad, w.grad, None if b is None else b.grad
 
 
-def _chunked(hidden, weight, bias, ids, temperature, g_logp, g_ent, chunk_elements=None):
+def _chunked(hidden, weight, bias, ids, temperature, g_logp, g_ent, chunk_elements=None,
+             keep=False):
+    """Forward then backward; with `keep`, the backward starts from the forward's kept logits
+    tile (when it fits one tile) instead of recomputing it."""
+    kept = {} if keep else None
     logp, ent, lse = chunked.linear_logprob_forward(hidden, weight, bias, ids, temperature,
-                                                    chunk_elements=chunk_elements)
+                                                    chunk_elements=chunk_elements, keep=kept)
     grads = chunked.linear_logprob_backward(hidden, weight, bias, ids, lse, ent, g_logp, g_ent,
-                                            temperature, chunk_elements=chunk_elements)
+                                            temperature, chunk_elements=chunk_elements,
+                                            kept=kept)
+    assert not kept  # taken by the backward (or never filled)
     return (logp, ent, *grads)
 
 
@@ -62,15 +68,17 @@ def _head(dtype, weight_dtype=None, bias=False, N=96, D=32, V=300, seed=0):
 
 
 # every [rows, cols] tiling: one tile, several vocabulary tiles, several token blocks too
-@pytest.mark.parametrize("chunk_elements", [None, 7 * 96, 50])
+@pytest.mark.parametrize("chunk_elements,keep", [(None, False), (None, True), (7 * 96, False),
+                                                 (50, False)])
 @pytest.mark.parametrize("bias,temperature,entropy", [(False, 1.0, False), (False, 0.7, False),
                                                       (True, 0.7, True), (False, 1.0, True)])
-def test_float32_matches_truth(chunk_elements, bias, temperature, entropy):
+def test_float32_matches_truth(chunk_elements, keep, bias, temperature, entropy):
     """float32 inputs, forward and every gradient, with the fast (no bias, no entropy gradient)
-    and the general backward: within a small multiple of float32 rounding."""
+    and the general backward, recomputing the logits or from the forward's kept tile: within a
+    small multiple of float32 rounding."""
     hidden, weight, b, ids = _head(torch.float32, bias=bias)
     g_logp, g_ent = _coefficients(ids.numel(), 1, entropy)
-    ours = _chunked(hidden, weight, b, ids, temperature, g_logp, g_ent, chunk_elements)
+    ours = _chunked(hidden, weight, b, ids, temperature, g_logp, g_ent, chunk_elements, keep)
     truth = _truth(hidden, weight, b, ids, temperature, g_logp, g_ent)
     for name, o, t in zip(["logp", "entropy", "d hidden", "d weight", "d bias"], ours, truth):
         assert (o is None) == (t is None), name
@@ -98,8 +106,8 @@ def test_float32_row_blocks_match_truth(chunk_elements, bias, temperature, entro
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("entropy", [False, True])
-def test_half_logits_accumulate_in_float32(dtype, entropy):
+@pytest.mark.parametrize("entropy,keep", [(False, False), (True, False), (True, True)])
+def test_half_logits_accumulate_in_float32(dtype, entropy, keep):
     """Issue 9, fix 3: with bf16/fp16 inputs, logp and entropy are as accurate as float32
     arithmetic on the same half values; the bf16/fp16 reference, which rounds the logits to the
     input dtype, is far outside that bound (so the bound can fail)."""
@@ -108,7 +116,7 @@ def test_half_logits_accumulate_in_float32(dtype, entropy):
     truth = _truth(hidden, weight, b, ids, 0.8, g_logp, g_ent)
     upcast = [x.float() for x in (hidden, weight, b)]
     fp32 = _chunked(*upcast, ids, 0.8, g_logp, g_ent)  # PyTorch float32 on the same values
-    ours = _chunked(hidden, weight, b, ids, 0.8, g_logp, g_ent)
+    ours = _chunked(hidden, weight, b, ids, 0.8, g_logp, g_ent, keep=keep)
     rounded, rounded_ent = reference.selective_logprobs(hidden, weight, ids, b, temperature=0.8,
                                                         return_entropy=True)
     for i, name in enumerate(["logp", "entropy"]):
@@ -138,6 +146,33 @@ def test_mixed_head_precision(dtype):
         assert scaled_err(o, t) < 2e-5, name
     assert ours[2].dtype == dtype
     assert scaled_err(ours[2], truth[2]) <= torch.finfo(dtype).eps + 2e-5
+
+
+def test_forward_keeps_its_tile_only_when_the_logits_fit_one(monkeypatch):
+    """keep: filled with z - m [N, V] (log2 units) and m [N] when the logits fit one tile within
+    KEEP_ELEMENTS; left empty when the forward needs several tiles or N·V exceeds the budget.
+    A backward given the tile gives the recomputing backward's gradients to float32 rounding
+    and takes the tile (overwritten) out of the dict."""
+    hidden, weight, b, ids = _head(torch.float32, bias=True, N=40, D=16, V=64, seed=9)
+    kept = {}
+    logp, ent, lse = chunked.linear_logprob_forward(hidden, weight, b, ids, 0.7, keep=kept)
+    assert kept["tile"].shape == (40, 64) and kept["max"].shape == (40,)
+    log2_p = kept["tile"] + (kept["max"] - lse * chunked.LOG2E)[:, None]
+    truth = torch.log_softmax((hidden.double() @ weight.double().T + b.double()) / 0.7, -1)
+    assert scaled_err(log2_p * chunked.LN2, truth) < 1e-6
+    g_logp, g_ent = _coefficients(40, 10)
+    args = (hidden, weight, b, ids, lse, ent, g_logp, g_ent, 0.7)
+    from_tile = chunked.linear_logprob_backward(*args, kept=kept)
+    assert not kept
+    recomputed = chunked.linear_logprob_backward(*args)
+    for a, r in zip(from_tile, recomputed):
+        assert scaled_err(a, r) < 1e-6
+    for chunk_elements in (40 * 16, None):
+        if chunk_elements is None:  # one tile, but above the keep budget
+            monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 40 * 64 - 1)
+        kept = {}
+        chunked.linear_logprob_forward(hidden, weight, b, ids, 0.7, chunk_elements, keep=kept)
+        assert kept == {}
 
 
 def test_fully_masked_and_empty():

@@ -89,6 +89,7 @@ def fallback_warnings(record):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.usefixtures("recompute_tiles")  # the fallback runs the operator: no kept tile
 def test_forward_compile_failure_falls_back_to_the_torch_path(monkeypatch, level):
     """token: the fused forward (GRPO epilogue inside the kernel) re-runs unfused on PyTorch;
     sequence: the plain forward falls back. Both give the torch path's numbers exactly."""

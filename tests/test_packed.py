@@ -263,7 +263,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.usefixtures("fresh_dynamo", "recompute_tiles")
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_packed_call_compiles_fullgraph(backend, level):

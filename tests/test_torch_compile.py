@@ -9,10 +9,11 @@ import functools
 
 import pytest
 import torch
-from helpers import leaf, make_grpo_batch, make_head
+from helpers import leaf, make_grpo_batch, make_head, scaled_err
 
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
+from grpo_kernels.cpu import chunked
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
 from grpo_kernels.ops import custom_ops
 from grpo_kernels.ops.loss_terms import pack_loss_args
@@ -87,6 +88,7 @@ STEPS = {
 
 @pytest.mark.parametrize("name", list(STEPS))
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("recompute_tiles")
 def test_fullgraph_eager_backend_matches_eager(backend, name):
     step, kw = STEPS[name]
     head, grpo = problem()
@@ -97,6 +99,7 @@ def test_fullgraph_eager_backend_matches_eager(backend, name):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("recompute_tiles")
 def test_modules_compile(backend):
     head, grpo = problem(seed=1)
     with gk.force_backend(backend):
@@ -182,23 +185,56 @@ def _logits_call(call, head, inplace):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_eager_selective_ops_match_the_operators(inplace):
+def test_eager_selective_ops_match_the_operators(inplace, monkeypatch):
     """On the chunked backend a plain eager call of OPS.linear_logprobs / logits_logprobs runs
     the operators' eager bodies as an autograd.Function: bitwise the operators' outputs and
-    gradients (in place too); under a dispatch mode the operator itself runs."""
+    gradients (in place too); the linear head's backward from the kept logits tile matches
+    them to float32 rounding; under a dispatch mode the operator itself runs."""
     head, _ = problem(seed=5)
     ops = torch.ops.grpo_kernels
     calls = {"linear_logprobs": _linear_call,
              "logits_logprobs": functools.partial(_logits_call, inplace=inplace)}
+    kept, _ = _linear_call(custom_ops.OPS.linear_logprobs, head)
+    monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)  # bitwise: the backward recomputes too
     for name, call in calls.items():
         fast, fast_node = call(getattr(custom_ops.OPS, name), head)
         want, op_node = call(getattr(ops, name), head)
         assert "GeneratedBackwardFor" in op_node and "GeneratedBackwardFor" not in fast_node
         for a, b in zip(fast, want):
             assert torch.equal(a, b)
+        if name == "linear_logprobs":
+            for i, (a, b) in enumerate(zip(kept, want)):
+                assert torch.equal(a, b) if i < 3 else scaled_err(a, b) < 1e-6
     with LiveStorageTracker() as tracker:  # a dispatch mode: it must see the operator
         _linear_call(custom_ops.OPS.linear_logprobs, head)
     assert tracker.opaque
+
+
+def test_eager_linear_op_keeps_its_tile_for_one_backward(monkeypatch):
+    """The eager linear op keeps its logits tile only when a gradient will be needed, and a
+    second backward of the same graph (retain_graph) recomputes the tile: same gradients."""
+    (hidden, weight, bias, ids), _ = problem(seed=6)
+    seen = []
+    forward = chunked.linear_logprob_forward
+
+    def spy(*args, keep=None, **kw):
+        out = forward(*args, keep=keep, **kw)
+        seen.append(None if keep is None else sorted(keep))
+        return out
+
+    monkeypatch.setattr(chunked, "linear_logprob_forward", spy)
+    h, w = leaf(hidden.reshape(-1, hidden.shape[-1])), leaf(weight)
+    args = (h, w, None, ids.reshape(-1), 0.7, None, "torch", "targets")
+    with torch.no_grad():
+        custom_ops.OPS.linear_logprobs(*args)
+    custom_ops.OPS.linear_logprobs(h.detach(), w.detach(), *args[2:])
+    logp, ent, _ = custom_ops.OPS.linear_logprobs(*args)
+    assert seen == [None, None, ["max", "tile"]]
+    loss = (logp * 0.3 + ent).sum()
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w))
+    for a, b in zip(first, second):
+        assert scaled_err(a, b) < 1e-6
 
 
 @pytest.mark.parametrize("backend", ["triton"])  # the loss ops run the fused token-level path

@@ -2,7 +2,9 @@
 
 Same contract as the Triton launchers in `kernels/linear_logprobs.py` and
 `kernels/logits_logprobs.py`: selective log-prob and entropy, and their backward, from per-token
-statistics only (lse and entropy are saved, logits never are). The trainer uses it on a laptop.
+statistics only (lse and entropy are saved, logits are not: the one exception is a problem whose
+logits fit one tile, which a forward asked to `keep` it holds for its backward, KEEP_ELEMENTS).
+The trainer uses it on a laptop.
 
 Linear head: the logits z = (hidden @ weight.T + bias) / τ are produced one [rows, cols] tile at a
 time (vocabulary tiles outer, token blocks inner), so at most two tiles of float32 exist at once
@@ -63,6 +65,10 @@ CHUNK_ELEMENTS = 2**22
 # cache-sized ones there; on an idle machine the difference is small.
 TILE_ROWS = 256
 TILE_ELEMENTS = 2**24
+# A forward asked to `keep` its logits keeps them when they fit one tile (N·V <= TILE_ELEMENTS / 2,
+# 32 MiB of float32), and its backward starts from that tile instead of recomputing it with a
+# GEMM: one of the four [N, V, D] matrix products of a forward + backward fewer.
+KEEP_ELEMENTS = TILE_ELEMENTS // 2
 
 
 def _chunk_rows(V: int, chunk_elements: int | None) -> int:
@@ -92,9 +98,14 @@ def _row_parts(n: int, rows: int):
         yield r0, r, lambda x, r0=r0, r=r: x[r0:r0 + r]
 
 
-def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None):
+def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None,
+                           keep=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]
-    -> float32 (logp, entropy, lse), each [N]."""
+    -> float32 (logp, entropy, lse), each [N].
+
+    keep: None, or a dict that receives, when the [N, V] logits fit one tile of at most
+    KEEP_ELEMENTS, "tile" = z - m (log2 units, [N, V], compute dtype) and "max" = m [N], for
+    `linear_logprob_backward(kept=...)`; it stays empty otherwise."""
     N, V = hidden.shape[0], weight.shape[0]
     out = empty_stats(N, hidden.device)
     if N == 0:
@@ -114,6 +125,8 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
                 z.sub_(m[:, None])
                 s, t = exp_sums(z, view(e_buf, r, V))
                 finish_stats(m, s, t, picked, [part(o) for o in out])
+                if keep is not None and r == N and N * V <= KEEP_ELEMENTS:
+                    keep.update(tile=z, max=m)  # z - m: finish_stats left m as it was
             return out
         m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
         for v0 in range(0, V, cols):
@@ -146,12 +159,15 @@ def _active_rows(g, gh):
 
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
-    needs=(True, True, True), chunk_elements=None, grad_filter=None,
+    needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward).
 
     Always exact: gradient filtering (`grad_filter`) saves work only in the Triton atomic
-    backward; here every tile is one dense matmul either way."""
+    backward; here every tile is one dense matmul either way.
+    kept: None or the forward's `keep` dict; its tile is used instead of a GEMM, overwritten and
+    taken out of the dict (a dict filled by one forward serves one backward; an empty one means
+    recompute)."""
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
     idx = _active_rows(g_logp, g_ent)
@@ -182,6 +198,11 @@ def linear_logprob_backward(
         # alpha.
         fast = b is None and gh is None
         rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
+        kept_z = None
+        if kept:  # the forward's z - m [N, V]: the active rows, in one tile
+            kept_z, kept_m = kept.pop("tile"), pick(kept.pop("max"))[:, None]
+            kept_z = kept_z if idx is None else kept_z.index_select(0, idx)
+            rows, cols = Na, V
         if fast:
             g_abs = g.abs()  # > 0 on active rows
             # log2|g| - lse·log2(e), [Na, 1] (xlogy: torch.log2 forks threads, see tiles.py)
@@ -209,8 +230,9 @@ def linear_logprob_backward(
         if want_dw and weight.dtype != dtype:  # [c, D] of d W in the compute dtype
             dw_buf = torch.empty(min(cols, V) * D, dtype=dtype, device=h.device)
         db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
-        z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
-        e_buf = None if gh is None else torch.empty_like(z_buf)  # p, for the entropy term
+        z_buf = kept_z if kept_z is not None else torch.empty(rows * cols, dtype=dtype,
+                                                              device=h.device)
+        e_buf = None if gh is None else torch.empty(rows * cols, dtype=dtype, device=h.device)
         w_buf = tile_buffer(weight, dtype, cols)
         for v0 in range(0, V, cols):
             w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
@@ -228,7 +250,11 @@ def linear_logprob_backward(
                 dw_tile = dw_tile if dw.dtype == dtype else view(dw_buf, c, D)
             for r0, r, part in _row_parts(Na, rows):
                 z = view(z_buf, r, c)
-                if fast:
+                if kept_z is not None:  # z - m + (m - lse) = log2 p, + log2|g| when fast
+                    x = z.add_(kept_m + (row_shift if fast else (-lse2)[:, None]))
+                    x = x.exp2_() if fast else neg_dz_tile(
+                        x, view(e_buf, r, c), None if gh is None else ent_c, g_c, gh_c)
+                elif fast:
                     x = torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z).exp2_()
                 else:
                     if bt is None:

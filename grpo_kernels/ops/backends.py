@@ -3,7 +3,8 @@
 Backends: "triton" (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before triton was
 imported) and "torch" (the chunked PyTorch path, `cpu/chunked.py`). Both implement the same four
 launchers (linear-head and logits forward/backward) and save only per-token statistics (lse,
-entropy) for backward, never logits (see `autograd.py`).
+entropy) for backward, never logits (see `autograd.py`; the one exception, a small problem's
+single tile on the chunked path in eager mode, is in `custom_ops._LinearLogprobs`).
 """
 
 from __future__ import annotations

@@ -21,10 +21,13 @@ The eager implementations run the launchers through `kernel_ops.LinearHeadOp`/`L
 the fallback of `fallback.py`) on the backend the public function chose (`backends.py`). A loss
 op returns, besides the loss, the per-token statistics and the loss' derivatives w.r.t. each
 token's logp and entropy (the "coefficients"); its backward is the selective log-prob backward
-driven by g_loss × coefficients (`autograd.py`; never logits saved).
+driven by g_loss × coefficients (`autograd.py`; never logits saved; see `_LinearLogprobs` for
+the eager chunked call that keeps a small problem's logits tile).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -58,12 +61,13 @@ torch.library.define(
     "bool[] needs) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
 
-def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name):
+def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name,
+                     keep=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)
-    -> float32 (logp, entropy, lse), each [N]."""
+    -> float32 (logp, entropy, lse), each [N]. keep: see `_LinearLogprobs`."""
     check_token_id_values(ids_name, targets, weight.shape[0], "weight.shape[0]")
     op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
-    return op.forward(targets, None, hidden, weight, bias)
+    return op.forward(targets, None, hidden, weight, bias, keep=keep)
 
 
 torch.library.impl("grpo_kernels::linear_logprobs", "default", _linear_logprobs)
@@ -75,10 +79,11 @@ def _linear_logprobs_fake(hidden, weight, bias, targets, *args):
 
 
 def _linear_logprobs_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
-                              temperature, grad_filter, backend, needs):
+                              temperature, grad_filter, backend, needs, kept=None):
     """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed."""
     op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
-    grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs)
+    grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs,
+                        kept=kept)
     return tuple(_empty(hidden) if g is None else g for g in grads)
 
 
@@ -246,23 +251,44 @@ def direct(*tensors) -> bool:
 
 class _LinearLogprobs(torch.autograd.Function):
     """grpo_kernels::linear_logprobs in eager mode: same inputs, outputs, saved tensors and
-    backward as the operator's registration."""
+    backward as the operator's registration, plus one thing the operator cannot do: when a
+    gradient will be needed and the [N, V] logits fit one tile of the chunked path
+    (`chunked.KEEP_ELEMENTS`, 32 MiB of float32), the forward keeps that tile on ctx and the
+    backward starts from it instead of recomputing it, one GEMM fewer for small problems. The
+    backward takes it off ctx (it overwrites the tile), so a second backward
+    (retain_graph=True) recomputes."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _linear_logprobs(*inputs)
+    def call(*inputs):
+        hidden, weight, bias = inputs[:3]
+        grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias))
+        return _LinearLogprobs.apply(*inputs, grad)
+
+    @staticmethod
+    def forward(ctx, *args):
+        *inputs, keep_tile = args  # the flag last: needs_input_grad[:3] stays the operator's
+        ctx.kept = {} if keep_tile else None
+        output = _linear_logprobs(*inputs, keep=ctx.kept)
         autograd.setup_linear(ctx, inputs, output)
         return output
 
     @staticmethod
     @once_differentiable  # as the operator: its backward op has no autograd formula
     def backward(ctx, g_logp, g_ent, g_lse):
-        return autograd.linear_backward(ctx, g_logp, g_ent, g_lse,
-                                        backward=_linear_logprobs_backward)
+        kept, ctx.kept = ctx.kept, None
+        grads = autograd.linear_backward(
+            ctx, g_logp, g_ent, g_lse,
+            backward=functools.partial(_linear_logprobs_backward, kept=kept))
+        return *grads, None
 
 
 class _LogitsLogprobs(torch.autograd.Function):
-    """grpo_kernels::logits_logprobs in eager mode (see `_LinearLogprobs`)."""
+    """grpo_kernels::logits_logprobs in eager mode (see `_LinearLogprobs`; nothing kept)."""
+
+    @staticmethod
+    def call(*inputs):
+        return _LogitsLogprobs.apply(*inputs)
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -289,7 +315,7 @@ class _EagerFirst:
 
     def __call__(self, *args):
         if args[self.backend_at] == "torch" and direct(*args[:self.tensors]):
-            return self.function.apply(*args)
+            return self.function.call(*args)
         return self.packet(*args)
 
     def __getattr__(self, name):

@@ -60,18 +60,21 @@ class LinearHeadOp(KernelOp):
         super().__init__(impl, temperature)
         self.grad_filter = grad_filter
 
-    def forward(self, targets, epilogue, hidden, weight, bias):
+    def forward(self, targets, epilogue, hidden, weight, bias, keep=None):
+        """keep: a dict for the chunked launcher's kept logits tile (chunked backend only)."""
         if epilogue is not None:  # a failure here is handled by the caller (fused_linear_grpo)
             return self.impl.linear_logprob_forward(hidden, weight, bias, targets,
                                                     self.temperature, epilogue=epilogue)
+        extra = {} if keep is None or self.on_triton else {"keep": keep}
         return self._launch(hidden, "linear-head forward", "linear_logprob_forward", hidden,
-                            weight, bias, targets, self.temperature)
+                            weight, bias, targets, self.temperature, **extra)
 
-    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
         hidden, weight, bias = inputs
+        extra = {} if not kept or self.on_triton else {"kept": kept}
         return self._launch(hidden, "linear-head backward", "linear_logprob_backward", hidden,
                             weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
-                            needs=tuple(needs), grad_filter=self.grad_filter)
+                            needs=tuple(needs), grad_filter=self.grad_filter, **extra)
 
 
 class LogitsOp(KernelOp):
