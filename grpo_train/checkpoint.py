@@ -4,7 +4,8 @@ A checkpoint is `OUTPUT_DIR/checkpoints/step_000123.pt` with the model, optimize
 states, every process' RNG states, the step and the prompt sampler's position. It is written to a
 temporary file in the same directory, flushed to disk and renamed over the final name, so a crash
 at any moment leaves either the old set of checkpoints or the new one, never a torn file; older
-checkpoints are deleted only after the new one is in place.
+checkpoints are deleted only after the new one is in place. `StopOnSignal` turns Ctrl-C or
+SIGTERM into a checkpoint at the end of the current step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +171,29 @@ def clear_run_files(output_dir) -> list[str]:
             continue
         deleted.append(name)
     return deleted
+
+
+class StopOnSignal:
+    """Ctrl-C / SIGTERM: finish the current step, save a checkpoint, exit. A second Ctrl-C aborts
+    at once (KeyboardInterrupt)."""
+
+    def __init__(self, say):
+        self.say, self.requested, self.previous = say, False, {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.say("interrupt: finishing this step, then saving a checkpoint (Ctrl-C again aborts)")
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

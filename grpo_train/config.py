@@ -5,6 +5,7 @@ hyperparameters derived from it (`grpo_params`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -303,6 +304,24 @@ def check_dataset_source(name: str) -> None:
     if ext in LOCAL_DATASET_FORMATS or name.startswith((".", "/", "~")) or os.path.isdir(name):
         raise MissingPathError(f"--dataset {name!r}: no such file (expected a local "
                                ".json/.jsonl/.csv/.parquet file or a hub dataset id)")
+
+
+def lr_factor(cfg: TrainConfig):
+    """The learning-rate multiplier per optimizer step (LambdaLR): a linear warm-up over
+    --lr_warmup_steps, then constant, linear to 0 or cosine to 0 over the remaining steps."""
+    total = max(cfg.steps * cfg.num_iterations, 1)
+
+    def factor(s: int) -> float:
+        if s < cfg.lr_warmup_steps:
+            return (s + 1) / (cfg.lr_warmup_steps + 1)
+        frac = (s - cfg.lr_warmup_steps) / max(total - cfg.lr_warmup_steps, 1)
+        if cfg.lr_scheduler == "linear":
+            return max(0.0, 1.0 - frac)
+        if cfg.lr_scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
+        return 1.0
+
+    return factor
 
 
 def grpo_params(cfg: TrainConfig) -> GRPOParams:

@@ -1,4 +1,5 @@
-"""What a user sees and keeps: one log line per step, metrics.jsonl, and curves.png at the end."""
+"""What a user sees and keeps: the step's metrics record (reduced over processes), one log line per
+step, a progress bar, metrics.jsonl, and curves.png at the end."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -120,3 +122,75 @@ def plot_curves(output_dir) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return f"curves written to {out}"
+
+
+def step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_total, grad_norms,
+                 scheduler, t0, device) -> dict:
+    """One record: rewards over all processes; loss metrics token-weighted over all processes."""
+    accel, cfg = ctx["accel"], ctx["cfg"]
+    keys = sorted(k for k in sums if k != "_tokens")
+    local = [sums[k] for k in keys] + [sums["_tokens"], batch["lengths"].float().sum().item(),
+                                       batch["truncated"].float().sum().item(),
+                                       batch["prompt_tokens"].item(), loss_total]
+    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum").tolist()
+    n_seq = float(cfg.num_prompts * cfg.num_generations)
+    n_tok = max(total[len(keys)], 1.0)
+    comp_tokens, truncated, prompt_tokens, loss_sum = total[len(keys) + 1:]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the step's kernels are part of its time
+    elapsed = time.perf_counter() - t0
+    peak = accel.reduce(torch.tensor(float(peak_memory_bytes(device)), device=device), "max")
+    scored = rewards[~torch.isnan(rewards)]
+    record = {
+        "step": step,
+        "reward": scored.mean().item() if scored.numel() else math.nan,
+        "reward_std": scored.std().item() if scored.numel() > 1 else math.nan,
+    }
+    if acc_col is not None:
+        record["accuracy"] = torch.nanmean(all_rewards[:, acc_col]).item()
+    record.update({k: v / n_tok for k, v in zip(keys, total)})
+    record.update({
+        "completion_length": comp_tokens / n_seq,
+        "truncated_ratio": truncated / n_seq,
+        "loss": loss_sum / accel.num_processes,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "lr": scheduler.get_last_lr()[0],
+        "tokens_per_s": (comp_tokens + prompt_tokens) / elapsed,
+        "step_time_s": elapsed,
+        "peak_memory_gib": peak.item() / 2**30,
+        "unscored": int(torch.isnan(rewards).sum().item()),
+    })
+    return record
+
+
+def printer(enabled: bool):
+    """say(msg): one line on the main process, above the progress bar when there is one."""
+
+    def say(msg: str) -> None:
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                tqdm.write(msg)
+            except ImportError:
+                print(msg, flush=True)
+
+    return say
+
+
+def progress_bar(cfg, enabled: bool, start: int):
+    """A tqdm bar over the steps (None: disabled, not the main process, or no tqdm)."""
+    if not (enabled and cfg.progress):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def show(bar, say, line: str) -> None:
+    """A step's log line, then the bar one step on."""
+    say(line)
+    if bar is not None:
+        bar.update(1)

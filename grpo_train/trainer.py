@@ -17,7 +17,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from grpo_kernels.hf import check_packed_attention
 
 from . import batching, sharding
 from .checkpoint import (
+    StopOnSignal,
     capture_rng,
     clear_run_files,
     find_checkpoint,
@@ -37,11 +37,20 @@ from .checkpoint import (
     save_checkpoint,
     seed_everything,
 )
-from .config import grad_filter_value, grpo_params
+from .config import grad_filter_value, grpo_params, lr_factor
 from .data import PromptSampler, load_examples
 from .flags import UsageError
 from .generation import evaluate, generate
-from .logs import MetricsLog, format_line, peak_memory_bytes, plot_curves, read_metrics
+from .logs import (
+    MetricsLog,
+    format_line,
+    plot_curves,
+    printer,
+    progress_bar,
+    read_metrics,
+    show,
+    step_metrics,
+)
 from .models import (
     add_lora_adapters,
     build_embedded,
@@ -92,7 +101,7 @@ def _train(cfg, phases) -> dict:
     rank, world, device = accel.process_index, accel.num_processes, accel.device
     if cfg.fsdp:
         sharding.require_process_group()
-    say = _printer(accel.is_main_process)
+    say = printer(accel.is_main_process)
     if cfg.overwrite and accel.is_main_process:
         deleted = clear_run_files(cfg.output_dir)
         if deleted:
@@ -144,7 +153,7 @@ def _train(cfg, phases) -> dict:
                                   lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
     sampler = PromptSampler(len(train_ex), cfg.seed)
     seed_everything(cfg.seed + rank)  # each process samples different completions
     start = 0
@@ -193,9 +202,9 @@ def _train(cfg, phases) -> dict:
         history[0] = evaluate(model, eval_ex, ctx)
         log.write({"step": 0, "eval_accuracy": history[0]})
         say(f"step 0 | eval_acc {history[0]:.3f} (held-out, greedy, {len(eval_ex)} prompts)")
-    bar = _progress(cfg, accel.is_main_process, start)
+    bar = progress_bar(cfg, accel.is_main_process, start)
     step, last_saved, interrupted = start, start, False
-    with _StopOnSignal(say) as stop:
+    with StopOnSignal(say) as stop:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             if device.type == "cuda":
@@ -262,7 +271,7 @@ def _train(cfg, phases) -> dict:
                         optimizer.zero_grad(set_to_none=True)
 
             # ---- metrics, eval, checkpoint ------------------------------------------------------
-            record = _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums,
+            record = step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums,
                                    loss_total, grad_norms, scheduler, t0, device)
             fails = {k: v for d in gather_object([failures]) for k, v in d.items()}
             if fails:
@@ -271,7 +280,7 @@ def _train(cfg, phases) -> dict:
             if cfg.eval_every and eval_ex and (step % cfg.eval_every == 0 or step == cfg.steps):
                 record["eval_accuracy"] = history[step] = evaluate(model, eval_ex, ctx)
             log.write(record)
-            _show(bar, say, format_line(record))
+            show(bar, say, format_line(record))
             stop_now = accel.reduce(torch.tensor(float(stop.requested), device=device), "max")
             if stop_now.item() > 0:
                 interrupted = True
@@ -346,45 +355,6 @@ def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
                                     params=loss_fn.params)
 
 
-def _step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_total, grad_norms,
-                  scheduler, t0, device) -> dict:
-    """One record: rewards over all processes; loss metrics token-weighted over all processes."""
-    accel, cfg = ctx["accel"], ctx["cfg"]
-    keys = sorted(k for k in sums if k != "_tokens")
-    local = [sums[k] for k in keys] + [sums["_tokens"], batch["lengths"].float().sum().item(),
-                                       batch["truncated"].float().sum().item(),
-                                       batch["prompt_tokens"].item(), loss_total]
-    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum").tolist()
-    n_seq = float(cfg.num_prompts * cfg.num_generations)
-    n_tok = max(total[len(keys)], 1.0)
-    comp_tokens, truncated, prompt_tokens, loss_sum = total[len(keys) + 1:]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the step's kernels are part of its time
-    elapsed = time.perf_counter() - t0
-    peak = accel.reduce(torch.tensor(float(peak_memory_bytes(device)), device=device), "max")
-    scored = rewards[~torch.isnan(rewards)]
-    record = {
-        "step": step,
-        "reward": scored.mean().item() if scored.numel() else math.nan,
-        "reward_std": scored.std().item() if scored.numel() > 1 else math.nan,
-    }
-    if acc_col is not None:
-        record["accuracy"] = torch.nanmean(all_rewards[:, acc_col]).item()
-    record.update({k: v / n_tok for k, v in zip(keys, total)})
-    record.update({
-        "completion_length": comp_tokens / n_seq,
-        "truncated_ratio": truncated / n_seq,
-        "loss": loss_sum / accel.num_processes,
-        "grad_norm": sum(grad_norms) / len(grad_norms),
-        "lr": scheduler.get_last_lr()[0],
-        "tokens_per_s": (comp_tokens + prompt_tokens) / elapsed,
-        "step_time_s": elapsed,
-        "peak_memory_gib": peak.item() / 2**30,
-        "unscored": int(torch.isnan(rewards).sum().item()),
-    })
-    return record
-
-
 def _load_policy(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
     """The policy at step 0. The embedded model is built (and format-warmed-up) once, and saved
     to OUTPUT_DIR/initial_model so that a resumed run restarts from exactly the same weights."""
@@ -407,22 +377,6 @@ def _load_policy(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
     return model, tokenizer
 
 
-def _lr_lambda(cfg):
-    total = max(cfg.steps * cfg.num_iterations, 1)
-
-    def factor(s: int) -> float:
-        if s < cfg.lr_warmup_steps:
-            return (s + 1) / (cfg.lr_warmup_steps + 1)
-        frac = (s - cfg.lr_warmup_steps) / max(total - cfg.lr_warmup_steps, 1)
-        if cfg.lr_scheduler == "linear":
-            return max(0.0, 1.0 - frac)
-        if cfg.lr_scheduler == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
-        return 1.0
-
-    return factor
-
-
 @contextlib.contextmanager
 def _reference_policy(model, ref_model):
     """The reference policy to score with: the frozen copy, or for a LoRA policy (no copy) the
@@ -437,58 +391,3 @@ def _reference_policy(model, ref_model):
             yield model
     finally:
         model.train(was_training)
-
-
-def _printer(enabled: bool):
-    def say(msg: str) -> None:
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                tqdm.write(msg)
-            except ImportError:
-                print(msg, flush=True)
-
-    return say
-
-
-def _progress(cfg, enabled: bool, start: int):
-    if not (enabled and cfg.progress):
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
-
-
-def _show(bar, say, line: str) -> None:
-    say(line)
-    if bar is not None:
-        bar.update(1)
-
-
-class _StopOnSignal:
-    """Ctrl-C / SIGTERM: finish the current step, save a checkpoint, exit. A second Ctrl-C aborts
-    at once (KeyboardInterrupt)."""
-
-    def __init__(self, say):
-        self.say, self.requested, self.previous = say, False, {}
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.say("interrupt: finishing this step, then saving a checkpoint (Ctrl-C again aborts)")
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
