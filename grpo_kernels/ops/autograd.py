@@ -1,8 +1,8 @@
 """The autograd formulas of the custom operators (registered in `custom_ops.py`).
 
 Forward gives (logp [N], entropy [N], lse [N]). Backward needs only per-token statistics, so only
-those and the inputs are saved (never logits; the eager chunked call in `custom_ops.py` may keep a
-small problem's single logits tile on ctx, outside saved_tensors). For a loss op the forward
+those and the inputs are saved, never logits (the eager chunked call in `custom_ops.py` may keep
+a small problem's single logits tile on ctx, outside saved_tensors). For a loss op the forward
 also returns each token's dloss/dlogp (the epilogue's weight·dℓ/dlogp, or grpo_math's) and
 dloss/dentropy, and
 
