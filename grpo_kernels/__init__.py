@@ -2,7 +2,7 @@
 
 The public API lives in this package's root modules: `functional` (the losses and selective
 log-probs), `modules` (their nn.Module forms), `params` (GRPOParams), `grpo_math` (the PyTorch
-formulas), `packing` (the padded and packed batch layouts), `reference` (the pure-PyTorch twin
+formulas), `layouts` (the padded and packed batch layouts), `reference` (the pure-PyTorch twin
 that materializes logits) and `validation`.
 Subpackages hold the layers beneath (`kernels`, `cpu`, `ops`), the integrations (`hf`, `trl`) and
 the static GPU tools (`compile_check`).
@@ -17,16 +17,20 @@ __all__ = [
     "FusedLinearGRPOLoss",
     "GRPOLoss",
     "GRPOParams",
+    "GRPOTerms",
     "LOSS_TYPES",
     "force_backend",
     "fused_linear_grpo_loss",
     "grpo_loss",
+    "linear_grpo_terms",
+    "logits_grpo_terms",
     "logprobs_from_logits",
     "selective_logprobs",
 ]
 __version__ = "0.1.0"
 
-_FUNCTIONAL = ("fused_linear_grpo_loss", "grpo_loss", "logprobs_from_logits", "selective_logprobs")
+_FUNCTIONAL = ("GRPOTerms", "fused_linear_grpo_loss", "grpo_loss", "linear_grpo_terms",
+               "logits_grpo_terms", "logprobs_from_logits", "selective_logprobs")
 
 
 def __getattr__(name: str):

@@ -4,26 +4,35 @@
     logprobs_from_logits(logits, targets)                log p(target) from logits
     fused_linear_grpo_loss(hidden, weight, ids, adv)     GRPO loss of a linear head
     grpo_loss(logits, ids, adv)                          GRPO loss from logits
+    linear_grpo_terms / logits_grpo_terms                their per-token terms (GRPOTerms)
 
 None of them materializes full-vocabulary float32 logits. Each checks shapes and dtypes here
 (traceable by torch.compile) and calls a custom operator (`ops/custom_ops.py`) on the backend of
-`ops/backends.py`. Token-level importance sampling on Triton runs the GRPO epilogue inside the
-forward kernel (the loss ops); sequence-level (GSPO) ratios need every token of a sequence first,
-so that case and the chunked PyTorch backend take the differentiable selective log-prob op and
-run `grpo_math` on [B, T] around it. The semantics are in docs/semantics.md.
+`ops/backends.py`. Every GRPO loss takes one route, the `*_grpo_terms` functions, which the
+losses, the modules, the Hugging Face helpers and the TRL trainer all call:
+
+    token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
+        GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
+    sequence-level (GSPO) ratios, which need every token of a sequence first, and the chunked
+        PyTorch backend: the selective log-prob op, then `grpo_math.policy_loss` around it;
+    then Σ weight·ℓ, the entropy bonus and the metrics in PyTorch (`grpo_math.finish_loss`).
+
+The semantics are in docs/semantics.md.
 
 A packed batch (`cu_seqlens`, hidden [N, D] or logits [N, V]) takes the same routes: the kernels
-see its N tokens, and `grpo_math` works on [N] with the segment sums of `packing.py`.
+see its N tokens, and `grpo_math` works on [N] with the segment sums of `layouts.py`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .grpo_math import grpo_loss_from_logps, metric_names
+from .grpo_math import finish_loss, policy_loss, token_weights
+from .layouts import layout_of
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS
-from .ops.loss_terms import pack_loss_args
 from .params import GRPOParams, signature_with_params
 from .validation import (
     LossInputs,
@@ -60,19 +69,54 @@ def _eager(inplace: bool) -> bool:
     return bool(inplace) and not torch.compiler.is_compiling()
 
 
-def _loss_and_metrics(outputs, params: GRPOParams):
-    """(loss, metrics dict) from a loss op's outputs (metrics: one float32 tensor [K])."""
-    loss, metrics = outputs[0], outputs[1]
-    return loss, dict(zip(metric_names(params), metrics.unbind(0)))
+class GRPOTerms(NamedTuple):
+    """The per-token results of the GRPO route: what the losses aggregate and what a trainer
+    logs. Per-token values are [B, T] (packed: [N]); per-sequence ones [B, 1] (packed: [S, 1])."""
+
+    policy_loss: torch.Tensor  # Σ weight·ℓ, 0-dim float32 (no entropy bonus), differentiable
+    logp: torch.Tensor  # per token, float32, differentiable
+    entropy: torch.Tensor  # per token, float32, differentiable
+    ratio: torch.Tensor  # importance ratio w, detached: per token, or per sequence (GSPO)
+    kl: torch.Tensor | None  # k3 KL per token, detached; None when beta == 0
 
 
-def _unfused_loss(logp, ent, inputs: LossInputs, params: GRPOParams):
+def _fused(backend: str, params: GRPOParams) -> bool:
+    """Does the call take the token-terms op (the GRPO epilogue inside the forward kernel)?"""
+    return backend == "triton" and params.importance_sampling_level == "token"
+
+
+def _terms_args(inputs: LossInputs, params: GRPOParams) -> tuple:
+    """A token-terms op's GRPO arguments: [N] float32 weights, advantages, old/ref log-probs
+    and rollout ratios in the kernels' token order, then the hyperparameters."""
+    layout = layout_of(inputs.mask, inputs.cu_seqlens)
+    weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
+    flat = lambda x: None if x is None else layout.flat(x)  # noqa: E731
+    return (flat(weights), flat(inputs.advantages), flat(inputs.old_logps),
+            flat(inputs.ref_logps), flat(inputs.importance_sampling_ratio),
+            *params.to_op_args())
+
+
+def _fused_terms(outputs, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
+    """GRPOTerms from a token-terms op's [N] outputs."""
+    logp, ent, _, token_loss, _, kl, ratio = outputs
+    shape = inputs.mask.shape  # [B, T], or [N] packed
+    return GRPOTerms(token_loss.sum(), logp.reshape(shape), ent.reshape(shape),
+                     ratio.reshape(shape), kl.reshape(shape) if params.beta != 0.0 else None)
+
+
+def _unfused_terms(logp, ent, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
     """Sequence-level ratios, or the chunked PyTorch backend: the differentiable log-probs [N]
     of the selective op (which checks the token ids) go through `grpo_math` on [B, T] (or [N]
     packed) (traceable)."""
     check_finite_advantages(inputs.advantages)  # in-graph under torch.compile
     shape = inputs.mask.shape  # [B, T], or [N] packed
-    return grpo_loss_from_logps(logp.reshape(shape), ent.reshape(shape), inputs, params)
+    logp, ent = logp.reshape(shape), ent.reshape(shape)
+    loss, ratio, kl = policy_loss(logp, inputs, params)
+    return GRPOTerms(loss, logp, ent, ratio, kl)
+
+
+def _loss_and_metrics(terms: GRPOTerms, inputs: LossInputs, params: GRPOParams):
+    return finish_loss(terms.policy_loss, terms.entropy, terms.ratio, terms.kl, inputs, params)
 
 
 # ---- selective log-probs ----------------------------------------------------------------------
@@ -153,6 +197,54 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=Fal
 
 
 @signature_with_params
+def linear_grpo_terms(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    grad_filter: float | str | None = None,
+    params: GRPOParams | None = None,
+    **hyperparameters,
+) -> GRPOTerms:
+    """The per-token terms of `fused_linear_grpo_loss` (same arguments): the policy loss
+    Σ weight·ℓ without the entropy bonus, and per-token logp, entropy, ratio and kl, for a
+    trainer that aggregates or logs them its own way. params.entropy_coef is not applied."""
+    return _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
+                         ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
+                         cu_seqlens, grad_filter, GRPOParams.resolve(params, hyperparameters))[0]
+
+
+def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
+                  ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
+                  grad_filter, params: GRPOParams) -> tuple[GRPOTerms, LossInputs]:
+    """The route of every linear-head GRPO loss: checks, then the token-terms op or the
+    selective log-prob op with grpo_math. Returns the terms and the validated inputs."""
+    ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
+                                           completion_mask, advantages, old_logps, ref_logps,
+                                           importance_sampling_ratio, num_items_in_batch,
+                                           check_values=False,  # the op checks values
+                                           cu_seqlens=cu_seqlens)
+    eps = check_grad_filter(grad_filter, hidden.dtype)
+    backend = backend_for(hidden)
+    head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
+    if _fused(backend, params):
+        outputs = OPS.linear_grpo_terms(*head, ids.reshape(-1), eps, backend,
+                                        *_terms_args(inputs, params))
+        return _fused_terms(outputs, inputs, params), inputs
+    logp, ent, _ = OPS.linear_logprobs(*head, ids.reshape(-1), params.temperature, eps, backend,
+                                       "completion_ids")
+    return _unfused_terms(logp, ent, inputs, params), inputs
+
+
+@signature_with_params
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -196,21 +288,41 @@ def fused_linear_grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
-                                           completion_mask, advantages, old_logps, ref_logps,
+    terms, inputs = _linear_route(hidden, weight, completion_ids, advantages, completion_mask,
+                                  old_logps, ref_logps, bias, num_items_in_batch,
+                                  importance_sampling_ratio, cu_seqlens, grad_filter, params)
+    return _loss_and_metrics(terms, inputs, params)
+
+
+def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
+                  num_items_in_batch, importance_sampling_ratio, cu_seqlens, inplace,
+                  params: GRPOParams) -> tuple[GRPOTerms, LossInputs]:
+    """The route of every logits-input GRPO loss (see `_linear_route`)."""
+    ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
+                                           advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
                                            check_values=False,  # the op checks values
                                            cu_seqlens=cu_seqlens)
-    eps = check_grad_filter(grad_filter, hidden.dtype)
-    backend = backend_for(hidden)
-    head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
-    if backend == "triton" and params.importance_sampling_level == "token":
-        outputs = OPS.linear_grpo_loss(*head, ids.reshape(-1), eps, backend,
-                                       *pack_loss_args(inputs, params))
-        return _loss_and_metrics(outputs, params)
-    logp, ent, _ = OPS.linear_logprobs(*head, ids.reshape(-1), params.temperature, eps, backend,
-                                       "completion_ids")
-    return _unfused_loss(logp, ent, inputs, params)
+    x = _as_btv(logits)  # [N, V] -> [1, N, V]
+    backend = backend_for(x)
+    if _fused(backend, params):
+        outputs = OPS.logits_grpo_terms(x, ids.reshape(-1), backend, _eager(inplace),
+                                        *_terms_args(inputs, params))
+        return _fused_terms(outputs, inputs, params), inputs
+    logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
+                                       "completion_ids", _eager(inplace))
+    return _unfused_terms(logp, ent, inputs, params), inputs
+
+
+@signature_with_params
+def logits_grpo_terms(logits, completion_ids, advantages, completion_mask=None, old_logps=None,
+                      ref_logps=None, *, num_items_in_batch=None, importance_sampling_ratio=None,
+                      cu_seqlens=None, inplace: bool = False, params: GRPOParams | None = None,
+                      **hyperparameters) -> GRPOTerms:
+    """The per-token terms of `grpo_loss` (same arguments); see `linear_grpo_terms`."""
+    return _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
+                         ref_logps, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
+                         inplace, GRPOParams.resolve(params, hyperparameters))[0]
 
 
 @signature_with_params
@@ -241,17 +353,7 @@ def grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
-                                           advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch,
-                                           check_values=False,  # the op checks values
-                                           cu_seqlens=cu_seqlens)
-    x = _as_btv(logits)  # [N, V] -> [1, N, V]
-    backend = backend_for(x)
-    if backend == "triton" and params.importance_sampling_level == "token":
-        outputs = OPS.logits_grpo_loss(x, ids.reshape(-1), backend, _eager(inplace),
-                                       *pack_loss_args(inputs, params))
-        return _loss_and_metrics(outputs, params)
-    logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
-                                       "completion_ids", _eager(inplace))
-    return _unfused_loss(logp, ent, inputs, params)
+    terms, inputs = _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
+                                  ref_logps, num_items_in_batch, importance_sampling_ratio,
+                                  cu_seqlens, inplace, params)
+    return _loss_and_metrics(terms, inputs, params)

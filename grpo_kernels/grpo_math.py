@@ -1,14 +1,15 @@
 """The GRPO per-token math and aggregation in PyTorch, on [B, T] tensors.
 
 This is the one PyTorch implementation of the per-token loss, aggregation, entropy bonus and
-metrics of docs/semantics.md. The reference (`grpo_kernels.reference`), the chunked CPU path, the
-Triton sequence-level path and the TRL subclass all call it on top of their own log-probs; the
-fused token-level Triton kernels carry the same per-token math in a Triton epilogue
-(`kernels/epilogue.py`), its one twin, cross-tested against this file.
+metrics of docs/semantics.md. The reference (`grpo_kernels.reference`) and the loss route
+(`functional.linear_grpo_terms`: the chunked CPU path and sequence-level ratios) call it on top of
+their own log-probs; the fused token-level Triton kernels carry the same per-token loss in a
+Triton epilogue (`kernels/epilogue.py`), its one twin, cross-tested against this file, and leave
+aggregation, the entropy bonus and the metrics to `finish_loss` here.
 
 Shapes: B sequences, T completion positions. `logp`, `old_logps`, `ref_logps`, `mask` are [B, T];
 `advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T]. A packed batch
-(`cu_seqlens`, see `packing.py`) has per-token values [N] and per-sequence values [S, 1]; the
+(`cu_seqlens`, see `layouts.py`) has per-token values [N] and per-sequence values [S, 1]; the
 functions take its `layout` (default: the padded layout of `mask`) for the few steps that depend
 on where tokens sit (per-sequence sums, expanding a per-sequence value to its tokens).
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .packing import PaddedLayout, layout_of
+from .layouts import PaddedLayout, layout_of
 from .params import GRPOParams
 from .validation import LossInputs
 
@@ -147,8 +148,7 @@ def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
 
 
 def metric_names(params: GRPOParams) -> tuple[str, ...]:
-    """The keys of `grpo_metrics` for these hyperparameters, in order (the loss ops return
-    their metrics as one tensor in this order)."""
+    """The keys of `grpo_metrics` for these hyperparameters, in order."""
     return ("entropy",) + (("kl",) if params.beta != 0.0 else ()) + clip_flag_names(params)
 
 
@@ -235,6 +235,20 @@ def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layo
     return (weights * loss_tok).sum(), ratio, kl
 
 
+def finish_loss(policy: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor,
+                kl: torch.Tensor | None, inputs: LossInputs, params: GRPOParams, layout=None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, metrics) from the policy loss Σ weight·ℓ (0-dim) and the per-token values of
+    `policy_loss` (entropy [B, T] or [N], differentiable when entropy_coef != 0): adds the
+    entropy bonus and computes the metrics of one process."""
+    layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
+    loss = policy
+    if params.entropy_coef != 0.0:
+        loss = loss + entropy_bonus(entropy, inputs.mask, params.entropy_coef)
+    return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params,
+                              layout)
+
+
 def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
                          params: GRPOParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss and metrics from per-token log-probs and entropies ([B, T] float32; [N] for a
@@ -242,7 +256,4 @@ def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: Loss
     entropy_coef != 0)."""
     layout = layout_of(inputs.mask, inputs.cu_seqlens)
     loss, ratio, kl = policy_loss(logp, inputs, params, layout)
-    if params.entropy_coef != 0.0:
-        loss = loss + entropy_bonus(entropy, inputs.mask, params.entropy_coef)
-    return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params,
-                              layout)
+    return finish_loss(loss, entropy, ratio, kl, inputs, params, layout)

@@ -296,8 +296,8 @@ def test_packed_call_compiles_fullgraph(backend, level):
 
 def test_opcheck_packed_loss_op():
     """The loss op's schema, fake tensors and autograd registration with cu_seqlens."""
+    from grpo_kernels.functional import _terms_args
     from grpo_kernels.ops.custom_ops import OPS
-    from grpo_kernels.ops.loss_terms import pack_loss_args
     from grpo_kernels.params import GRPOParams
     from grpo_kernels.validation import check_loss_inputs
 
@@ -307,10 +307,10 @@ def test_opcheck_packed_loss_op():
                                packed["old"], packed["ref"], None, None,
                                cu_seqlens=packed["cu_seqlens"])
     args = (leaf(packed["hidden"]), leaf(weight), leaf(b), packed["ids"], None, "triton",
-            *pack_loss_args(inputs, params))
+            *_terms_args(inputs, params))
     tests = ["test_schema", "test_faketensor", "test_autograd_registration",
              "test_aot_dispatch_dynamic"]
-    result = torch.library.opcheck(OPS.linear_grpo_loss.default, args, test_utils=tests)
+    result = torch.library.opcheck(OPS.linear_grpo_terms.default, args, test_utils=tests)
     assert all(v == "SUCCESS" for v in result.values()), result
 
 

@@ -14,9 +14,9 @@ from helpers import leaf, make_grpo_batch, make_head, scaled_err
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
 from grpo_kernels.cpu import chunked
+from grpo_kernels.functional import _terms_args
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
 from grpo_kernels.ops import custom_ops
-from grpo_kernels.ops.loss_terms import pack_loss_args
 from grpo_kernels.params import GRPOParams
 from grpo_kernels.validation import LossInputs
 
@@ -237,18 +237,18 @@ def test_eager_linear_op_keeps_its_tile_for_one_backward(monkeypatch):
         assert scaled_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("backend", ["triton"])  # the loss ops run the fused token-level path
+@pytest.mark.parametrize("backend", ["triton"])  # the token-terms ops: the fused token-level path
 def test_opcheck_loss_ops(backend):
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(B=2, T=2, D=4, V=5)
     params = GRPOParams(beta=0.04, entropy_coef=0.01)
     inputs = LossInputs(mask, adv.reshape(-1, 1), old, ref, None, None)
-    grpo = pack_loss_args(inputs, params)
+    grpo = _terms_args(inputs, params)
     h = leaf(hidden.reshape(-1, 4))
     fused = True
-    _opcheck(custom_ops.OPS.linear_grpo_loss.default,
+    _opcheck(custom_ops.OPS.linear_grpo_terms.default,
              (h, leaf(weight), leaf(bias), ids.reshape(-1), None, backend, *grpo), fused)
     logits = leaf(hidden @ weight.T)
-    _opcheck(custom_ops.OPS.logits_grpo_loss.default,
+    _opcheck(custom_ops.OPS.logits_grpo_terms.default,
              (logits, ids.reshape(-1), backend, False, *grpo), fused)
 
 

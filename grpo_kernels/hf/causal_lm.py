@@ -43,7 +43,7 @@ from torch import nn
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from .head_adapters import ResolvedHead, fold_lora, resolve_head
-from .packing import check_packed_positions, completion_targets, keep_positions
+from .packed_rows import check_packed_positions, completion_targets, keep_positions
 
 __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
            "completion_hidden_states", "completion_logprobs", "head_for", "output_head",

@@ -1,6 +1,6 @@
 """The op layer between the kernels and the functional API: the backend registry and dispatch
-(`backends.py`), the fallback safety net (`fallback.py`), ops bound to a backend's launchers
-(`kernel_ops.py`), the GRPO terms of a loss op (`loss_terms.py`), the autograd formulas
-(`autograd.py`) and the torch.library custom operators that tie them together (`custom_ops.py`)."""
+(`backends.py`), the fallback safety net (`fallback.py`), a backend's launchers bound to an op's
+options and the token-terms body (`launch.py`), the autograd formulas (`autograd.py`) and the
+torch.library custom operators that tie them together (`custom_ops.py`)."""
 
 from . import torch_check  # noqa: F401  (first: an unsupported torch fails here, in one line)

@@ -2,19 +2,21 @@
 
 Forward gives (logp [N], entropy [N], lse [N]). Backward needs only per-token statistics, so only
 those and the inputs are saved, never logits (the eager chunked call in `custom_ops.py` may keep
-a small problem's single logits tile on ctx, outside saved_tensors). For a loss op the forward
-also returns each token's dloss/dlogp (the epilogue's weight·dℓ/dlogp, or grpo_math's) and
-dloss/dentropy, and
+a small problem's single logits tile on ctx, outside saved_tensors). A token-terms op also
+returns each token's weighted loss t = weight·ℓ(logp) and its derivative c = dt/dlogp (the
+epilogue's, or grpo_math's); t of token n depends on logp[n] alone, so by the chain rule
 
-    g_logp = g_loss · dloss/dlogp,   g_entropy = g_loss · dloss/dentropy
-    then the op's backward turns (g_logp, g_entropy) into input gradients.
+    g_logp_total = g_logp + g_t · c,   g_entropy as given
+    then the op's backward turns (g_logp_total, g_entropy) into input gradients.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .loss_terms import unpack_loss_args
+from ..params import FIELD_NAMES
+
+_TEMPERATURE_AT = FIELD_NAMES.index("temperature") - len(FIELD_NAMES)  # from the args' end
 
 # ---- autograd formulas of the custom ops (custom_ops.py registers them) ----------------------
 # Forward saves the inputs and per-token statistics (lse, entropy [N]); backward turns the
@@ -87,49 +89,50 @@ def logits_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
     return logits_grads(ctx, g_logp, g_ent, backward), None, None, None, None, None
 
 
-def loss_token_grads(ctx, g_loss):
-    """(g_logp, g_entropy) [N] of a loss op: g_loss × the saved coefficients dloss/dlogp and
-    dloss/dentropy (the latter empty when entropy_coef == 0)."""
-    coef_logp, coef_ent = ctx.saved_tensors[-2:]
-    if g_loss is None:
-        return None, None
-    g = g_loss.float()
-    return coef_logp * g, (coef_ent * g if ctx.has_entropy_grad else None)
+# ---- the token-terms ops: inputs (kernel tensors, targets, options, GRPO tensors, hyperparameters)
+# -> outputs (logp, entropy, lse, token_loss, coef_logp, kl, ratio); logp, entropy and token_loss
+# are differentiable.
 
 
-# ---- the loss ops: inputs (kernel tensors, targets, options, GRPO arguments) -> outputs (loss,
-# metrics, lse, entropy, dloss/dlogp, dloss/dentropy); only the loss is differentiable.
+def temperature_of(args) -> float:
+    """The temperature among a token-terms op's arguments (GRPOParams' fields come last)."""
+    return args[_TEMPERATURE_AT]
 
 
-def _save_loss(ctx, tensors, loss_args, output, n_inputs: int):
-    """Saves (kernel tensors, targets, lse, ent, coef_logp, coef_ent); returns the params."""
-    _, metrics, lse, ent, coef_logp, coef_ent = output
-    _, params = unpack_loss_args(loss_args)
+def _save_terms(ctx, tensors, output, n_inputs: int):
+    """Saves (kernel tensors, targets, lse, entropy, coef_logp)."""
+    _, ent, lse, _, coef_logp, kl, ratio = output
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(metrics, lse, ent, coef_logp, coef_ent)
-    ctx.has_entropy_grad = params.entropy_coef != 0.0
+    ctx.mark_non_differentiable(lse, coef_logp, kl, ratio)
     ctx.n_inputs = n_inputs
-    ctx.save_for_backward(*tensors, lse, ent, coef_logp, coef_ent)
-    return params
+    ctx.save_for_backward(*tensors, lse, ent, coef_logp)
 
 
-def setup_linear_loss(ctx, inputs, output):
-    hidden, weight, bias, targets, grad_filter, backend, *loss_args = inputs
-    params = _save_loss(ctx, (hidden, weight, bias, targets), loss_args, output, len(inputs))
-    ctx.config = (params.temperature, grad_filter, backend)
+def _token_grads(ctx, g_logp, g_token_loss):
+    """g_logp + g_token_loss · coef_logp (None when neither output has a gradient)."""
+    if g_token_loss is None:
+        return g_logp
+    g = g_token_loss.float() * ctx.saved_tensors[-1]
+    return g if g_logp is None else g_logp.float() + g
 
 
-def linear_loss_backward(ctx, g_loss, *_):
-    grads = linear_grads(ctx, *loss_token_grads(ctx, g_loss))
+def setup_linear_terms(ctx, inputs, output):
+    hidden, weight, bias, targets, grad_filter, backend, *_ = inputs
+    _save_terms(ctx, (hidden, weight, bias, targets), output, len(inputs))
+    ctx.config = (temperature_of(inputs), grad_filter, backend)
+
+
+def linear_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
+    grads = linear_grads(ctx, _token_grads(ctx, g_logp, g_token_loss), g_ent)
     return (*grads, *[None] * (ctx.n_inputs - len(grads)))
 
 
-def setup_logits_loss(ctx, inputs, output):
-    logits, targets, backend, inplace, *loss_args = inputs
-    params = _save_loss(ctx, (logits, targets), loss_args, output, len(inputs))
-    ctx.config = (params.temperature, backend, inplace)
+def setup_logits_terms(ctx, inputs, output):
+    logits, targets, backend, inplace, *_ = inputs
+    _save_terms(ctx, (logits, targets), output, len(inputs))
+    ctx.config = (temperature_of(inputs), backend, inplace)
 
 
-def logits_loss_backward(ctx, g_loss, *_):
-    grad = logits_grads(ctx, *loss_token_grads(ctx, g_loss))
+def logits_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
+    grad = logits_grads(ctx, _token_grads(ctx, g_logp, g_token_loss), g_ent)
     return (grad, *[None] * (ctx.n_inputs - 1))

@@ -1,27 +1,27 @@
-"""The losses as PyTorch custom operators (torch.library), so that torch.compile traces a training
+"""The kernels as PyTorch custom operators (torch.library), so that torch.compile traces a training
 step that calls them (fullgraph=True) and treats each kernel call as one opaque node.
 
     grpo_kernels::linear_logprobs / linear_logprobs_backward        selective_logprobs
     grpo_kernels::logits_logprobs / logits_logprobs_backward[_]     logprobs_from_logits
-    grpo_kernels::linear_grpo_loss                                   fused_linear_grpo_loss
-    grpo_kernels::logits_grpo_loss                                   grpo_loss
+    grpo_kernels::linear_grpo_terms                                  the GRPO losses' token terms
+    grpo_kernels::logits_grpo_terms                                  (functional.grpo_terms)
 
-The loss ops serve the fused token-level Triton path (GRPO epilogue inside the forward kernel).
+A token-terms op is the selective log-prob op plus, per token, the GRPO epilogue's weight·ℓ
+(differentiable), weight·dℓ/dlogp, kl and the ratio: the fused token-level path. Aggregation
+(Σ weight·ℓ, the entropy bonus, metrics) stays in PyTorch (`functional.py`, `grpo_math`).
 Sequence-level ratios and the chunked backend call the selective log-prob op and run
-`grpo_math` on [B, T] as ordinary (traceable) PyTorch around it.
+`grpo_math` around it as ordinary (traceable) PyTorch.
 
 The public functions keep the checks that need only shapes and dtypes in Python (traceable);
 value checks (token ids in range, finite advantages) run inside the ops' eager implementations
 (or, for code traced around them, as in-graph assertions), so nothing reads a tensor's value
-while tracing. Hyperparameters are plain float/int/bool/str op arguments derived from GRPOParams
-(`loss_terms.LOSS_ARGS_SCHEMA`), metrics come back as one float32 tensor [K] (names:
-`grpo_math.metric_names`).
+while tracing. Hyperparameters are the plain float/int/bool/str op arguments that the schema
+derives from GRPOParams (`params.op_schema`): a GRPOParams is flattened once into them and
+rebuilt once inside the op.
 
-The eager implementations run the launchers through `kernel_ops.LinearHeadOp`/`LogitsOp` (with
-the fallback of `fallback.py`) on the backend the public function chose (`backends.py`). A loss
-op returns, besides the loss, the per-token statistics and the loss' derivatives w.r.t. each
-token's logp and entropy (the "coefficients"); its backward is the selective log-prob backward
-driven by g_loss × coefficients (`autograd.py`; never logits saved; see `_LinearLogprobs` for
+The eager implementations run the launchers through `launch.LinearHeadOp`/`LogitsOp` (with the
+fallback of `fallback.py`) on the backend the public function chose (`backends.py`). Backward
+needs only per-token statistics (`autograd.py`; never logits saved; see `_LinearLogprobs` for
 the eager chunked call that keeps a small problem's logits tile).
 """
 
@@ -32,15 +32,12 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..grpo_math import metric_names
+from ..params import GRPOParams, op_schema
 from ..validation import check_finite_advantages, check_token_id_values
 from . import autograd
 from .backends import IMPLS
-from .kernel_ops import LinearHeadOp, LogitsOp
-from .loss_terms import LOSS_ARGS_SCHEMA, grpo_loss_terms, unpack_loss_args
+from .launch import LinearHeadOp, LogitsOp, grpo_token_terms
 
-LOSS_OUT = "(Tensor loss, Tensor metrics, Tensor lse, Tensor entropy, Tensor coef_logp, " \
-           "Tensor coef_entropy)"
 F32 = torch.float32
 
 
@@ -155,73 +152,71 @@ def _logits_logprobs_backward_inplace_fake(logits, *args):
     return None
 
 
-# ---- GRPO losses ------------------------------------------------------------------------------
-
+# ---- GRPO token terms -------------------------------------------------------------------------
+# The GRPO arguments of a token-terms op, each [N] float32 in the kernels' token order, then the
+# hyperparameters (GRPOParams' fields). Outputs, each [N] float32: logp and entropy
+# (differentiable), lse, weight·ℓ (differentiable), weight·dℓ/dlogp, kl (0 when beta == 0) and
+# the importance ratio.
+TERMS_ARGS = ("Tensor weights, Tensor advantages, Tensor? old_logps, Tensor? ref_logps, "
+              "Tensor? importance_sampling_ratio, " + op_schema())
+TERMS_OUT = ("(Tensor logp, Tensor entropy, Tensor lse, Tensor token_loss, Tensor coef_logp, "
+             "Tensor kl, Tensor ratio)")
 torch.library.define(
-    "grpo_kernels::linear_grpo_loss",
+    "grpo_kernels::linear_grpo_terms",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float? grad_filter, "
-    f"str backend, {LOSS_ARGS_SCHEMA}) -> {LOSS_OUT}")
+    f"str backend, {TERMS_ARGS}) -> {TERMS_OUT}")
 torch.library.define(
-    "grpo_kernels::logits_grpo_loss",
-    f"(Tensor logits, Tensor targets, str backend, bool inplace, {LOSS_ARGS_SCHEMA}) -> {LOSS_OUT}")
+    "grpo_kernels::logits_grpo_terms",
+    f"(Tensor logits, Tensor targets, str backend, bool inplace, {TERMS_ARGS}) -> {TERMS_OUT}")
 
 
-def _loss_outputs(loss, metrics, lse, ent, coef_logp, coef_ent, like):
-    values = list(metrics.values())  # in metric_names order
-    stacked = torch.stack(values) if values else like.new_empty(0, dtype=F32)
-    return (loss.detach().float().clone(), stacked.float(), lse, ent, coef_logp.contiguous(),
-            _empty(lse) if coef_ent is None else coef_ent.contiguous())
+def _terms(op, targets, tensors, grpo_args):
+    weights, advantages, old, ref, isr, *hyper = grpo_args
+    check_finite_advantages(advantages)
+    params = GRPOParams.from_op_args(hyper)  # the one rebuild the op schema requires
+    return grpo_token_terms(op, targets, tensors, params, weights, advantages, old, ref, isr)
 
 
-@torch.library.impl("grpo_kernels::linear_grpo_loss", "default")
-def _linear_grpo_loss(hidden, weight, bias, targets, grad_filter, backend, *loss_args):
-    """hidden [N, D], targets [N]; per-token inputs [B, T] (B·T = N), validated and float32."""
+@torch.library.impl("grpo_kernels::linear_grpo_terms", "default")
+def _linear_grpo_terms(hidden, weight, bias, targets, grad_filter, backend, *grpo_args):
+    """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)."""
     check_token_id_values("completion_ids", targets, weight.shape[0], "weight.shape[0]")
-    inputs, params = unpack_loss_args(loss_args)
-    check_finite_advantages(inputs.advantages)
-    op = LinearHeadOp(IMPLS[backend], params.temperature, grad_filter)
-    terms = grpo_loss_terms(op, targets, (hidden, weight, bias), inputs, params,
-                            backend == "triton")
-    return _loss_outputs(*terms, like=hidden)
+    op = LinearHeadOp(IMPLS[backend], autograd.temperature_of(grpo_args), grad_filter)
+    return _terms(op, targets, (hidden, weight, bias), grpo_args)
 
 
-@torch.library.impl("grpo_kernels::logits_grpo_loss", "default")
-def _logits_grpo_loss(logits, targets, backend, inplace, *loss_args):
+@torch.library.impl("grpo_kernels::logits_grpo_terms", "default")
+def _logits_grpo_terms(logits, targets, backend, inplace, *grpo_args):
     """logits [B, T, V] (unit last stride), targets [B·T]."""
     check_token_id_values("completion_ids", targets, logits.shape[-1], "logits.shape[-1]")
-    inputs, params = unpack_loss_args(loss_args)
-    check_finite_advantages(inputs.advantages)
-    op = LogitsOp(IMPLS[backend], params.temperature, inplace)
-    terms = grpo_loss_terms(op, targets, (logits,), inputs, params, backend == "triton")
-    return _loss_outputs(*terms, like=logits)
+    op = LogitsOp(IMPLS[backend], autograd.temperature_of(grpo_args), inplace)
+    return _terms(op, targets, (logits,), grpo_args)
 
 
-def _loss_fake(targets, loss_args):
-    _, params = unpack_loss_args(loss_args)
-    n = targets.shape[0]
-    new = lambda *shape: targets.new_empty(shape, dtype=F32)  # noqa: E731
-    return (new(), new(len(metric_names(params))), new(n), new(n), new(n),
-            new(n if params.entropy_coef != 0.0 else 0))
+def _terms_fake(targets):
+    return tuple(targets.new_empty(targets.shape[0], dtype=F32) for _ in range(7))
 
 
-@torch.library.register_fake("grpo_kernels::linear_grpo_loss")
-def _linear_grpo_loss_fake(hidden, weight, bias, targets, grad_filter, backend, *loss_args):
-    return _loss_fake(targets, loss_args)
+@torch.library.register_fake("grpo_kernels::linear_grpo_terms")
+def _linear_grpo_terms_fake(hidden, weight, bias, targets, *args):
+    return _terms_fake(targets)
 
 
-@torch.library.register_fake("grpo_kernels::logits_grpo_loss")
-def _logits_grpo_loss_fake(logits, targets, backend, inplace, *loss_args):
-    return _loss_fake(targets, loss_args)
+@torch.library.register_fake("grpo_kernels::logits_grpo_terms")
+def _logits_grpo_terms_fake(logits, targets, *args):
+    return _terms_fake(targets)
 
 
 torch.library.register_autograd("grpo_kernels::linear_logprobs", autograd.linear_backward,
                                 setup_context=autograd.setup_linear)
 torch.library.register_autograd("grpo_kernels::logits_logprobs", autograd.logits_backward,
                                 setup_context=autograd.setup_logits)
-torch.library.register_autograd("grpo_kernels::linear_grpo_loss", autograd.linear_loss_backward,
-                                setup_context=autograd.setup_linear_loss)
-torch.library.register_autograd("grpo_kernels::logits_grpo_loss", autograd.logits_loss_backward,
-                                setup_context=autograd.setup_logits_loss)
+torch.library.register_autograd("grpo_kernels::linear_grpo_terms",
+                                autograd.linear_terms_backward,
+                                setup_context=autograd.setup_linear_terms)
+torch.library.register_autograd("grpo_kernels::logits_grpo_terms",
+                                autograd.logits_terms_backward,
+                                setup_context=autograd.setup_logits_terms)
 
 
 # ---- eager calls of the selective log-prob ops ------------------------------------------------
@@ -330,8 +325,8 @@ class _Operators:
         self._ops = ops
         self.linear_logprobs = _EagerFirst(ops.linear_logprobs, _LinearLogprobs, 6, 4)
         self.logits_logprobs = _EagerFirst(ops.logits_logprobs, _LogitsLogprobs, 3, 2)
-        self.linear_grpo_loss = ops.linear_grpo_loss
-        self.logits_grpo_loss = ops.logits_grpo_loss
+        self.linear_grpo_terms = ops.linear_grpo_terms
+        self.logits_grpo_terms = ops.logits_grpo_terms
 
     def __getattr__(self, name):
         return getattr(self._ops, name)

@@ -8,10 +8,11 @@ module are bound at import, nothing is looked up through trl.GRPOTrainer later).
 Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's. What changes:
 
 - The training loss (`_compute_loss`) runs the model body only, takes the hidden states of the
-  completion positions ([B, T, D]) and gets log-probs and entropies from the fused linear kernels
-  (Triton on CUDA, chunked PyTorch on CPU), then ratios, clipping, KL and aggregation from
-  `grpo_math` on [B, T]: prompt positions are never projected to the vocabulary and no
-  [B, T, V] logits exist.
+  completion positions ([B, T, D]) and takes the route of every grpo-kernels loss
+  (`linear_grpo_terms`): on Triton at token level the forward kernel computes ratios, clipping
+  and KL per token in its GRPO epilogue; otherwise (chunked PyTorch on CPU, sequence-level
+  ratios) `grpo_math` does, on the kernels' log-probs. Prompt positions are never projected to
+  the vocabulary and no [B, T, V] logits exist.
 - Old- and reference-policy scoring (`_get_per_token_logps_and_entropies`) goes through the same
   hidden-state path (`grpo_kernels.hf.completion_logprobs`), without logits.
 - A PEFT LoRA adapter on lm_head (`peft_config` with "lm_head" in target_modules) is trained:
@@ -63,8 +64,8 @@ except ImportError as exc:  # TRL is an optional dependency
         "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
     ) from exc
 
-from ..functional import selective_logprobs
-from ..grpo_math import clip_indicators, entropy_bonus, metric_sums, policy_loss
+from ..functional import linear_grpo_terms
+from ..grpo_math import clip_indicators, entropy_bonus, metric_sums
 from ..hf import (
     check_output_head,
     completion_hidden_states,
@@ -74,7 +75,7 @@ from ..hf import (
     unwrap_model,
 )
 from ..params import LOSS_TYPES, GRPOParams
-from ..validation import check_grad_filter, check_loss_inputs
+from ..validation import check_grad_filter
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -125,25 +126,21 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
                  params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
                  grad_filter=None):
-    """The GRPO policy loss with the per-token values TRL's metrics need.
-
-    Log-probs and entropies come from the fused linear kernels (`selective_logprobs`: Triton on
-    CUDA, chunked PyTorch on CPU; no [N, V] logits), the per-token loss and aggregation from
-    `grpo_math` on [B, T]; params.entropy_coef is ignored (the trainer adds TRL's bonus).
+    """The GRPO policy loss with the per-token values TRL's metrics need, by the route every
+    loss takes (`linear_grpo_terms`: the token-terms op with the in-kernel GRPO epilogue on
+    Triton at token level, else the selective log-prob op and `grpo_math`; no [N, V] logits);
+    params.entropy_coef is ignored (the trainer adds TRL's bonus).
     hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
     (detached), kl [B, T] (detached) or None). grad_filter: see `selective_logprobs`.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
-    B, T, _ = hidden.shape
-    logp, entropy = selective_logprobs(hidden, weight, completion_ids, bias,
-                                       temperature=params.temperature, return_entropy=True,
-                                       grad_filter=grad_filter)
-    inputs = check_loss_inputs(B, T, hidden.device, params, mask, advantages, old_logps,
-                               ref_logps, importance_sampling_ratio, num_items_in_batch)
-    loss, ratio, kl = policy_loss(logp, inputs, params)
-    return loss, entropy, ratio, None if kl is None else kl.detach()
+    terms = linear_grpo_terms(hidden, weight, completion_ids, advantages, mask, old_logps,
+                              ref_logps, bias, num_items_in_batch=num_items_in_batch,
+                              importance_sampling_ratio=importance_sampling_ratio,
+                              grad_filter=grad_filter, params=params)
+    return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
 
 
 # Registered on an FSDP2 root as a forward method (`register_fsdp_forward_method`).

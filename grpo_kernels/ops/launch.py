@@ -1,0 +1,186 @@
+"""The launchers of one backend bound to an op's options, and the eager body of the GRPO
+token-terms ops.
+
+`LinearHeadOp` / `LogitsOp`: forward gives (logp [N], entropy [N], lse [N]); backward turns
+per-token gradients (g_logp, g_entropy [N]) into input gradients. Triton launches go through
+`fallback.run`, so a kernel that fails to compile or launch is replaced by the chunked PyTorch
+launcher of the same contract.
+
+`grpo_token_terms`: the body of the token-terms ops (`custom_ops.py`). On Triton the forward
+kernel runs the GRPO epilogue (`kernels/epilogue.py`) on each token's log-prob as it is produced
+and writes weight·ℓ, weight·dℓ/dlogp, kl and the ratio per token; a kernel that fails to build
+re-runs on the chunked path, and `grpo_math` gives the same four per-token values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cpu import chunked
+from ..grpo_math import per_token_loss
+from ..kernels.epilogue import loss_kind
+from ..params import GRPOParams
+from . import fallback
+
+
+class BoundOp:
+    """One selective log-prob op on one backend's launchers (`impl`: the Triton launchers or
+    `chunked`). Triton launches go through `fallback.run`: a kernel that fails to compile or
+    launch is replaced by the chunked launcher of the same contract, and the op stays there
+    (its backward runs on the backend its forward ran on)."""
+
+    family = ""
+
+    def __init__(self, impl, temperature: float):
+        self.impl, self.temperature = impl, temperature
+
+    @property
+    def on_triton(self) -> bool:
+        return self.impl is not chunked
+
+    def on_torch(self):
+        """The same op on the chunked PyTorch backend."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__, impl=chunked)
+        return other
+
+    def _launch(self, x, what, name, *args, **kw):
+        if not self.on_triton:
+            return getattr(chunked, name)(*args, **kw)
+
+        def on_torch():
+            self.impl = chunked  # backward follows the forward's backend
+            return getattr(chunked, name)(*args, **kw)
+
+        return fallback.run(self.family, x.device, x.dtype, what,
+                            lambda: getattr(self.impl, name)(*args, **kw), on_torch)
+
+    def failed(self, x) -> bool:
+        """This op's Triton kernels already failed for x's dtype and device (see fallback)."""
+        return self.on_triton and fallback.failed(self.family, x.device, x.dtype)
+
+
+class LinearHeadOp(BoundOp):
+    """z = (hidden [N, D] @ weight [V, D]^T + bias [V]) / τ, on one backend's launchers.
+    grad_filter: None (exact backward) or the resolved gradient-filtering eps."""
+
+    family = "linear-head"
+
+    def __init__(self, impl, temperature: float, grad_filter: float | None = None):
+        super().__init__(impl, temperature)
+        self.grad_filter = grad_filter
+
+    def forward(self, targets, epilogue, hidden, weight, bias, keep=None):
+        """keep: a dict for the chunked launcher's kept logits tile (chunked backend only)."""
+        if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
+            return self.impl.linear_logprob_forward(hidden, weight, bias, targets,
+                                                    self.temperature, epilogue=epilogue)
+        extra = {} if keep is None or self.on_triton else {"keep": keep}
+        return self._launch(hidden, "linear-head forward", "linear_logprob_forward", hidden,
+                            weight, bias, targets, self.temperature, **extra)
+
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
+        hidden, weight, bias = inputs
+        extra = {} if not kept or self.on_triton else {"kept": kept}
+        return self._launch(hidden, "linear-head backward", "linear_logprob_backward", hidden,
+                            weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
+                            needs=tuple(needs), grad_filter=self.grad_filter, **extra)
+
+
+class LogitsOp(BoundOp):
+    """z = logits [B, T, V] / τ. With `inplace`, d logits overwrites the logits buffer."""
+
+    family = "logits"
+
+    def __init__(self, impl, temperature: float, inplace: bool = False):
+        super().__init__(impl, temperature)
+        self.inplace = inplace
+
+    def forward(self, targets, epilogue, logits):
+        if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
+            return self.impl.logits_logprob_forward(logits, targets, self.temperature,
+                                                    epilogue=epilogue)
+        return self._launch(logits, "logits forward", "logits_logprob_forward", logits, targets,
+                            self.temperature)
+
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
+        (logits,) = inputs
+        if not needs[0]:
+            return (None,)
+        dx = self._launch(logits, "logits backward", "logits_logprob_backward", logits, targets,
+                          lse, ent, g_logp, g_ent, self.temperature,
+                          out=logits if self.inplace else None)
+        if self.inplace:
+            # the kernel wrote through a raw pointer: bump the version so that any other
+            # autograd node that saved these logits fails loudly instead of using gradients
+            increment = getattr(torch.autograd.graph, "increment_version", None)
+            if increment is not None:
+                increment(logits)
+        return (dx,)
+
+
+# ---- the GRPO token-terms ops' body ------------------------------------------------------------
+
+
+def epilogue_args(params: GRPOParams, weights, advantages, old_logps, ref_logps,
+                  importance_sampling_ratio) -> dict:
+    """The forward kernels' GRPO epilogue (`kernels/epilogue.py: grpo_token_outputs`): the [N]
+    float32 inputs, four fresh [N] outputs the kernel fills, the scalars and the flags. An
+    absent input is given as `advantages`, a pointer the kernel never reads (its flag is off)."""
+    N = advantages.shape[0]
+    outs = [torch.empty(N, device=advantages.device, dtype=torch.float32) for _ in range(4)]
+    given = lambda x: advantages if x is None else x  # noqa: E731
+    return dict(
+        tensors=[given(old_logps), given(ref_logps), advantages,
+                 given(importance_sampling_ratio), weights,
+                 *outs],  # weight·ℓ, weight·dℓ/dlogp, kl, ratio
+        scalars=[params.epsilon_low, params.eps_high,
+                 params.delta if params.delta is not None else 0.0, params.beta,
+                 params.sapo_temperature_pos, params.sapo_temperature_neg],
+        LOSS_KIND=loss_kind(params.loss_type),
+        HAS_OLD=old_logps is not None,
+        HAS_DELTA=params.delta is not None,
+        HAS_KL=params.beta != 0.0,
+        BIAS_CORRECT_KL=params.use_bias_correction_kl,
+        HAS_ISR=importance_sampling_ratio is not None,
+    )
+
+
+def grpo_token_terms(op: BoundOp, targets, tensors, params: GRPOParams, weights, advantages,
+                     old_logps=None, ref_logps=None, importance_sampling_ratio=None):
+    """Token-level GRPO on a bound op: (logp, entropy, lse, weight·ℓ, weight·dℓ/dlogp, kl,
+    ratio), each [N] float32 (kl is 0 when beta == 0).
+
+    targets [N]; tensors: the op's inputs (hidden, weight, bias) or (logits,); the GRPO inputs
+    are [N] float32 in the kernels' token order, weights = grpo_math.token_weights flattened.
+    On Triton the forward kernel's epilogue computes the four per-token values. On the chunked
+    backend, or where the Triton kernel failed to build (then once more unfused, see
+    fallback.py), `grpo_math.per_token_loss` does, and torch.func.grad gives its derivative:
+    token n's ℓ depends on logp[n] alone, so the gradient of Σ weight·ℓ is the per-token
+    derivative. That branch runs eagerly only (inside the operator's body)."""
+    x = tensors[0]
+    if op.on_triton and not op.failed(x):
+        epilogue = epilogue_args(params, weights, advantages, old_logps, ref_logps,
+                                 importance_sampling_ratio)
+        try:
+            logp, ent, lse = op.forward(targets, epilogue, *tensors)
+            return (logp, ent, lse, *epilogue["tensors"][-4:])
+        except Exception as exc:
+            # the epilogue runs only inside the Triton forward: a kernel that fails to compile
+            # or launch re-runs unfused on the chunked PyTorch backend
+            if not fallback.note_failure(exc, op.family, x.device, x.dtype,
+                                         f"{op.family} forward with the GRPO epilogue"):
+                raise
+    if op.on_triton:
+        op = op.on_torch()
+    logp, ent, lse = op.forward(targets, None, *tensors)
+
+    def weighted_loss(lp):  # Σ weight·ℓ over [N] (token level: no layout needed)
+        loss, ratio, kl = per_token_loss(lp, old_logps, ref_logps, advantages, weights, params,
+                                         importance_sampling_ratio)
+        lossw = weights * loss
+        return lossw.sum(), (lossw, ratio, kl)
+
+    coef_logp, (lossw, ratio, kl) = torch.func.grad(weighted_loss, has_aux=True)(logp)
+    kl = torch.zeros_like(logp) if kl is None else kl
+    return logp, ent, lse, lossw, coef_logp, kl, ratio
