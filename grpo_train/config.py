@@ -1,182 +1,247 @@
-"""The trainer's configuration: one commented dataclass (its comments are grpo-train's --help,
-see `cli.py`), the "auto" values, validation with errors that name the flag, and the loss'
-hyperparameters derived from it (`grpo_params`)."""
+"""The trainer's configuration: `TrainConfig`, one dataclass whose field metadata holds each
+setting's --help text, as in TRL's GRPOConfig (so transformers' HfArgumentParser can parse it
+too); `TOPICS`, the groups of --help; the "auto" values and the learning-rate schedule.
+Validation with errors that name the flag, and the loss' hyperparameters (`grpo_params`), are in
+`checks.py` and re-exported here."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 from dataclasses import dataclass, field
 
-from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOParams
-
-from .flags import MissingPathError, UsageError
+from .checks import (  # noqa: F401 - re-exported: the trainer and the tests import them from here
+    CHOICES,
+    LOCAL_DATASET_FORMATS,
+    check_dataset_source,
+    check_model_source,
+    grad_filter_value,
+    grpo_params,
+    validate,
+)
 
 
 @dataclass
 class TrainConfig:
-    """Every setting of a run. Fields marked "auto" default to None and are resolved by
-    `resolve_auto` (see AUTO): one value for the embedded tiny run, TRL's for --model.
+    """Every setting of a run; each field is the flag of its name. `metadata["help"]` is the
+    field's --help text (`cli.py` adds its default, and groups the fields by `TOPICS`). Fields
+    whose default is "auto" hold None until `resolve_auto` (see AUTO): one value for the embedded
+    tiny run, TRL's for --model."""
 
-    The comments are the documentation: `--help` shows each field's comment block and trailing
-    comment as its description, under its "# ---- topic" heading."""
+    seed: int = field(default=0, metadata={
+        "help": "seeds the embedded model, the task split, prompt order and sampling"})
 
-    # ---- general -----------------------------------------------------------------------------
-    seed: int = 0  # seeds the embedded model, the task split, prompt order and sampling
+    model: str = field(default="", metadata={
+        "help": "Local directory or hub id of any AutoModelForCausalLM (+ its tokenizer and chat "
+                'template). "" = the embedded default: a tiny randomly initialised causal LM and '
+                "a character tokenizer."})
+    revision: str | None = field(default=None, metadata={"help": "hub revision of --model"})
+    model_dtype: str = field(default="float32", metadata={
+        "help": "Weights dtype. float32 + --bf16 = mixed precision (float32 master weights, bf16 "
+                "compute); bfloat16 = pure-bf16 training, the least memory."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "run the model repository's own Python code"})
+    tiny_arch: str = field(default="qwen2", metadata={"help": "embedded model's architecture"})
+    tiny_hidden_size: int = field(default=64, metadata={"help": "embedded model width"})
+    tiny_layers: int = field(default=2, metadata={"help": "embedded model depth"})
+    tiny_init_std: float = field(default=0.1, metadata={
+        "help": "Standard deviation of the embedded model's random initial weights "
+                "(transformers' initializer_range, 0.02 by default). At 0.1, about "
+                "1/sqrt(width), the embedded run starts learning after 10-25 steps; at 0.02 its "
+                "output ignored the prompt for 20-60 steps."})
+    format_warmup_steps: int = field(default=30, metadata={
+        "help": "Supervised warm-up of the embedded model before step 0 on *random* answers: it "
+                "learns the output format (digits, then EOS), never which answer is right. 0 "
+                "disables it."})
+    format_warmup_lr: float = field(default=3e-3, metadata={
+        "help": "learning rate of the format warm-up"})
+    lora_r: int = field(default=0, metadata={
+        "help": "LoRA rank (PEFT, `pip install grpo-kernels[lora]`); 0 = train every weight. "
+                "With r > 0 only the adapters train; the reference policy (beta > 0) is the "
+                "model without them."})
+    lora_alpha: float = field(default=32.0, metadata={
+        "help": "LoRA scale numerator: adapters are scaled by alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "dropout on the LoRA branch's input"})
+    lora_head: bool = field(default=True, metadata={
+        "help": "Put an adapter on the output head too: the fused loss trains it without a "
+                "merged head"})
+    fp32_lm_head: bool = field(default=False, metadata={
+        "help": "Keep the output head (lm_head) in float32 while the rest runs in bf16/fp16 "
+                "(TRL's cast_lm_head_to_fp32): the kernels take the 16-bit hidden states with "
+                "the fp32 head"})
 
-    # ---- model -------------------------------------------------------------------------------
-    # Local directory or hub id of any AutoModelForCausalLM (+ its tokenizer and chat template).
-    # "" = the embedded default: a tiny randomly initialised causal LM and a character tokenizer.
-    model: str = ""
-    revision: str | None = None  # hub revision of --model
-    # Weights dtype. float32 + --bf16 = mixed precision (float32 master weights, bf16 compute);
-    # bfloat16 = pure-bf16 training, the least memory.
-    model_dtype: str = "float32"
-    trust_remote_code: bool = False  # run the model repository's own Python code
-    tiny_arch: str = "qwen2"  # embedded model's architecture
-    tiny_hidden_size: int = 64  # embedded model width
-    tiny_layers: int = 2  # embedded model depth
-    # Standard deviation of the embedded model's random initial weights (transformers'
-    # initializer_range, 0.02 by default). At 0.1, about 1/sqrt(width), the embedded run starts
-    # learning after 10-25 steps; at 0.02 its output ignored the prompt for 20-60 steps.
-    tiny_init_std: float = 0.1
-    # Supervised warm-up of the embedded model before step 0 on *random* answers: it learns the
-    # output format (digits, then EOS), never which answer is right. 0 disables it.
-    format_warmup_steps: int = 30
-    format_warmup_lr: float = 3e-3  # learning rate of the format warm-up
-    # LoRA rank (PEFT, `pip install grpo-kernels[lora]`); 0 = train every weight. With r > 0
-    # only the adapters train; the reference policy (beta > 0) is the model without them.
-    lora_r: int = 0
-    lora_alpha: float = 32.0  # LoRA scale numerator: adapters are scaled by alpha / r
-    lora_dropout: float = 0.0  # dropout on the LoRA branch's input
-    # Put an adapter on the output head too: the fused loss trains it without a merged head
-    lora_head: bool = True
-    # Keep the output head (lm_head) in float32 while the rest runs in bf16/fp16 (TRL's
-    # cast_lm_head_to_fp32): the kernels take the 16-bit hidden states with the fp32 head
-    fp32_lm_head: bool = False
+    dataset: str = field(default="", metadata={
+        "help": '"" = the embedded arithmetic task (generated, no download); else a local '
+                ".json/.jsonl/.csv/.parquet file or a hub dataset id (loaded with `datasets`)."})
+    dataset_config: str | None = field(default=None, metadata={
+        "help": 'hub dataset configuration name (e.g. "main" for gsm8k)'})
+    split: str = field(default="train", metadata={"help": "training split of a hub dataset"})
+    eval_split: str | None = field(default=None, metadata={
+        "help": "held-out split; none = hold out eval_size training rows"})
+    prompt_column: str = field(default="question", metadata={
+        "help": "text prompt, or a list of chat messages"})
+    answer_column: str = field(default="answer", metadata={
+        "help": 'ground truth ("" = none); GSM8K "... #### 42" -> "42"'})
+    system_prompt: str | None = field(default=None, metadata={
+        "help": "prepended as a system message when the template has one"})
+    eval_size: int | None = field(default=None, metadata={
+        "help": "Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out "
+                "problems (61, see task_eval_fraction); the first 200 rows of --eval_split; else "
+                "min(200, 10%% of the dataset's rows) taken out of training (none under 10 rows). "
+                "A number N: the first N of those, or N rows taken out of training."})
+    max_prompt_length: int | None = field(default=None, metadata={
+        "help": "keep the last N prompt tokens (none: no limit)"})
+    task_terms: int = field(default=5, metadata={
+        "help": 'Embedded task: sums of this many digits ("2+0+1+2+1"). Five digits 0-2 give 243 '
+                "problems whose sums 0-10 are all single digits but 10, so every answer is "
+                "common enough to learn."})
+    task_max_operand: int = field(default=2, metadata={
+        "help": "embedded task: each digit is in [0, this]"})
+    task_eval_fraction: float = field(default=0.25, metadata={
+        "help": "embedded task: share of the problems held out for eval"})
 
-    # ---- data --------------------------------------------------------------------------------
-    # "" = the embedded arithmetic task (generated, no download); else a local
-    # .json/.jsonl/.csv/.parquet file or a hub dataset id (loaded with `datasets`).
-    dataset: str = ""
-    dataset_config: str | None = None  # hub dataset configuration name (e.g. "main" for gsm8k)
-    split: str = "train"  # training split of a hub dataset
-    eval_split: str | None = None  # held-out split; none = hold out eval_size training rows
-    prompt_column: str = "question"  # text prompt, or a list of chat messages
-    answer_column: str = "answer"  # ground truth ("" = none); GSM8K "... #### 42" -> "42"
-    system_prompt: str | None = None  # prepended as a system message when the template has one
-    # Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out problems
-    # (61, see task_eval_fraction); the first 200 rows of --eval_split; else min(200, 10% of the
-    # dataset's rows) taken out of training (none under 10 rows). A number N: the first N of
-    # those, or N rows taken out of training.
-    eval_size: int | None = None
-    max_prompt_length: int | None = None  # keep the last N prompt tokens (none: no limit)
-    # Embedded task: sums of this many digits ("2+0+1+2+1"). Five digits 0-2 give 243 problems
-    # whose sums 0-10 are all single digits but 10, so every answer is common enough to learn.
-    task_terms: int = 5
-    task_max_operand: int = 2  # embedded task: each digit is in [0, this]
-    task_eval_fraction: float = 0.25  # embedded task: share of the problems held out for eval
+    reward: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
+        "help": 'Built-in "accuracy" / "format", or "module:function" / "path/file.py:function" '
+                "with TRL's signature f(prompts, completions, **columns) -> list[float | None]; "
+                "\":weight\" appended scales it (default 1). The step's reward is the weighted "
+                "sum."})
 
-    # ---- rewards -----------------------------------------------------------------------------
-    # Built-in "accuracy" / "format", or "module:function" / "path/file.py:function" with TRL's
-    # signature f(prompts, completions, **columns) -> list[float | None]; ":weight" appended
-    # scales it (default 1). The step's reward is the weighted sum.
-    reward: list[str] = field(default_factory=lambda: ["accuracy"])
+    num_prompts: int | None = field(default=None, metadata={
+        "help": "P: prompts per step, over all processes"})
+    num_generations: int = field(default=8, metadata={
+        "help": "G: completions per prompt (a group); must be >= 2"})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "completion length cap"})
+    min_new_tokens: int = field(default=0, metadata={
+        "help": "EOS is suppressed before this many tokens (benchmarks: fixed length)"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature, also applied to the loss' log-probs"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "nucleus sampling: keep the smallest token set with this probability"})
+    top_k: int = field(default=0, metadata={
+        "help": "sample among the k likeliest tokens; 0 = no top-k filtering"})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "completions without EOS get no loss"})
+    generation: str = field(default="auto", metadata={
+        "help": "How completions are generated: \"continuous\" = transformers' continuous "
+                "batching (paged attention: a finished completion leaves the batch and costs "
+                'nothing more); "padded" = model.generate on the left-padded batch (every row '
+                'runs until the longest ends); "auto" = continuous on CUDA where supported; '
+                "padded on CPU, where continuous batching is faster only for long completions of "
+                "varied length (docs/trainer.md, Generation paths). Set-ups continuous batching "
+                "cannot serve (--fsdp, --bf16 autocast, ...) run padded; the log names the path "
+                "that ran and why."})
 
-    # ---- generation --------------------------------------------------------------------------
-    num_prompts: int | None = None  # P: prompts per step, over all processes
-    num_generations: int = 8  # G: completions per prompt (a group); must be >= 2
-    max_new_tokens: int | None = None  # completion length cap
-    min_new_tokens: int = 0  # EOS is suppressed before this many tokens (benchmarks: fixed length)
-    temperature: float = 1.0  # sampling temperature, also applied to the loss' log-probs
-    top_p: float = 1.0  # nucleus sampling: keep the smallest token set with this probability
-    top_k: int = 0  # sample among the k likeliest tokens; 0 = no top-k filtering
-    mask_truncated_completions: bool = False  # completions without EOS get no loss
-    # How completions are generated: "continuous" = transformers' continuous batching (paged
-    # attention: a finished completion leaves the batch and costs nothing more); "padded" =
-    # model.generate on the left-padded batch (every row runs until the longest ends); "auto" =
-    # continuous on CUDA where supported; padded on CPU, where continuous batching is faster only
-    # for long completions of varied length (docs/trainer.md, Generation paths).
-    # Set-ups continuous batching cannot serve (--fsdp, --bf16 autocast, ...) run padded; the log
-    # names the path that ran and why.
-    generation: str = "auto"
+    loss: str = field(default="fused", metadata={
+        "help": '"fused" (hidden states, no logits) | "reference" (materialized logits)'})
+    loss_type: str = field(default="dapo", metadata={
+        "help": "how token losses are normalized (see docs/semantics.md)"})
+    beta: float | None = field(default=None, metadata={
+        "help": "KL weight; > 0 loads a frozen reference model, 0 loads none. The embedded run "
+                "needs it: anchored to the warm-up policy, the tiny model keeps exploring "
+                "instead of collapsing onto the most frequent answer (0.3 learned faster and "
+                "more reliably than 0.1 there)."})
+    epsilon: float = field(default=0.2, metadata={"help": "lower clip: ratio >= 1 - epsilon"})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "upper clip (none = epsilon)"})
+    delta: float | None = field(default=None, metadata={
+        "help": "two-sided clipping cap on the ratio"})
+    importance_sampling_level: str = field(default="token", metadata={"help": '"sequence" = GSPO'})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "advantages divided by the std of the group, the batch, or not"})
+    entropy_coef: float = field(default=0.0, metadata={
+        "help": "loss -= entropy_coef x mean token entropy"})
+    num_iterations: int | None = field(default=None, metadata={
+        "help": "Optimizer steps per generation batch (> 1 computes old log-probs; the ratio is "
+                "clipped). Reusing each batch four times is what makes the embedded run learn in "
+                "minutes."})
+    backend: str = field(default="auto", metadata={
+        "help": "fused-loss kernels: auto = Triton on CUDA; torch = chunked PyTorch"})
+    grad_filter: str | None = field(default=None, metadata={
+        "help": 'Gradient filtering in the Triton backward: none = exact; "auto" (2^-12 in bf16) '
+                "or a number skips vocabulary tiles whose d logits are all below it "
+                '(approximate, faster on peaked softmaxes; see docs/internals.md, "Gradient '
+                'filtering").'})
 
-    # ---- loss: TRL's names and defaults unless noted -------------------------------------------
-    loss: str = "fused"  # "fused" (hidden states, no logits) | "reference" (materialized logits)
-    loss_type: str = "dapo"  # how token losses are normalized (see docs/semantics.md)
-    # KL weight; > 0 loads a frozen reference model, 0 loads none. The embedded run needs it:
-    # anchored to the warm-up policy, the tiny model keeps exploring instead of collapsing onto
-    # the most frequent answer (0.3 learned faster and more reliably than 0.1 there).
-    beta: float | None = None
-    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
-    epsilon_high: float | None = None  # upper clip (none = epsilon)
-    delta: float | None = None  # two-sided clipping cap on the ratio
-    importance_sampling_level: str = "token"  # "sequence" = GSPO
-    scale_rewards: str = "group"  # advantages divided by the std of the group, the batch, or not
-    entropy_coef: float = 0.0  # loss -= entropy_coef x mean token entropy
-    # Optimizer steps per generation batch (> 1 computes old log-probs; the ratio is clipped).
-    # Reusing each batch four times is what makes the embedded run learn in minutes.
-    num_iterations: int | None = None
-    backend: str = "auto"  # fused-loss kernels: auto = Triton on CUDA; torch = chunked PyTorch
-    # Gradient filtering in the Triton backward: none = exact; "auto" (2^-12 in bf16) or a number
-    # skips vocabulary tiles whose d logits are all below it (approximate, faster on peaked
-    # softmaxes; see docs/internals.md, "Gradient filtering").
-    grad_filter: str | None = None
+    steps: int | None = field(default=None, metadata={
+        "help": "generation steps (each does num_iterations optimizer steps)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
+    lr_scheduler: str = field(default="constant", metadata={
+        "help": "learning-rate schedule after the warm-up"})
+    lr_warmup_steps: int = field(default=0, metadata={
+        "help": "linear learning-rate warm-up, in optimizer steps"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping; 0 disables it"})
+    micro_batch_size: int | None = field(default=None, metadata={
+        "help": "Sequences per forward/backward; 0 = the whole per-process batch"})
+    max_tokens_per_microbatch: int = field(default=0, metadata={
+        "help": "Cut micro-batches by tokens instead (0 = off): as many whole sequences as fit N "
+                "tokens (packed: real prompt + completion tokens; padded: rows x padded length); "
+                "a longer sequence goes alone. Replaces --micro_batch_size."})
+    padding_free: bool = field(default=True, metadata={
+        "help": "Pack each micro-batch's sequences end to end in one row (position_ids "
+                "restarting, no attention mask): no forward or backward work on padding. Used "
+                "where the model attends within the packed sequences (checked once at start; "
+                "otherwise one line, and padded rows)."})
+    bf16: bool = field(default=False, metadata={
+        "help": "bfloat16 autocast (with float32 weights: mixed precision)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in backward (less memory)"})
 
-    # ---- optimization ------------------------------------------------------------------------
-    steps: int | None = None  # generation steps (each does num_iterations optimizer steps)
-    learning_rate: float | None = None  # AdamW learning rate
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.99  # AdamW beta2
-    lr_scheduler: str = "constant"  # learning-rate schedule after the warm-up
-    lr_warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
-    max_grad_norm: float = 1.0  # gradient clipping; 0 disables it
-    # Sequences per forward/backward; 0 = the whole per-process batch
-    micro_batch_size: int | None = None
-    # Cut micro-batches by tokens instead (0 = off): as many whole sequences as fit N tokens
-    # (packed: real prompt + completion tokens; padded: rows x padded length); a longer
-    # sequence goes alone. Replaces --micro_batch_size.
-    max_tokens_per_microbatch: int = 0
-    # Pack each micro-batch's sequences end to end in one row (position_ids restarting, no
-    # attention mask): no forward or backward work on padding. Used where the model attends
-    # within the packed sequences (checked once at start; otherwise one line, and padded rows).
-    padding_free: bool = True
-    bf16: bool = False  # bfloat16 autocast (with float32 weights: mixed precision)
-    gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
+    eval_every: int = field(default=25, metadata={
+        "help": "held-out eval every N steps (also at step 0 and at the end); 0 = off"})
+    eval_batch_size: int = field(default=256, metadata={
+        "help": "prompts per greedy generation call in eval"})
+    progress: bool = field(default=True, metadata={"help": "tqdm progress bar"})
+    plot: bool = field(default=True, metadata={
+        "help": "write OUTPUT_DIR/curves.png at the end (needs matplotlib)"})
 
-    # ---- logging and evaluation -------------------------------------------------------------
-    eval_every: int = 25  # held-out eval every N steps (also at step 0 and at the end); 0 = off
-    eval_batch_size: int = 256  # prompts per greedy generation call in eval
-    progress: bool = True  # tqdm progress bar
-    plot: bool = True  # write OUTPUT_DIR/curves.png at the end (needs matplotlib)
+    output_dir: str = field(default="runs/default", metadata={
+        "help": "Where the run writes metrics.jsonl, checkpoints/, initial_model/, final_model/, "
+                "curves.png. A directory holding files is refused unless --resume or --overwrite "
+                "is given."})
+    overwrite: bool = field(default=False, metadata={
+        "help": "Delete the previous run's files in OUTPUT_DIR first (metrics, checkpoints, "
+                "models, plot), so that everything in it belongs to this run"})
+    resume: str | None = field(default=None, metadata={
+        "help": "Continue from a checkpoint file, a run directory (its latest checkpoint), or "
+                '"auto" (the latest in OUTPUT_DIR, or a fresh start when OUTPUT_DIR holds no run '
+                "yet)"})
+    save_every: int = field(default=100, metadata={
+        "help": "checkpoint every N steps (and on Ctrl-C and at the end); 0 = off"})
+    keep_checkpoints: int = field(default=2, metadata={
+        "help": "older checkpoints are deleted after a new one is safely written"})
+    save_final_model: bool = field(default=True, metadata={
+        "help": "save_pretrained() to OUTPUT_DIR/final_model at the end"})
 
-    # ---- checkpoints and output -------------------------------------------------------------
-    # Where the run writes metrics.jsonl, checkpoints/, initial_model/, final_model/, curves.png.
-    # A directory holding files is refused unless --resume or --overwrite is given.
-    output_dir: str = "runs/default"
-    # Delete the previous run's files in OUTPUT_DIR first (metrics, checkpoints, models, plot),
-    # so that everything in it belongs to this run
-    overwrite: bool = False
-    # Continue from a checkpoint file, a run directory (its latest checkpoint), or "auto" (the
-    # latest in OUTPUT_DIR, or a fresh start when OUTPUT_DIR holds no run yet)
-    resume: str | None = None
-    save_every: int = 100  # checkpoint every N steps (and on Ctrl-C and at the end); 0 = off
-    keep_checkpoints: int = 2  # older checkpoints are deleted after a new one is safely written
-    save_final_model: bool = True  # save_pretrained() to OUTPUT_DIR/final_model at the end
+    fsdp: bool = field(default=False, metadata={
+        "help": "Shard parameters, gradients and AdamW state over the processes (PyTorch FSDP2) "
+                "instead of replicating them (DDP); launch with accelerate launch / torchrun as "
+                "for DDP"})
+    device: str = field(default="auto", metadata={"help": "auto = cuda when available"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch CPU threads; 0 = torch's default (one per core). The embedded model runs "
+                "on one: two are faster on an idle 2-core CPU (45 vs 76 s) but 2.4x slower "
+                "beside two busy processes (docs/trainer.md, Threads)."})
 
-    # ---- distributed: several processes with `accelerate launch -m grpo_train ...` (DDP) ------
-    # Shard parameters, gradients and AdamW state over the processes (PyTorch FSDP2) instead of
-    # replicating them (DDP); launch with accelerate launch / torchrun as for DDP
-    fsdp: bool = False
-    device: str = "auto"  # auto = cuda when available
-    # torch CPU threads; 0 = torch's default (one per core). The embedded model runs on one: two
-    # are faster on an idle 2-core CPU (45 vs 76 s) but 2.4x slower beside two busy processes
-    # (docs/trainer.md, Threads).
-    num_threads: int | None = None
 
+# --help's topics, in TrainConfig's declaration order: each begins at the field named and runs up
+# to the next one's first field, so a new field joins the topic it is declared among.
+# "title: description" headings show the description under the title.
+TOPICS = (
+    ("seed", "general"),
+    ("model", "model"),
+    ("dataset", "data"),
+    ("reward", "rewards"),
+    ("num_prompts", "generation"),
+    ("loss", "loss: TRL's names and defaults unless noted"),
+    ("steps", "optimization"),
+    ("eval_every", "logging and evaluation"),
+    ("output_dir", "checkpoints and output"),
+    ("fsdp", "distributed: several processes with `accelerate launch -m grpo_train ...` (DDP)"),
+)
 
 # (embedded tiny run, pretrained --model) values of the "auto" (None) fields.
 AUTO = {
@@ -193,117 +258,12 @@ AUTO = {
 # Fields whose "auto" (None) is resolved later, from the data: their --help default.
 RESOLVED_LATER = {"eval_size": "auto"}
 
-CHOICES = {
-    "tiny_arch": ("qwen2", "llama"),
-    "model_dtype": ("float32", "bfloat16", "float16"),
-    "loss": ("fused", "reference"),
-    "loss_type": LOSS_TYPES,
-    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
-    "scale_rewards": ("group", "batch", "none"),
-    "backend": ("auto", "triton", "torch"),
-    "lr_scheduler": ("constant", "linear", "cosine"),
-    "device": ("auto", "cpu", "cuda"),
-    "generation": ("auto", "continuous", "padded"),
-}
-
-
-# ---- auto values, validation ---------------------------------------------------------------
-
 
 def resolve_auto(cfg: TrainConfig) -> TrainConfig:
     """Fill the "auto" (None) fields for the embedded run or a pretrained --model."""
     which = 1 if cfg.model else 0
     return dataclasses.replace(cfg, **{k: v[which] for k, v in AUTO.items()
                                        if getattr(cfg, k) is None})
-
-
-# (flag, lowest allowed value, whether the lowest is excluded)
-_LOWER_BOUNDS = [
-    ("num_prompts", 1, False), ("max_new_tokens", 1, False), ("num_iterations", 1, False),
-    ("steps", 0, False), ("micro_batch_size", 0, False), ("min_new_tokens", 0, False),
-    ("eval_size", 0, False), ("eval_every", 0, False), ("eval_batch_size", 1, False),
-    ("save_every", 0, False), ("keep_checkpoints", 0, False), ("num_threads", 0, False),
-    ("tiny_hidden_size", 1, False), ("tiny_layers", 1, False), ("format_warmup_steps", 0, False),
-    ("top_k", 0, False), ("lr_warmup_steps", 0, False), ("max_grad_norm", 0, False),
-    ("learning_rate", 0, False), ("weight_decay", 0, False), ("temperature", 0, True),
-    ("top_p", 0, True), ("max_prompt_length", 1, False), ("lora_r", 0, False),
-    ("tiny_init_std", 0, True), ("max_tokens_per_microbatch", 0, False),
-]
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Clear errors for settings that cannot work, before anything is loaded (after
-    `resolve_auto`). Raises UsageError naming the flag."""
-    for name, allowed in CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise UsageError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-    if cfg.num_generations < 2:
-        raise UsageError(
-            f"--num_generations must be >= 2 (group normalization needs at least two "
-            f"completions per prompt), got {cfg.num_generations}"
-        )
-    for name, low, strict in _LOWER_BOUNDS:
-        value = getattr(cfg, name)
-        if value is not None and (value <= low if strict else value < low):
-            raise UsageError(f"--{name} must be {'>' if strict else '>='} {low}, got {value}")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        raise UsageError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    if cfg.lora_r and cfg.lora_alpha <= 0:
-        raise UsageError(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
-    if cfg.lora_r and cfg.fsdp:
-        raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
-                         "are untested here): use DDP for LoRA runs")
-    if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
-        raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
-                         "(--lora_head): use --no_lora_head, or drop --fp32_lm_head")
-    if cfg.top_p > 1:
-        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
-    if not cfg.reward:
-        raise UsageError("--reward needs at least one reward function")
-    if cfg.resume and cfg.overwrite:
-        raise UsageError("--resume and --overwrite contradict each other: continue the run in "
-                         "--output_dir, or delete it and start again, not both")
-    grad_filter_value(cfg.grad_filter)
-    if cfg.model:  # paths are checked here, before torch and transformers are imported
-        check_model_source(cfg.model)
-    if cfg.dataset:
-        check_dataset_source(cfg.dataset)
-    if cfg.resume and cfg.resume not in ("auto", "last", "latest") and not os.path.exists(
-            cfg.resume):
-        raise MissingPathError(f"--resume {cfg.resume!r}: no such checkpoint file or run "
-                               "directory (expected a step_*.pt file, a run directory, or 'auto')")
-    _check_loss_params(cfg)
-    return cfg
-
-
-_LOSS_FLAGS = {"beta": "--beta", "epsilon_low": "--epsilon", "epsilon_high": "--epsilon_high",
-               "delta": "--delta", "temperature": "--temperature", "loss_type": "--loss_type",
-               "importance_sampling_level": "--importance_sampling_level",
-               "max_completion_length": "--max_new_tokens", "entropy_coef": "--entropy_coef"}
-
-
-LOCAL_DATASET_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def check_model_source(source: str, flag: str = "--model") -> None:
-    """A path-like `source` must be a model directory; anything else is taken as a hub id."""
-    local = os.path.exists(source)
-    if local and not os.path.isdir(source):
-        raise UsageError(f"{flag} {source!r} is a file; expected a model directory "
-                         "(config.json, weights, tokenizer files) or a hub id")
-    if not local and (source.startswith((".", "/", "~")) or source.count("/") > 1):
-        raise MissingPathError(f"{flag} {source!r}: no such directory (expected a local model "
-                               "directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct')")
-
-
-def check_dataset_source(name: str) -> None:
-    """A path-like --dataset must be a file; anything else is taken as a hub dataset id."""
-    if os.path.isfile(name):
-        return
-    ext = os.path.splitext(name)[1].lower()
-    if ext in LOCAL_DATASET_FORMATS or name.startswith((".", "/", "~")) or os.path.isdir(name):
-        raise MissingPathError(f"--dataset {name!r}: no such file (expected a local "
-                               ".json/.jsonl/.csv/.parquet file or a hub dataset id)")
 
 
 def lr_factor(cfg: TrainConfig):
@@ -322,34 +282,3 @@ def lr_factor(cfg: TrainConfig):
         return 1.0
 
     return factor
-
-
-def grpo_params(cfg: TrainConfig) -> GRPOParams:
-    """The loss' hyperparameters: TrainConfig's fields of GRPOParams' names, with the two that
-    the trainer names otherwise (--epsilon, and --max_new_tokens as dr_grpo's normalizer)."""
-    return GRPOParams.from_config(cfg, epsilon_low=cfg.epsilon,
-                                  max_completion_length=cfg.max_new_tokens)
-
-
-def _check_loss_params(cfg: TrainConfig) -> None:
-    """The loss' own validation (grpo_kernels.GRPOParams), its messages in flag names."""
-    try:
-        grpo_params(cfg)
-    except ValueError as err:
-        text = str(err)
-        for param, flag in _LOSS_FLAGS.items():
-            text = re.sub(rf"\b{param}\b", flag, text)
-        raise UsageError(text) from err
-
-
-def grad_filter_value(text: str | float | None) -> str | float | None:
-    """--grad_filter as the loss takes it: None, "auto" or a float >= 0."""
-    if text is None or text == "auto":
-        return text
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise UsageError(f'--grad_filter must be "auto" or a finite number >= 0, got {text!r}')
-    return value

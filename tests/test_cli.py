@@ -198,7 +198,7 @@ def test_help_documents_every_flag_by_topic():
     for topic in ("model:", "data:", "rewards:", "generation:", "loss:", "optimization:",
                   "logging and evaluation:", "checkpoints and output:", "distributed:"):
         assert f"\n{topic}" in text, topic
-    # descriptions come from config.py's comments; auto fields show both values
+    # descriptions come from config.py's field metadata; auto fields show both values
     assert "G: completions per prompt (a group); must be >= 2 (default: 8)" in text
     assert "(default: 64 for the embedded run, 16 with --model)" in " ".join(text.split())
     assert "--bf16/--no_bf16" in text and "--progress/--no_progress" in text

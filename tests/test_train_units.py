@@ -307,10 +307,26 @@ def test_config_file_values_are_typed_like_flags(tmp_path):
             parse_config(["--config", str(bad)])
 
 
-def test_help_text_comes_from_the_config_comments():
+def test_help_text_comes_from_the_field_metadata():
     docs, topics = field_docs()
     names = [name for _, fields in topics for name in fields]
     assert sorted(names) == sorted(TrainConfig.__dataclass_fields__)  # every field, once
     assert docs["num_generations"] == "G: completions per prompt (a group); must be >= 2"
     assert docs["model"].startswith("Local directory or hub id of any AutoModelForCausalLM")
     assert all(docs[name] for name in names), [n for n in names if not docs[n]]
+
+
+def test_hf_argument_parser_reads_train_config():
+    """TrainConfig is declared as TRL's configs are, so transformers' HfArgumentParser builds a
+    parser from it (under its own conventions): this breaks if a field's metadata gains a key
+    argparse does not take, or a help text a bare % (argparse formats help with %)."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(TrainConfig)
+    args = ["--num_generations", "4", "--no_lora_head", "--reward", "accuracy", "format:0.2"]
+    (cfg,) = parser.parse_args_into_dataclasses(args, look_for_args_file=False)
+    assert cfg == TrainConfig(num_generations=4, lora_head=False,
+                              reward=["accuracy", "format:0.2"])
+    text = " ".join(parser.format_help().split())
+    assert "G: completions per prompt (a group); must be >= 2" in text
+    assert "min(200, 10% of the dataset's rows)" in text

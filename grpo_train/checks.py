@@ -1,0 +1,151 @@
+"""Which settings can work: `validate` raises a UsageError naming the flag (its choices, its
+bounds, the combinations that contradict each other, paths that do not exist) before anything is
+loaded; `grpo_params` derives the loss' hyperparameters and maps the loss' own errors to flag
+names. Re-exported by `config.py`, where callers import them from."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING
+
+from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOParams
+
+from .flags import MissingPathError, UsageError
+
+if TYPE_CHECKING:  # config.py imports this module: the dataclass is only a type hint here
+    from .config import TrainConfig
+
+# The values these fields accept (--help shows them as the flag's metavar).
+CHOICES = {
+    "tiny_arch": ("qwen2", "llama"),
+    "model_dtype": ("float32", "bfloat16", "float16"),
+    "loss": ("fused", "reference"),
+    "loss_type": LOSS_TYPES,
+    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+    "scale_rewards": ("group", "batch", "none"),
+    "backend": ("auto", "triton", "torch"),
+    "lr_scheduler": ("constant", "linear", "cosine"),
+    "device": ("auto", "cpu", "cuda"),
+    "generation": ("auto", "continuous", "padded"),
+}
+
+
+# (flag, lowest allowed value, whether the lowest is excluded)
+_LOWER_BOUNDS = [
+    ("num_prompts", 1, False), ("max_new_tokens", 1, False), ("num_iterations", 1, False),
+    ("steps", 0, False), ("micro_batch_size", 0, False), ("min_new_tokens", 0, False),
+    ("eval_size", 0, False), ("eval_every", 0, False), ("eval_batch_size", 1, False),
+    ("save_every", 0, False), ("keep_checkpoints", 0, False), ("num_threads", 0, False),
+    ("tiny_hidden_size", 1, False), ("tiny_layers", 1, False), ("format_warmup_steps", 0, False),
+    ("top_k", 0, False), ("lr_warmup_steps", 0, False), ("max_grad_norm", 0, False),
+    ("learning_rate", 0, False), ("weight_decay", 0, False), ("temperature", 0, True),
+    ("top_p", 0, True), ("max_prompt_length", 1, False), ("lora_r", 0, False),
+    ("tiny_init_std", 0, True), ("max_tokens_per_microbatch", 0, False),
+]
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Clear errors for settings that cannot work, before anything is loaded (after
+    `resolve_auto`). Raises UsageError naming the flag."""
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise UsageError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if cfg.num_generations < 2:
+        raise UsageError(
+            f"--num_generations must be >= 2 (group normalization needs at least two "
+            f"completions per prompt), got {cfg.num_generations}"
+        )
+    for name, low, strict in _LOWER_BOUNDS:
+        value = getattr(cfg, name)
+        if value is not None and (value <= low if strict else value < low):
+            raise UsageError(f"--{name} must be {'>' if strict else '>='} {low}, got {value}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_r and cfg.lora_alpha <= 0:
+        raise UsageError(f"--lora_alpha must be > 0, got {cfg.lora_alpha}")
+    if cfg.lora_r and cfg.fsdp:
+        raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
+                         "are untested here): use DDP for LoRA runs")
+    if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
+        raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
+                         "(--lora_head): use --no_lora_head, or drop --fp32_lm_head")
+    if cfg.top_p > 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
+    if not cfg.reward:
+        raise UsageError("--reward needs at least one reward function")
+    if cfg.resume and cfg.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other: continue the run in "
+                         "--output_dir, or delete it and start again, not both")
+    grad_filter_value(cfg.grad_filter)
+    if cfg.model:  # paths are checked here, before torch and transformers are imported
+        check_model_source(cfg.model)
+    if cfg.dataset:
+        check_dataset_source(cfg.dataset)
+    if cfg.resume and cfg.resume not in ("auto", "last", "latest") and not os.path.exists(
+            cfg.resume):
+        raise MissingPathError(f"--resume {cfg.resume!r}: no such checkpoint file or run "
+                               "directory (expected a step_*.pt file, a run directory, or 'auto')")
+    _check_loss_params(cfg)
+    return cfg
+
+
+_LOSS_FLAGS = {"beta": "--beta", "epsilon_low": "--epsilon", "epsilon_high": "--epsilon_high",
+               "delta": "--delta", "temperature": "--temperature", "loss_type": "--loss_type",
+               "importance_sampling_level": "--importance_sampling_level",
+               "max_completion_length": "--max_new_tokens", "entropy_coef": "--entropy_coef"}
+
+
+LOCAL_DATASET_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def check_model_source(source: str, flag: str = "--model") -> None:
+    """A path-like `source` must be a model directory; anything else is taken as a hub id."""
+    local = os.path.exists(source)
+    if local and not os.path.isdir(source):
+        raise UsageError(f"{flag} {source!r} is a file; expected a model directory "
+                         "(config.json, weights, tokenizer files) or a hub id")
+    if not local and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise MissingPathError(f"{flag} {source!r}: no such directory (expected a local model "
+                               "directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct')")
+
+
+def check_dataset_source(name: str) -> None:
+    """A path-like --dataset must be a file; anything else is taken as a hub dataset id."""
+    if os.path.isfile(name):
+        return
+    ext = os.path.splitext(name)[1].lower()
+    if ext in LOCAL_DATASET_FORMATS or name.startswith((".", "/", "~")) or os.path.isdir(name):
+        raise MissingPathError(f"--dataset {name!r}: no such file (expected a local "
+                               ".json/.jsonl/.csv/.parquet file or a hub dataset id)")
+
+
+def grpo_params(cfg: TrainConfig) -> GRPOParams:
+    """The loss' hyperparameters: TrainConfig's fields of GRPOParams' names, with the two that
+    the trainer names otherwise (--epsilon, and --max_new_tokens as dr_grpo's normalizer)."""
+    return GRPOParams.from_config(cfg, epsilon_low=cfg.epsilon,
+                                  max_completion_length=cfg.max_new_tokens)
+
+
+def _check_loss_params(cfg: TrainConfig) -> None:
+    """The loss' own validation (grpo_kernels.GRPOParams), its messages in flag names."""
+    try:
+        grpo_params(cfg)
+    except ValueError as err:
+        text = str(err)
+        for param, flag in _LOSS_FLAGS.items():
+            text = re.sub(rf"\b{param}\b", flag, text)
+        raise UsageError(text) from err
+
+
+def grad_filter_value(text: str | float | None) -> str | float | None:
+    """--grad_filter as the loss takes it: None, "auto" or a float >= 0."""
+    if text is None or text == "auto":
+        return text
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise UsageError(f'--grad_filter must be "auto" or a finite number >= 0, got {text!r}')
+    return value
