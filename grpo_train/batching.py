@@ -27,6 +27,7 @@ import torch
 
 from grpo_kernels.hf import PackedBatch, pack_sequences
 
+from .flags import UsageError
 from .models import position_ids
 
 
@@ -108,6 +109,22 @@ def split_to(chunks: list[slice], n: int) -> list[slice]:
         mid = (s.start + s.stop) // 2
         chunks[i:i + 1] = [slice(s.start, mid), slice(mid, s.stop)]
     return chunks
+
+
+def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
+    """(P_local prompts per process, B = P_local·G sequences per process, sequences per
+    micro-batch) of a run with `world` processes; a one-line error for sizes that do not divide."""
+    G = cfg.num_generations
+    if cfg.num_prompts % world:
+        raise UsageError(f"--num_prompts {cfg.num_prompts} must be divisible by the number of "
+                         f"processes ({world}): every process takes whole groups")
+    P_local = cfg.num_prompts // world
+    B = P_local * G
+    micro = cfg.micro_batch_size or B  # sequences per micro-batch, unless a token budget
+    if B % micro and not cfg.max_tokens_per_microbatch:
+        raise UsageError(f"--micro_batch_size {micro} must divide the per-process batch "
+                         f"num_prompts/processes x num_generations = {P_local} x {G} = {B}")
+    return P_local, B, micro
 
 
 def micro_batches(batch: dict, packed: bool, micro_batch_size: int, max_tokens: int,

@@ -10,6 +10,7 @@ SIGTERM into a checkpoint at the end of the current step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -126,6 +127,46 @@ def checkpoint_step(path) -> int | None:
 def load_checkpoint(path) -> dict:
     # Our own files: they hold numpy/python RNG states, which weights_only loading rejects.
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---- a run's state ------------------------------------------------------------------------------
+
+
+def save_run(step: int, cfg, accel, model, optimizer, scheduler, sampler, say) -> None:
+    """Checkpoint `step` of a run: the model and optimizer states (full tensors, gathered under
+    --fsdp), the scheduler, the prompt sampler, every process' RNG states and the config. Every
+    process must call it; the main process writes the file."""
+    from accelerate.utils import gather_object
+
+    from . import sharding  # torch.distributed: loaded when a run saves, not for --resume checks
+
+    rng = gather_object([capture_rng()])  # every process' RNG state, in rank order
+    model_sd, optim_sd = sharding.state_dicts(model, optimizer)  # FSDP: gathered, full
+    if accel.is_main_process:
+        payload = dict(step=step, model=model_sd, optimizer=optim_sd,
+                       scheduler=scheduler.state_dict(), data=sampler.state_dict(), rng=rng,
+                       config=dataclasses.asdict(cfg))
+        path = save_checkpoint(cfg.output_dir, step, payload, cfg.keep_checkpoints)
+        say(f"checkpoint {path}")
+    accel.wait_for_everyone()
+
+
+def resume_run(path, model, optimizer, scheduler, sampler, rank: int, world: int, say) -> int:
+    """Load checkpoint `path` into a run's model, optimizer, scheduler, prompt sampler and this
+    process' RNG (when the process count is the one saved); returns its step."""
+    from . import sharding
+
+    state = load_checkpoint(path)
+    sharding.load_state_dicts(model, optimizer, state["model"], state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["data"])
+    if len(state["rng"]) == world:
+        restore_rng(state["rng"][rank])
+    else:
+        say(f"warning: checkpoint has RNG states for {len(state['rng'])} processes, this run "
+            f"has {world}; sampling will differ from an uninterrupted run")
+    say(f"resumed from {path} at step {state['step']}")
+    return state["step"]
 
 
 # ---- the output directory -----------------------------------------------------------------------

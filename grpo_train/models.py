@@ -1,5 +1,6 @@
-"""Loading the policy, its tokenizer and the reference model; prompt encoding; the embedded model's
-format warm-up.
+"""Loading the policy, its tokenizer and the reference model, and preparing them for training
+(`build_models`: LoRA, the packed-row check, gradient checkpointing, FSDP sharding); prompt
+encoding; the embedded model's format warm-up.
 
 Sequences are laid out as [left-padded prompt | right-padded completion], the layout `generate`
 returns, so the last T columns of every row are its completion.
@@ -7,14 +8,17 @@ returns, so the last T columns of every row are its completion.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+from pathlib import Path
 
 import torch
 
 from grpo_kernels import selective_logprobs
-from grpo_kernels.hf import completion_hidden_states, output_head
+from grpo_kernels.hf import check_packed_attention, completion_hidden_states, output_head
 
+from . import sharding
 from .config import check_model_source
 from .data import random_answer_texts
 from .flags import UsageError
@@ -84,6 +88,45 @@ def add_lora_adapters(model, cfg, say=print):
     return model
 
 
+def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
+    """(policy, reference or None, tokenizer, EOS ids, packed micro-batches?) on `device`,
+    sharded with --fsdp; the policy with LoRA adapters and gradient checkpointing if asked."""
+    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say)
+    if cfg.fp32_lm_head:
+        use_fp32_head(model)
+    ref_model = None  # beta = 0 needs no reference at all
+    if cfg.beta != 0.0 and not cfg.lora_r:  # the frozen initial policy
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.lora_r:  # adapters on the policy only: the reference is the model without them, so
+        model = add_lora_adapters(model, cfg, say)  # no copy (trainer's `_reference_policy`)
+    eos_ids = eos_token_ids(model, tokenizer)
+    packed = padding_free(model, cfg, say)  # before any wrapper: checks the bare model once
+    if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    if cfg.fsdp:  # shard in place before the optimizer sees the parameters (see sharding.py)
+        model = sharding.shard_model(model, device)
+        if ref_model is not None:
+            ref_model = sharding.shard_model(ref_model, device, frozen=True)
+    return model, ref_model, tokenizer, eos_ids, packed
+
+
+def padding_free(model, cfg, say) -> bool:
+    """Whether micro-batches are packed rows: --padding_free (the default) and a model that
+    attends within the sequences of a packed row (checked once on it); else one line why not."""
+    if not cfg.padding_free:
+        say("micro-batches: padded (--no_padding_free)")
+        return False
+    reason = check_packed_attention(model)
+    if reason is not None:
+        say(f"micro-batches: padded, not packed: {reason}")
+        return False
+    say("micro-batches: packed rows, no padding (--padding_free)")
+    return True
+
+
 def save_model(model, tokenizer, path) -> None:
     """save_pretrained() of model and tokenizer, without transformers' progress bars in our log."""
     from transformers.utils import logging as hf_logging
@@ -120,6 +163,29 @@ def build_embedded(cfg):
                              num_layers=cfg.tiny_layers, seed=cfg.seed,
                              initializer_range=cfg.tiny_init_std)
     return model.to(DTYPES[cfg.model_dtype]), prepare_tokenizer(tokenizer, model)
+
+
+def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say):
+    """(model, tokenizer): the policy at step 0, on `device`. The embedded model is built (and
+    format-warmed-up) once, and saved to OUTPUT_DIR/initial_model so that a resumed run restarts
+    from exactly the same weights (`fresh`: no checkpoint is resumed)."""
+    if cfg.model:
+        model, tokenizer = load_pretrained(cfg.model, cfg)
+        return model.to(device), tokenizer
+    initial = Path(out_dir) / "initial_model"
+    if not fresh and initial.is_dir():
+        model, tokenizer = load_pretrained(str(initial), cfg, flag="initial model")
+        return model.to(device), tokenizer
+    model, tokenizer = build_embedded(cfg)
+    model.to(device)
+    losses = format_warmup(model, tokenizer, train_ex, cfg, device)
+    if losses:
+        say(f"format warm-up: {len(losses)} supervised steps on random answers, loss "
+            f"{losses[0]:.3f} -> {losses[-1]:.3f} (teaches digits-then-EOS, not the sums)")
+    if accel.is_main_process:
+        save_model(model, tokenizer, initial)
+    accel.wait_for_everyone()
+    return model, tokenizer
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

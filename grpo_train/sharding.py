@@ -7,12 +7,12 @@ gradient and of the AdamW state; a unit is all-gathered for its forward and agai
 backward, and its gradient is reduce-scattered (averaged over processes, as DDP averages).
 
 The fused loss runs the body and then reads `lm_head.weight`, which outside a forward is only a
-shard. So the loss (and the no-grad log-probs) are registered as FSDP forward methods of the root
-(`register_fsdp_forward_method`): FSDP unshards the root's parameters before the method, the
-layers unshard in their own forwards, the head weight the loss sees is the full [V, D] matrix,
-and the backward through the loss unshards it again and reduce-scatters its gradient like any
-other. `causal_lm_grpo_loss` / `causal_lm_logprobs` below take that route for a sharded model and
-are grpo_kernels.hf's functions otherwise.
+shard. So the loss (and the no-grad log-probs) run as a registered FSDP forward method of the
+root (`grpo_kernels.hf.run_as_forward`, registered on first use): FSDP unshards the root's
+parameters before the method, the layers unshard in their own forwards, the head weight the loss
+sees is the full [V, D] matrix, and the backward through the loss unshards it again and
+reduce-scatters its gradient like any other. `causal_lm_grpo_loss` / `causal_lm_logprobs` below
+take that route for a sharded model and are grpo_kernels.hf's functions otherwise.
 
 Generation runs `model.generate` with every unit all-gathered once for the call
 (`full_parameters`): one all-gather per unit instead of one per unit per token, and no collective
@@ -36,16 +36,12 @@ from torch import nn
 from grpo_kernels import hf
 
 try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 except ImportError:  # torch 2.4-2.5
     from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
         FSDPModule,
         fully_shard,
-        register_fsdp_forward_method,
     )
-
-LOSS_METHOD = "grpo_fused_loss"  # registered on the sharded root as FSDP forward methods
-LOGPROBS_METHOD = "grpo_logprobs"
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -85,16 +81,6 @@ def shard_model(model: nn.Module, device: torch.device, frozen: bool = False) ->
     # the policy's root is needed again at once by the backward: FSDP's default keeps it
     model._grpo_root_reshard = frozen
     fully_shard(model, mesh=mesh, reshard_after_forward=frozen)
-
-    def loss_method(self, *args, **kwargs):
-        return hf.causal_lm_grpo_loss(self, *args, **kwargs)
-
-    def logprobs_method(self, *args, **kwargs):
-        return hf.causal_lm_logprobs(self, *args, **kwargs)
-
-    for name, fn in ((LOSS_METHOD, loss_method), (LOGPROBS_METHOD, logprobs_method)):
-        setattr(model, name, types.MethodType(fn, model))
-        register_fsdp_forward_method(model, name)
     # DDP's gradient-accumulation interface, so the trainer treats both wrappers alike
     model.no_sync = types.MethodType(_no_sync, model)
     return model
@@ -148,15 +134,16 @@ def full_parameters(model: nn.Module):
 def causal_lm_grpo_loss(model: nn.Module, *args, **kwargs):
     """grpo_kernels.hf.causal_lm_grpo_loss; for a sharded model, as a forward of its root."""
     if is_sharded(model):
-        return getattr(model, LOSS_METHOD)(*args, **kwargs)
+        return hf.run_as_forward(model, lambda m: hf.causal_lm_grpo_loss(m, *args, **kwargs))
     return hf.causal_lm_grpo_loss(model, *args, **kwargs)
 
 
 def causal_lm_logprobs(model: nn.Module, *args, **kwargs):
     """grpo_kernels.hf.causal_lm_logprobs; for a sharded model, as a forward of its root."""
     if is_sharded(model):
-        with torch.no_grad():
-            return getattr(model, LOGPROBS_METHOD)(*args, **kwargs)
+        with torch.no_grad():  # around FSDP's hooks too: nothing to prepare for a backward
+            return hf.run_as_forward(model,
+                                     lambda m: hf.causal_lm_logprobs(m, *args, **kwargs))
     return hf.causal_lm_logprobs(model, *args, **kwargs)
 
 

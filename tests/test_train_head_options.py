@@ -67,7 +67,7 @@ def test_lora_reference_is_the_policy_without_adapters(tmp_path, monkeypatch):
     import transformers
 
     from grpo_kernels.hf import add_lora, causal_lm_logprobs
-    from grpo_train import trainer
+    from grpo_train import models, trainer
     from grpo_train.tiny import build_tiny_model, build_tokenizer
 
     copied = []
@@ -78,7 +78,7 @@ def test_lora_reference_is_the_policy_without_adapters(tmp_path, monkeypatch):
             copied.append(type(x).__name__)
         return real_deepcopy(x, *args, **kwargs)
 
-    monkeypatch.setattr(trainer.copy, "deepcopy", watch)
+    monkeypatch.setattr(models.copy, "deepcopy", watch)
     train(tiny_cfg(tmp_path / "lora", lora_r=4, beta=0.1, steps=1))
     assert copied == [], copied
     train(tiny_cfg(tmp_path / "full", beta=0.1, steps=0))

@@ -19,6 +19,7 @@ from grpo_kernels.hf import (
     pack_sequences,
 )
 from grpo_train import batching, train
+from grpo_train import models as models_mod
 from grpo_train import trainer as trainer_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -224,7 +225,7 @@ def test_micro_batch_gradients_equal_across_forms(tmp_path):
 
 def test_unsupported_model_falls_back_with_one_line(monkeypatch, capsys):
     said = []
-    monkeypatch.setattr(trainer_mod, "check_packed_attention", lambda m: "it attends across")
+    monkeypatch.setattr(models_mod, "check_packed_attention", lambda m: "it attends across")
     cfg = types.SimpleNamespace(padding_free=True)
-    assert trainer_mod._padding_free(object(), cfg, said.append) is False
+    assert models_mod.padding_free(object(), cfg, said.append) is False
     assert said == ["micro-batches: padded, not packed: it attends across"]

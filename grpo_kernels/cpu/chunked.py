@@ -40,11 +40,15 @@ import torch
 from .tiles import (
     LN2,
     LOG2E,
+    BackwardMode,
     compute_dtype,
     empty_stats,
     exp_sums,
+    fast_mode,
     finish_stats,
+    general_mode,
     in_tile,
+    kept_mode,
     log2_head,
     logits_tile,
     neg_dz_tile,
@@ -167,7 +171,11 @@ def linear_logprob_backward(
     backward; here every tile is one dense matmul either way.
     kept: None or the forward's `keep` dict; its tile is used instead of a GEMM, overwritten and
     taken out of the dict (a dict filled by one forward serves one backward; an empty one means
-    recompute)."""
+    recompute).
+
+    Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes:
+    `fast_mode` (no bias, no entropy gradient) or `general_mode`; `kept_mode` starts either
+    of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles."""
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
     idx = _active_rows(g_logp, g_ent)
@@ -178,113 +186,94 @@ def linear_logprob_backward(
         return tuple(torch.zeros_like(x) if want else None
                      for x, want in ((hidden, want_dh), (weight, want_dw), (bias, want_db)))
     dtype, inv_t = compute_dtype(hidden, weight, bias), 1.0 / temperature
-
-    def pick(x):  # [N, ...] -> the active tokens' rows, in the compute dtype
-        if x is None:
-            return None
-        x = x if idx is None else x.index_select(0, idx)  # advanced indexing would fork threads
-        return x.to(dtype) if x.is_floating_point() else x
-
+    pick = functools.partial(_pick, idx=idx, dtype=dtype)  # [N, ...] -> active rows [Na, ...]
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
-        tg, g, gh, lse_a = pick(targets), pick(g_logp), pick(g_ent), pick(lse)
-        Na, D = h.shape
-        # Each tile is turned into x with d z = σ·x per token (z in nats). Fast (no bias, no
-        # entropy gradient): x = 2^(α·h W^T - lse·log2(e) + log2|g|) - |g|·onehot, α = log2(e)/τ,
-        # and σ = -sign(g); the per-token constants ride in the GEMM's bias, so a tile is one
-        # addmm, one exp2_, one small scatter and the two gradient GEMMs, in one buffer; σ/τ goes
-        # onto hidden (for d W) and onto d hidden at the end. General:
-        # x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which goes with 1/τ into the GEMMs'
-        # alpha.
-        fast = b is None and gh is None
-        rows, cols = _tile_shape(Na, V, chunk_elements, buffers=1 if fast else 2)
-        kept_z = None
-        if kept:  # the forward's z - m [N, V]: the active rows, in one tile
-            kept_z, kept_m = kept.pop("tile"), pick(kept.pop("max"))[:, None]
-            kept_z = kept_z if idx is None else kept_z.index_select(0, idx)
-            rows, cols = Na, V
-        if fast:
-            g_abs = g.abs()  # > 0 on active rows
-            # log2|g| - lse·log2(e), [Na, 1] (xlogy: torch.log2 forks threads, see tiles.py)
-            row_shift = torch.xlogy(LOG2E, g_abs).sub_(lse_a, alpha=LOG2E)[:, None]
-            dh_scale = g.sign().mul_(-inv_t)[:, None]  # σ/τ
-            h_dw = h * dh_scale if want_dw else None
-            one_hot = g_abs.neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
-            alpha_dh, alpha_dw = 1.0, 1.0
+        g, gh, lse_a = pick(g_logp), pick(g_ent), pick(lse)
+        if b is None and gh is None:
+            mode = fast_mode(h, g, lse_a, inv_t, alpha, want_dw)
         else:
-            lse2 = lse_a * LOG2E  # [Na], log2 units
-            neg_lse = None if b is not None else (-lse2)[:, None]  # log2 p straight from addmm
-            g_c = g[:, None]
-            gh_c = None if gh is None else (gh * LN2)[:, None]
-            ent_c = None if gh is None else (pick(ent) * LOG2E)[:, None]
-            h_dw, one_hot = h, -g
-            alpha_dh, alpha_dw, dh_scale = -inv_t, -inv_t, None
+            ent_a = None if gh is None else pick(ent)
+            mode = general_mode(h, g, gh, lse_a, ent_a, inv_t, alpha)
+        rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=mode.buffers)
+        z_buf = None
+        if kept:  # the forward's z - m [N, V]: the active rows, in one tile
+            mode, z_buf = kept_mode(mode, kept, idx, pick)
+            rows, cols = h.shape[0], V
         # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]; the first
         # vocabulary tile writes it, so nothing is zeroed
-        direct_dh = want_dh and idx is None and hidden.dtype == dtype
         dh_acc = None
         if want_dh:
+            direct_dh = idx is None and hidden.dtype == dtype
             dh_acc = torch.empty_like(hidden) if direct_dh else torch.empty_like(h)
-        dw = torch.empty_like(weight) if want_dw else None  # every vocabulary tile is written
-        dw_buf = None
-        if want_dw and weight.dtype != dtype:  # [c, D] of d W in the compute dtype
-            dw_buf = torch.empty(min(cols, V) * D, dtype=dtype, device=h.device)
-        db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
-        z_buf = kept_z if kept_z is not None else torch.empty(rows * cols, dtype=dtype,
-                                                              device=h.device)
-        e_buf = None if gh is None else torch.empty(rows * cols, dtype=dtype, device=h.device)
-        w_buf = tile_buffer(weight, dtype, cols)
-        for v0 in range(0, V, cols):
-            w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
-            c = w.shape[0]
-            bt = None if b is None or c == V else b[v0:v0 + c]
-            if c == V:  # every target is in the tile
-                bt, col, target_term = b, tg[:, None], one_hot[:, None]
-            else:
-                col, inside = in_tile(tg, v0, c)
-                target_term = (one_hot * inside)[:, None]
-            # d W of this tile accumulates over token blocks, then is written once
-            dw_tile = None
-            if want_dw:
-                dw_tile = view(dw, c, D) if c == V else dw[v0:v0 + c]
-                dw_tile = dw_tile if dw.dtype == dtype else view(dw_buf, c, D)
-            for r0, r, part in _row_parts(Na, rows):
-                z = view(z_buf, r, c)
-                if kept_z is not None:  # z - m + (m - lse) = log2 p, + log2|g| when fast
-                    x = z.add_(kept_m + (row_shift if fast else (-lse2)[:, None]))
-                    x = x.exp2_() if fast else neg_dz_tile(
-                        x, view(e_buf, r, c), None if gh is None else ent_c, g_c, gh_c)
-                elif fast:
-                    x = torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z).exp2_()
-                else:
-                    if bt is None:
-                        x = torch.addmm(part(neg_lse), part(h), w.T, alpha=alpha, out=z)
-                    else:
-                        x = torch.addmm(bt, part(h), w.T, alpha=alpha, out=z)
-                        x.sub_(part(lse2)[:, None])
-                    x = neg_dz_tile(x, view(e_buf, r, c), None if gh is None else part(ent_c),
-                                    part(g_c), None if gh is None else part(gh_c))
-                x.scatter_add_(1, part(col), part(target_term))
-                if dh_acc is not None:
-                    _gemm_into(part(dh_acc), x, w, first=v0 == 0, alpha=alpha_dh)
-                if dw_tile is not None:
-                    _gemm_into(dw_tile, x.T, part(h_dw), first=r0 == 0, alpha=alpha_dw)
-                if db_acc is not None:
-                    db_acc[v0:v0 + c] += x.sum(dim=0)
-            if dw_tile is not None and dw_tile.dtype != dw.dtype:
-                dw[v0:v0 + c].copy_(dw_tile)
-        dh = None
-        if dh_acc is not None:
-            if dh_scale is not None:  # z = (h W^T + b) / τ, and the sign of the fast path
-                dh_acc.mul_(dh_scale)
-            if direct_dh:
-                dh = dh_acc
-            elif idx is None:
-                dh = dh_acc.to(hidden.dtype)
-            else:
-                dh = torch.zeros_like(hidden).index_copy_(0, idx, dh_acc.to(hidden.dtype))
+        dw, db_acc = _tile_pass(weight, h, b, pick(targets), mode, rows, cols, z_buf, dh_acc,
+                                want_dw, want_db)
+        dh = None if dh_acc is None else _hidden_grad(dh_acc, mode.dh_scale, hidden, idx)
         db = None if db_acc is None else db_acc.mul_(-inv_t).to(bias.dtype)
     return dh, dw, db
+
+
+def _pick(x, idx, dtype):
+    """[N, ...] -> the active tokens' rows (all of them when idx is None), floating point ones in
+    the compute dtype; None stays None."""
+    if x is None:
+        return None
+    x = x if idx is None else x.index_select(0, idx)  # advanced indexing would fork threads
+    return x.to(dtype) if x.is_floating_point() else x
+
+
+def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, want_dw, want_db):
+    """Vocabulary tiles (outer) by token blocks (inner): each [r, c] tile becomes x
+    (`mode.tile`), gets its one-hot term, and feeds d hidden += x @ W_tile (into dh_acc
+    [Na, D]), d W_tile += x^T @ h_dw and d b_tile += Σ x. h [Na, D], b [V] | None, tg [Na];
+    z_buf: a given tile buffer or None. Returns (d W [V, D] in weight's dtype, d b [V] in the
+    compute dtype), None where not wanted."""
+    Na, D = h.shape
+    V, dtype = weight.shape[0], h.dtype
+    dw = torch.empty_like(weight) if want_dw else None  # every vocabulary tile is written
+    dw_buf = None
+    if want_dw and weight.dtype != dtype:  # [c, D] of d W in the compute dtype
+        dw_buf = torch.empty(min(cols, V) * D, dtype=dtype, device=h.device)
+    db_acc = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
+    if z_buf is None:
+        z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
+    e_buf = torch.empty(rows * cols, dtype=dtype, device=h.device) if mode.scratch else None
+    w_buf = tile_buffer(weight, dtype, cols)
+    for v0 in range(0, V, cols):
+        w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
+        c = w.shape[0]
+        bt = None if b is None or c == V else b[v0:v0 + c]
+        if c == V:  # every target is in the tile
+            bt, col, target_term = b, tg[:, None], mode.one_hot[:, None]
+        else:
+            col, inside = in_tile(tg, v0, c)
+            target_term = (mode.one_hot * inside)[:, None]
+        # d W of this tile accumulates over token blocks, then is written once
+        dw_tile = None
+        if want_dw:
+            dw_tile = view(dw, c, D) if c == V else dw[v0:v0 + c]
+            dw_tile = dw_tile if dw.dtype == dtype else view(dw_buf, c, D)
+        for r0, r, part in _row_parts(Na, rows):
+            x = mode.tile(view(z_buf, r, c), part, w, bt, view(e_buf, r, c))
+            x.scatter_add_(1, part(col), part(target_term))
+            if dh_acc is not None:
+                _gemm_into(part(dh_acc), x, w, first=v0 == 0, alpha=mode.alpha_dh)
+            if dw_tile is not None:
+                _gemm_into(dw_tile, x.T, part(mode.h_dw), first=r0 == 0, alpha=mode.alpha_dw)
+            if db_acc is not None:
+                db_acc[v0:v0 + c] += x.sum(dim=0)
+        if dw_tile is not None and dw_tile.dtype != dw.dtype:
+            dw[v0:v0 + c].copy_(dw_tile)
+    return dw, db_acc
+
+
+def _hidden_grad(dh_acc, dh_scale, hidden, idx):
+    """d hidden [N, D] in hidden's dtype from the accumulated [Na, D]: zero on inactive rows."""
+    if dh_scale is not None:  # z = (h W^T + b) / τ, and the sign of the fast path
+        dh_acc.mul_(dh_scale)
+    if idx is None:
+        return dh_acc.to(hidden.dtype)  # itself when it already is
+    return torch.zeros_like(hidden).index_copy_(0, idx, dh_acc.to(hidden.dtype))
 
 
 def _row_blocks(B: int, T: int, C: int):

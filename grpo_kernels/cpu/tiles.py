@@ -1,5 +1,6 @@
 """What the chunked launchers (`chunked.py`) do to one tile of logits: the softmax statistics,
-the per-token results, the backward's tile of d z, and the tile's operands.
+the per-token results, the backward's tile of d z (and its modes: how the linear-head backward
+makes that tile, `BackwardMode`), and the tile's operands.
 
 Every exponential over a tile is a base-2 one: PyTorch's CPU exp2 kernel takes about a third of
 the time of its exp (0.37 against 1.2 ms for 1M float32 on one core of an AMD EPYC, torch 2.13),
@@ -13,6 +14,8 @@ The sum s = Σ 2^(z-m) over log2-unit logits is the same number as Σ e^(z'-m') 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -126,3 +129,86 @@ def in_tile(targets, v0, c):
     col = targets - v0
     inside = (col >= 0) & (col < c)
     return col.clamp_(0, c - 1)[:, None], inside
+
+
+# ---- the backward's modes: how a tile of logits becomes x, d z = σ·x ----------------------------
+
+
+class BackwardMode(NamedTuple):
+    """How the backward turns tiles of logits into x, d z = σ·x per token, and what the two
+    gradient GEMMs take. Per-token values cover the Na active tokens."""
+
+    buffers: int  # [rows, cols] buffers per tile, for its shape: 1, or 2 (p's scratch)
+    scratch: bool  # whether `finish` needs that second buffer (an entropy gradient)
+    shift: torch.Tensor  # [Na, 1], added to log2-unit logits z: gives log2 p (+ log2|g|, fast)
+    finish: Callable  # (shifted tile [r, c], scratch [r, c] | None, part) -> x, in place
+    tile: Callable  # (buffer [r, c], part, w [c, D], bias tile [c] | None, scratch) -> x
+    one_hot: torch.Tensor  # [Na]: the target's term of x (scattered after `tile`)
+    h_dw: torch.Tensor | None  # [Na, D]: d W_tile = alpha_dw·x^T @ h_dw
+    alpha_dh: float  # d hidden = alpha_dh·x @ W_tile (summed over tiles)
+    alpha_dw: float
+    dh_scale: torch.Tensor | None  # [Na, 1]: applied to d hidden once, after the tiles
+
+
+def fast_mode(h, g, lse, inv_t, alpha, want_dw) -> BackwardMode:
+    """No bias, no entropy gradient:
+    x = 2^(α·h W^T - lse·log2(e) + log2|g|) - |g|·onehot, α = log2(e)/τ, and σ = -sign(g); the
+    per-token constants ride in the GEMM's bias, so a tile is one addmm, one exp2_, one small
+    scatter and the two gradient GEMMs, in one buffer; σ/τ goes onto hidden (for d W) and onto
+    d hidden at the end. h [Na, D]; g, lse [Na]."""
+    g_abs = g.abs()  # > 0 on active rows
+    # log2|g| - lse·log2(e), [Na, 1] (xlogy: torch.log2 forks threads, see finish_stats)
+    row_shift = torch.xlogy(LOG2E, g_abs).sub_(lse, alpha=LOG2E)[:, None]
+    dh_scale = g.sign().mul_(-inv_t)[:, None]  # σ/τ
+    h_dw = h * dh_scale if want_dw else None
+    one_hot = g_abs.neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
+
+    def finish(x, scratch, part):
+        return x.exp2_()
+
+    def tile(z, part, w, bt, scratch):  # bt is None: no bias in this mode
+        return torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z).exp2_()
+
+    return BackwardMode(buffers=1, scratch=False, shift=row_shift, finish=finish, tile=tile,
+                        one_hot=one_hot, h_dw=h_dw, alpha_dh=1.0, alpha_dw=1.0,
+                        dh_scale=dh_scale)
+
+
+def general_mode(h, g, gh, lse, ent, inv_t, alpha) -> BackwardMode:
+    """A bias or an entropy gradient: x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which
+    goes with 1/τ into the GEMMs' alpha. h [Na, D]; g, lse [Na]; gh, ent [Na] or None."""
+    lse2 = lse * LOG2E  # [Na], log2 units
+    neg_lse = (-lse2)[:, None]  # without a bias: log2 p straight from addmm
+    g_c = g[:, None]
+    gh_c = None if gh is None else (gh * LN2)[:, None]
+    ent_c = None if gh is None else (ent * LOG2E)[:, None]
+
+    def finish(x, scratch, part):
+        return neg_dz_tile(x, scratch, None if gh is None else part(ent_c), part(g_c),
+                           None if gh is None else part(gh_c))
+
+    def tile(z, part, w, bt, scratch):
+        if bt is None:
+            x = torch.addmm(part(neg_lse), part(h), w.T, alpha=alpha, out=z)
+        else:
+            x = torch.addmm(bt, part(h), w.T, alpha=alpha, out=z)
+            x.sub_(part(lse2)[:, None])
+        return finish(x, scratch, part)
+
+    return BackwardMode(buffers=2, scratch=gh is not None, shift=neg_lse, finish=finish,
+                        tile=tile, one_hot=-g, h_dw=h, alpha_dh=-inv_t, alpha_dw=-inv_t,
+                        dh_scale=None)
+
+
+def kept_mode(mode: BackwardMode, kept: dict, idx, pick) -> tuple[BackwardMode, torch.Tensor]:
+    """`mode` started from the forward's kept tile z - m [N, V] (log2 units, bias included),
+    taken out of `kept`: its active rows [Na, V] are the one tile and its buffer, shifted as
+    z - m + (m - lse) = log2 p (+ log2|g| when fast) and finished as `mode` does; no GEMM.
+    Returns (the mode, the tile)."""
+    kept_z, kept_m = kept.pop("tile"), pick(kept.pop("max"))[:, None]
+    kept_z = kept_z if idx is None else kept_z.index_select(0, idx)
+
+    def tile(z, part, w, bt, scratch):  # z: kept_z itself (one tile, one block of all rows)
+        return mode.finish(z.add_(kept_m + mode.shift), scratch, part)
+
+    return mode._replace(tile=tile), kept_z

@@ -5,6 +5,7 @@
 See `trainer.py` for what changes and what falls back to TRL's own code.
 """
 
-from .trainer import GRPOTrainer, fsdp2_root, policy_terms, run_as_forward
+from ..hf import fsdp2_root, run_as_forward  # re-exported: the FSDP2 helper lives in hf/fsdp.py
+from .trainer import GRPOTrainer, policy_terms
 
 __all__ = ["GRPOTrainer", "fsdp2_root", "policy_terms", "run_as_forward"]

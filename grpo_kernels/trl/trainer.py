@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import types
 import warnings
 
 import torch
@@ -70,8 +69,10 @@ from ..hf import (
     check_output_head,
     completion_hidden_states,
     completion_logprobs,
+    fsdp2_root,
     has_tuner_adapter,
     head_for,
+    run_as_forward,
     unwrap_model,
 )
 from ..params import LOSS_TYPES, GRPOParams
@@ -141,51 +142,6 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
                               importance_sampling_ratio=importance_sampling_ratio,
                               grad_filter=grad_filter, params=params)
     return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
-
-
-# Registered on an FSDP2 root as a forward method (`register_fsdp_forward_method`).
-_FSDP_FORWARD_METHOD = "_grpo_kernels_forward"
-
-
-def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The FSDP2 (`fully_shard`) module that owns the output head's parameters: the model or the
-    transformers model inside its wrappers; None when the model is not sharded with FSDP2."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return None
-    for candidate in (model, unwrap_model(model)):
-        if isinstance(candidate, FSDPModule):
-            return candidate
-    return None
-
-
-def _call_forward(_root, call, target):
-    """The registered method: call(target), views among its outputs copied (FSDP2 hooks the
-    outputs for its backward; a view would make that hook fragile and FSDP warns about it)."""
-    out = call(target)
-    fresh = lambda x: x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x  # noqa: E731
-    return tuple(fresh(x) for x in out) if isinstance(out, tuple) else fresh(out)
-
-
-def run_as_forward(model: torch.nn.Module, fn):
-    """fn(model), run as a forward of the model's FSDP2 root when it is sharded.
-
-    The fused path reads lm_head.weight directly, which FSDP2 keeps as a shard outside a forward.
-    As a registered FSDP forward method, FSDP unshards the root's parameters (embeddings, final
-    norm, head) before fn and reshards after, the decoder layers unshard in their own forwards,
-    and the backward through fn's outputs unshards the head again and reduce-scatters its
-    gradient like any other. Without FSDP2 this is fn(model).
-    """
-    root = fsdp2_root(model)
-    if root is None:
-        return fn(model)
-    if not hasattr(root, _FSDP_FORWARD_METHOD):
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
-        setattr(root, _FSDP_FORWARD_METHOD, types.MethodType(_call_forward, root))
-        register_fsdp_forward_method(root, _FSDP_FORWARD_METHOD)
-    return getattr(root, _FSDP_FORWARD_METHOD)(fn, model)
 
 
 @contextlib.contextmanager
