@@ -77,7 +77,7 @@ def parse_args(argv):
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--epsilon", type=float, default=0.2, help="epsilon_low = epsilon_high")
     ap.add_argument("--inplace", action="store_true", help="logits path: grad into the logits")
-    ap.add_argument("--backend", default=None, choices=("torch", "triton"),
+    ap.add_argument("--backend", default=None, choices=("chunked", "triton"),
                     help="force the backend of ours (fused linear)")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads")
     ap.add_argument("--from_csv", default=None,

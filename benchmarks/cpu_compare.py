@@ -82,7 +82,7 @@ def worker(provider: str, shape: tuple[int, int, int], dtype_name: str, repeats:
 
     N, D, V = shape
     head = "qwen0.5b" if (D, V) == REAL_HEAD[1:] else "synthetic"
-    cfg = LossConfig(backend="torch" if provider == "ours" else None)
+    cfg = LossConfig(backend="chunked" if provider == "ours" else None)
     case = PROVIDERS[PROVIDER_KEYS[provider]].build(
         make_shape(head, N, (D, V)), getattr(torch, dtype_name), torch.device("cpu"), cfg)
     step = case.step("fwd+bwd")

@@ -35,7 +35,7 @@ class LossConfig:
     epsilon_high: float = 0.2
     temperature: float = 1.0
     inplace: bool = False  # logits path: may the backward overwrite the logits with their grad?
-    backend: str | None = None  # ours, fused linear: force "torch" / "triton"; None = dispatch
+    backend: str | None = None  # ours, fused linear: force "chunked" / "triton"; None = dispatch
 
     def ours(self) -> dict:
         return dict(beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,

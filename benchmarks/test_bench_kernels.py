@@ -66,7 +66,7 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("mode", ["forward", "fwd+bwd"])
 def test_fused_linear_chunked_torch_cpu(benchmark, mode):
-    cfg = LossConfig(backend="torch")
+    cfg = LossConfig(backend="chunked")
     _run(benchmark, CPU, "fused_linear", "ours", TINY, mode, torch.bfloat16, cfg)
 
 

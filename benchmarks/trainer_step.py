@@ -289,7 +289,7 @@ def parse_args(argv):
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "chunked"),
                         help="grpo_train's fused-loss backend (auto: Triton on CUDA)")
     parser.add_argument("--out", "--results", dest="out", default="results", metavar="DIR",
                         help="the CSV <device>-trainer.csv is appended in this directory, "

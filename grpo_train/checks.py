@@ -24,7 +24,7 @@ CHOICES = {
     "loss_type": LOSS_TYPES,
     "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "scale_rewards": ("group", "batch", "none"),
-    "backend": ("auto", "triton", "torch"),
+    "backend": ("auto", "triton", "chunked"),
     "lr_scheduler": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
     "generation": ("auto", "continuous", "padded"),

@@ -156,7 +156,8 @@ class TrainConfig:
                 "clipped). Reusing each batch four times is what makes the embedded run learn in "
                 "minutes."})
     backend: str = field(default="auto", metadata={
-        "help": "fused-loss kernels: auto = Triton on CUDA; torch = chunked PyTorch"})
+        "help": "fused-loss kernels: auto = Triton on CUDA, the chunked PyTorch path on CPU; "
+                "triton; chunked"})
     grad_filter: str | None = field(default=None, metadata={
         "help": 'Gradient filtering in the Triton backward: none = exact; "auto" (2^-12 in bf16) '
                 "or a number skips vocabulary tiles whose d logits are all below it "

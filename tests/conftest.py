@@ -121,6 +121,6 @@ def recompute_tiles(monkeypatch):
     as the operator that a compiled graph calls does, so that compiled and eager gradients can
     be compared bitwise (from a tile kept by the forward they differ by float32 rounding; see
     tests/test_torch_compile.py)."""
-    from grpo_kernels.cpu import chunked
+    from grpo_kernels.chunked import launchers as chunked
 
     monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)

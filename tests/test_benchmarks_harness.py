@@ -26,7 +26,7 @@ def _tiny_args(tmp_path, *extra):
     # tiny head: D=128, V=4096; N=64 -> B=8 sequences of T=8. The chunked PyTorch backend is
     # forced because tests/conftest.py switches the (slow) Triton interpreter on.
     return ["--heads", "tiny", "--tokens", "64", "--kernels", "fused_linear",
-            "--providers", "ours,reference", "--modes", "forward,fwd+bwd", "--backend", "torch",
+            "--providers", "ours,reference", "--modes", "forward,fwd+bwd", "--backend", "chunked",
             "--out", str(tmp_path), "--no-ceilings", "--cpu-budget", "0", "--device", "cpu", *extra]
 
 
@@ -138,7 +138,7 @@ def test_cpu_memory_is_not_reported_where_the_tracker_cannot_see():
     h = torch.randn(64, 16, requires_grad=True)
     w = torch.randn(128, 16)
     ids = torch.randint(0, 128, (64,))
-    with gk.force_backend("torch"):
+    with gk.force_backend("chunked"):
         assert memory_cpu(lambda: gk.selective_logprobs(h, w, ids).sum().backward(), [h],
                           h.numel() * 4, 0) is None
     measured = memory_cpu(lambda: (h @ w.T).logsumexp(-1).sum().backward(), [h], h.numel() * 4, 0)

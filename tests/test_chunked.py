@@ -1,4 +1,4 @@
-"""The chunked PyTorch path (grpo_kernels/cpu/chunked.py) against a float64 truth.
+"""The chunked PyTorch path (grpo_kernels/chunked/launchers.py) against a float64 truth.
 
 Half inputs: logits must accumulate in float32 (docs/semantics.md), so the chunked path's error is
 bounded by PyTorch's float32 error on the same half values, not by half precision; the bf16
@@ -16,7 +16,7 @@ from helpers import leaf, make_head, scaled_err
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
 from grpo_kernels import reference
-from grpo_kernels.cpu import chunked
+from grpo_kernels.chunked import launchers as chunked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HALF = [torch.bfloat16, torch.float16]
@@ -189,7 +189,7 @@ def test_fully_masked_and_empty():
 def test_public_api_on_the_chunked_backend_in_bf16():
     """gk.selective_logprobs forced onto the chunked backend: bf16 logp at float32 accuracy."""
     hidden, weight, _, ids = _head(torch.bfloat16, seed=6)
-    with gk.force_backend("torch"):
+    with gk.force_backend("chunked"):
         ours = gk.selective_logprobs(hidden, weight, ids)
     truth = _truth(hidden, weight, None, ids, 1.0, torch.zeros(ids.numel()), None)[0]
     assert ours.dtype == torch.float32 and scaled_err(ours, truth) < 2e-6

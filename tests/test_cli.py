@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # A run of a second or two: tiny model, few prompts, short completions (as tests/test_train_loop)
 TINY_RUN = ["--steps", "1", "--num_prompts", "2", "--num_generations", "2", "--max_new_tokens",
             "2", "--format_warmup_steps", "1", "--tiny_hidden_size", "16", "--task_terms", "2",
-            "--task_max_operand", "3", "--eval_every", "0", "--backend", "torch",
+            "--task_max_operand", "3", "--eval_every", "0", "--backend", "chunked",
             "--no_progress", "--no_plot", "--no_save_final_model", "--num_threads", "1"]
 
 
@@ -263,7 +263,7 @@ def test_benchmark_results_go_to_a_results_directory(tmp_path):
     out = tmp_path / "results"
     csvs = [p.name for p in out.glob("*.csv")]
     assert len(csvs) == 1 and csvs[0].startswith("cpu-"), csvs
-    step = run(["--provider", "fused", "--tiny", "--steps", "1", "--backend", "torch",
+    step = run(["--provider", "fused", "--tiny", "--steps", "1", "--backend", "chunked",
                 "--device", "cpu"], cwd=tmp_path, module="benchmarks.trainer_step")
     assert step.returncode == 0, step.stderr[-3000:]
     assert [p.name for p in out.glob("*-trainer.csv")] == [csvs[0][:-4] + "-trainer.csv"]

@@ -74,7 +74,7 @@ def logits_loss(head, grpo):
 
 
 def on_torch(fn, *args, **kw):
-    with gk.force_backend("torch"):
+    with gk.force_backend("chunked"):
         return fn(*args, **kw)
 
 

@@ -98,7 +98,7 @@ def assert_matches_model(model, batch, head_params=("lm_head.lora_A", "lm_head.l
     return ref, got
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
 def test_lora_head_matches_the_wrapped_model(base, backend):
     model = wrap(base)
     batch = make_batch(base.config.vocab_size)
@@ -113,7 +113,7 @@ def test_logprobs_and_head_for_shapes(base):
     model = wrap(base, r=3)
     batch = make_batch(base.config.vocab_size, seed=1)
     want = reference.logprobs_from_logits(model_logits(model, batch), batch["ids"][:, -T:])
-    with force_backend("torch"):
+    with force_backend("chunked"):
         got = causal_lm_logprobs(model, batch["ids"], batch["am"], T, batch_size=2)
         hidden = completion_hidden_states(model, batch["ids"], batch["am"], T)
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
@@ -134,7 +134,7 @@ def test_two_active_adapters_with_lora_bias(base):
             with torch.no_grad():
                 p.normal_(0, 0.3)
     batch = make_batch(base.config.vocab_size, seed=2)
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_matches_model(model, batch, head_params=("lm_head.lora_A.default",
                                                         "lm_head.lora_B.second"))
 
@@ -156,7 +156,7 @@ def test_dropout_is_applied_where_peft_applies_it(base):
     for module in model.modules():  # the body's own dropouts off: one function on both paths
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_matches_model(model, make_batch(base.config.vocab_size, seed=3))
 
 
@@ -164,7 +164,7 @@ def test_merged_adapter_and_modules_to_save(base):
     model = wrap(base)
     batch = make_batch(base.config.vocab_size, seed=4)
     model.merge_adapter()  # PEFT then runs the merged base weight only
-    with force_backend("torch"):
+    with force_backend("chunked"):
         ref, got = losses(model, batch)
     torch.testing.assert_close(got, ref.float(), rtol=2e-6, atol=2e-7)
     # a fully trained copy of the head: ours must use (and train) the copy, not the original
@@ -176,7 +176,7 @@ def test_merged_adapter_and_modules_to_save(base):
     with torch.no_grad():
         copy_head.weight.add_(0.2 * torch.randn_like(copy_head.weight))
     assert output_head(saved)[0] is copy_head.weight
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_matches_model(saved, batch, head_params=("lm_head.modules_to_save",))
 
 
@@ -185,7 +185,7 @@ def test_unsupported_adapters_name_the_module(base):
     batch = make_batch(base.config.vocab_size)
     with pytest.raises(NotImplementedError, match="lm_head.*DoRA|lm_head.*Dora"):
         check_output_head(dora)
-    with pytest.raises(NotImplementedError, match="lm_head"), force_backend("torch"):
+    with pytest.raises(NotImplementedError, match="lm_head"), force_backend("chunked"):
         causal_lm_grpo_loss(dora, batch["ids"], batch["am"], T, batch["adv"])
     torch.manual_seed(0)
     ia3 = get_peft_model(copy.deepcopy(base), peft.IA3Config(
@@ -201,7 +201,7 @@ def test_add_lora_puts_a_trainable_adapter_on_the_head(base):
     inner = model.get_base_model()
     assert isinstance(inner.lm_head, peft.tuners.lora.layer.Linear)
     assert isinstance(inner.model.layers[0].mlp.down_proj, peft.tuners.lora.layer.Linear)
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_matches_model(model.eval(), make_batch(base.config.vocab_size, seed=5))
     with pytest.raises(NotImplementedError, match="lm_head"):
         add_lora(copy.deepcopy(base), r=2, use_dora=True)

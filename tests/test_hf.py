@@ -131,7 +131,7 @@ HP_CASES = [
 def test_tied_embeddings_match_model_logits(qwen, hp):
     weight, bias = output_head(qwen)
     assert weight is qwen.get_input_embeddings().weight and bias is None  # tied
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_same_loss_and_grads(qwen, make_batch(qwen.config.vocab_size), **hp)
 
 
@@ -144,14 +144,14 @@ def test_output_embedding_not_named_lm_head():
     model = tiny_biogpt()
     assert not hasattr(model, "lm_head")  # BioGPT calls it output_projection
     assert output_head(model)[0] is model.output_projection.weight
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_same_loss_and_grads(model, make_batch(60), **HP_CASES[1])
 
 
 def test_lm_head_bias():
     model = tiny_phi()
     assert output_head(model)[1] is model.lm_head.bias
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_same_loss_and_grads(model, make_batch(60), **HP_CASES[0])
     assert model.lm_head.bias.grad is not None and model.lm_head.bias.grad.abs().sum() > 0
 
@@ -173,7 +173,7 @@ def test_wrapped_model_is_called_through_its_wrapper(qwen):
     wrapped = DDPLike(qwen)
     assert unwrap_model(wrapped) is qwen
     batch = make_batch(qwen.config.vocab_size, seed=2)
-    with force_backend("torch"):
+    with force_backend("chunked"):
         assert_same_loss_and_grads(qwen, batch, call=lambda m, b, **hp: ours(wrapped, b, **hp),
                                    **HP_CASES[0])
     assert wrapped.calls >= 1
@@ -189,7 +189,7 @@ def test_logprobs_no_grad_chunked_and_entropy(qwen):
                   logits_to_keep=T + 1).logits[:, :-1]
     ref_lp, ref_ent = reference.logprobs_from_logits(logits, batch["ids"][:, -T:],
                                                      temperature=0.9, return_entropy=True)
-    with force_backend("torch"):
+    with force_backend("chunked"):
         lp = causal_lm_logprobs(qwen, batch["ids"], batch["am"], T, temperature=0.9, batch_size=2)
         lp2, ent = completion_logprobs(qwen, batch["ids"], batch["am"], T, temperature=0.9,
                                        return_entropy=True)
@@ -201,7 +201,7 @@ def test_logprobs_no_grad_chunked_and_entropy(qwen):
     # per-sequence model inputs are chunked with the batch: position_ids [B, L] that stretch
     # sequence b's positions by b + 1 (RoPE sees that), whole batch vs chunks of 2
     pos = torch.arange(L)[None] * (1 + torch.arange(B)[:, None])
-    with force_backend("torch"):
+    with force_backend("chunked"):
         whole = causal_lm_logprobs(qwen, batch["ids"], batch["am"], T, position_ids=pos)
         chunked = causal_lm_logprobs(qwen, batch["ids"], batch["am"], T, position_ids=pos,
                                      batch_size=2)
@@ -214,7 +214,7 @@ def test_autocast_runs_head_in_autocast_dtype(qwen):
     """Under bf16 autocast the model's lm_head runs in bf16; so does ours (fp32 accumulation,
     gradients back to the fp32 parameters)."""
     batch = make_batch(qwen.config.vocab_size, seed=4)
-    with force_backend("torch"), torch.autocast("cpu", dtype=torch.bfloat16):
+    with force_backend("chunked"), torch.autocast("cpu", dtype=torch.bfloat16):
         (ref, _), (got, _) = reference_loss(qwen, batch), ours(qwen, batch)
         h = completion_hidden_states(qwen, batch["ids"], batch["am"], T)
     assert got.dtype == torch.float32
@@ -224,7 +224,7 @@ def test_autocast_runs_head_in_autocast_dtype(qwen):
     assert grads["model.embed_tokens.weight"].dtype == w.dtype == torch.float32
     assert all(torch.isfinite(g).all() for g in grads.values())
     # and the autocast result differs from the float32 one only by bf16 rounding
-    with force_backend("torch"):
+    with force_backend("chunked"):
         full, _ = ours(qwen, batch)
     torch.testing.assert_close(got, full, rtol=0.05, atol=0.02)
     assert h.shape == (B, T, qwen.config.hidden_size)
@@ -261,7 +261,7 @@ def test_mixed_dtypes_use_the_head_dtype():
         w = model.lm_head.weight
         want = reference.selective_logprobs(hidden.float(), w, batch["ids"][:, -T:])
         want16 = reference.selective_logprobs(hidden, w.bfloat16(), batch["ids"][:, -T:])
-    with force_backend("torch"):
+    with force_backend("chunked"):
         got = causal_lm_logprobs(model, batch["ids"], batch["am"], T)
         got16 = causal_lm_logprobs(model, batch["ids"], batch["am"], T, head_dtype=torch.bfloat16)
         loss, _ = ours(model, batch, loss_type="grpo")

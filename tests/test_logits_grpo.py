@@ -9,7 +9,7 @@ from helpers import MATRIX, hyper, max_err
 import grpo_kernels as gk
 from grpo_kernels import reference
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "chunked"]
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 

@@ -33,7 +33,7 @@ def _assert_no_logits_saved(shapes, N, V, D):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
 def test_no_NxV_tensor_saved_for_backward(backend, level):
     B, T, D, V = 2, 24, 5, 97  # N·V is far larger than N·D and V·D
     hidden, weight, b, ids = make_head(B, T, D, V, torch.float32, "cpu", bias=True)
@@ -107,7 +107,7 @@ def _property(backend, case):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(grpo_case())
 def test_property_chunked_path_matches_reference(case):
-    _property("torch", case)
+    _property("chunked", case)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -134,7 +134,7 @@ def _logits_property(backend, case):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(grpo_case(), st.sampled_from(["triton", "torch"]))
+@given(grpo_case(), st.sampled_from(["triton", "chunked"]))
 def test_property_logits_path_matches_reference(case, backend):
     _logits_property(backend, case)
 

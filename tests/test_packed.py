@@ -16,7 +16,7 @@ from grpo_kernels import LOSS_TYPES, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 D, V = 8, 32
-BACKENDS = ["triton", "torch", "reference"]
+BACKENDS = ["triton", "chunked", "reference"]
 CONFIGS = {
     "beta-entropy-bias": dict(beta=0.04, entropy_coef=0.01, bias=True, temperature=0.7),
     "delta-bias_correction": dict(beta=0.04, delta=1.5, use_bias_correction_kl=True),
@@ -143,7 +143,7 @@ def test_zero_length_sequence_counts_in_S():
     the per-sequence means (grpo), so dropping it scales the loss by S / (S - 1)."""
     weight, _, _, packed, _ = make_batch([3, 0, 2], seed=5)
     kw = dict(loss_type="grpo")
-    with gk.force_backend("torch"):
+    with gk.force_backend("chunked"):
         full = run_linear(gk.fused_linear_grpo_loss, weight, None, packed, kw)[0]
         packed.update(adv=packed["adv"][[0, 2]], cu_seqlens=torch.tensor([0, 3, 5]))
         dropped = run_linear(gk.fused_linear_grpo_loss, weight, None, packed, kw)[0]
@@ -179,7 +179,7 @@ def test_logits_packed_equals_padded(backend, loss_type, level):
     assert_same(ours, want, real)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
 def test_modules_take_cu_seqlens(backend):
     weight, b, padded, packed, real = make_batch(lengths_for(7), seed=7, bias=True)
     kw = dict(loss_type="luspo", beta=0.04, importance_sampling_level="sequence")
@@ -265,7 +265,7 @@ def fresh_dynamo():
 
 @pytest.mark.usefixtures("fresh_dynamo", "recompute_tiles")
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
 def test_packed_call_compiles_fullgraph(backend, level):
     """torch.compile(fullgraph=True) of a packed step gives eager's loss, metrics and
     gradients; a bad cu_seqlens still fails inside the compiled graph (in-graph assertion)."""
@@ -325,7 +325,7 @@ def test_no_tokens_at_all_gives_zero_loss_and_gradients(impl, loss_type):
     extra = dict(cu_seqlens=torch.tensor([0, 0, 0]), loss_type=loss_type, beta=0.1,
                  ref_logps=torch.zeros(0),
                  num_items_in_batch=torch.tensor(5.0) if loss_type == "dapo" else None)
-    for backend in ("torch", "triton"):
+    for backend in ("chunked", "triton"):
         with gk.force_backend(backend):
             if impl == "fused_linear":
                 hidden = leaf(torch.randn(0, 8))

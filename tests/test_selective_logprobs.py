@@ -9,10 +9,10 @@ from helpers import leaf, make_head, max_err
 
 import grpo_kernels as gk
 from grpo_kernels import reference
-from grpo_kernels.cpu import chunked
+from grpo_kernels.chunked import launchers as chunked
 from grpo_kernels.kernels import linear_logprobs
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "chunked"]
 # (B, T, D, V): an odd shape, and one spanning 10 vocabulary tiles (BLOCK_V=32) and 2 D tiles
 SHAPES = [(3, 47, 31, 123), (2, 9, 40, 300)]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

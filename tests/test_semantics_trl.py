@@ -138,7 +138,7 @@ IMPLEMENTATIONS = {
     # name: (function, dtype, backend, tolerance against TRL in float64); the loss inputs
     # (advantages, old/ref log-probs) are float32 even in the float64 reference
     "reference-f64": (reference.fused_linear_grpo_loss, torch.float64, None, 1e-6),
-    "torch-f32": (fused_linear_grpo_loss, torch.float32, "torch", 2e-5),
+    "chunked-f32": (fused_linear_grpo_loss, torch.float32, "chunked", 2e-5),
     "triton-f32": (fused_linear_grpo_loss, torch.float32, "triton", 2e-5),
 }
 

@@ -13,7 +13,7 @@ from helpers import leaf, make_grpo_batch, make_head, scaled_err
 
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
-from grpo_kernels.cpu import chunked
+from grpo_kernels.chunked import launchers as chunked
 from grpo_kernels.functional import _terms_args
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
 from grpo_kernels.ops import custom_ops
@@ -21,7 +21,7 @@ from grpo_kernels.params import GRPOParams
 from grpo_kernels.validation import LossInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "chunked"]
 KW = dict(beta=0.04, epsilon_high=0.28, entropy_coef=0.01)
 
 
@@ -170,7 +170,7 @@ def test_opcheck_selective_ops(backend):
 def _linear_call(call, head):
     hidden, weight, bias, ids = head
     h, w, b = leaf(hidden.reshape(-1, hidden.shape[-1])), leaf(weight), leaf(bias)
-    logp, ent, lse = call(h, w, b, ids.reshape(-1), 0.7, None, "torch", "targets")
+    logp, ent, lse = call(h, w, b, ids.reshape(-1), 0.7, None, "chunked", "targets")
     (logp * 0.3 + ent).sum().backward()
     return [logp, ent, lse, h.grad, w.grad, b.grad], type(logp.grad_fn).__name__
 
@@ -179,7 +179,7 @@ def _logits_call(call, head, inplace):
     hidden, weight, bias, ids = head
     x = leaf(hidden @ weight.T + bias)
     y = x * 1.0  # the op may write d logits over its input: not over the leaf
-    logp, ent, lse = call(y, ids.reshape(-1), 0.7, "torch", "targets", inplace)
+    logp, ent, lse = call(y, ids.reshape(-1), 0.7, "chunked", "targets", inplace)
     (logp * 0.3 + ent).sum().backward()
     return [logp, ent, lse, x.grad], type(logp.grad_fn).__name__
 
@@ -224,7 +224,7 @@ def test_eager_linear_op_keeps_its_tile_for_one_backward(monkeypatch):
 
     monkeypatch.setattr(chunked, "linear_logprob_forward", spy)
     h, w = leaf(hidden.reshape(-1, hidden.shape[-1])), leaf(weight)
-    args = (h, w, None, ids.reshape(-1), 0.7, None, "torch", "targets")
+    args = (h, w, None, ids.reshape(-1), 0.7, None, "chunked", "targets")
     with torch.no_grad():
         custom_ops.OPS.linear_logprobs(*args)
     custom_ops.OPS.linear_logprobs(h.detach(), w.detach(), *args[2:])

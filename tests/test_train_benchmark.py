@@ -8,7 +8,7 @@ trainer_step = pytest.importorskip("benchmarks.trainer_step")
 @pytest.mark.parametrize("provider", ["fused", "reference"])
 def test_trainer_step_benchmark_smoke(provider):
     row = trainer_step.main(["--provider", provider, "--tiny", "--steps", "1", "--no_record",
-                             "--backend", "torch", "--device", "cpu"])
+                             "--backend", "chunked", "--device", "cpu"])
     assert row["timed_steps"] == 1 and row["completion_tokens"] == 16
     assert row["step_time_s_median"] > 0 and row["tokens_per_s_median"] > 0
     assert row["peak_memory_gib"] > 0 and row["device"].startswith("CPU")
@@ -29,7 +29,7 @@ def test_trainer_step_row_names_the_commit_the_run_started_from(monkeypatch):
     monkeypatch.setattr(benchmarks, "git_commit", lambda: checkout["head"])
     monkeypatch.setattr(trainer_step, "build_assets", build_then_commit)
     row = trainer_step.main(["--provider", "fused", "--tiny", "--steps", "1", "--no_record",
-                             "--backend", "torch", "--device", "cpu"])
+                             "--backend", "chunked", "--device", "cpu"])
     assert row["commit"] == "start"
 
 
@@ -71,7 +71,7 @@ def test_trainer_step_long_tailed_lengths(provider):
     from benchmarks import lengths
 
     args = ["--provider", provider, "--tiny", "--steps", "1", "--no_record", "--backend",
-            "torch", "--device", "cpu", "--length_profile", "lognormal",
+            "chunked", "--device", "cpu", "--length_profile", "lognormal",
             "--completion_tokens", "24"]
     row = trainer_step.main(args)
     drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=1)  # the timed step's

@@ -58,7 +58,7 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, batching):
            "--num_generations", "4", "--max_new_tokens", "3", "--format_warmup_steps", "2",
            "--tiny_hidden_size", "32", "--task_terms", "2", "--task_max_operand", "5",
            "--num_iterations", "2", "--micro_batch_size", "4", "--eval_every", "3",
-           "--save_every", "3", "--backend", "torch", "--no-progress", "--no-plot",
+           "--save_every", "3", "--backend", "chunked", "--no-progress", "--no-plot",
            "--num_threads", "1", "--device", "cpu", *(batching or ["--no_padding_free"]),
            "--reward", "accuracy", f"{tmp_path / 'recorder.py'}:record:0.1"]
     env = dict(os.environ, GRPO_TEST_DIR=str(tmp_path), OMP_NUM_THREADS="1")

@@ -37,7 +37,7 @@ else:
 ARGS = ["--steps", "3", "--num_prompts", "4", "--num_generations", "4", "--max_new_tokens", "3",
         "--format_warmup_steps", "2", "--tiny_hidden_size", "32", "--task_terms", "2",
         "--task_max_operand", "5", "--num_iterations", "2", "--micro_batch_size", "2",
-        "--beta", "0.04", "--eval_every", "3", "--save_every", "2", "--backend", "torch",
+        "--beta", "0.04", "--eval_every", "3", "--save_every", "2", "--backend", "chunked",
         "--no-progress", "--no-plot", "--num_threads", "1", "--device", "cpu", "--seed", "3"]
 COMPARED = ("loss", "kl", "entropy", "grad_norm", "reward", "completion_length")
 

@@ -35,7 +35,7 @@ def tiny_cfg(tmp_path, **overrides) -> TrainConfig:
                 reward=["accuracy", f"{helper}:length_mod_3:0.5"],
                 max_new_tokens=3, format_warmup_steps=3, tiny_hidden_size=32,
                 task_terms=2, task_max_operand=5, eval_every=0, save_every=0,
-                num_iterations=2, backend="torch", progress=False, plot=False,
+                num_iterations=2, backend="chunked", progress=False, plot=False,
                 save_final_model=False, eval_batch_size=64)
     base.update(overrides)
     return TrainConfig(**base)
@@ -105,7 +105,7 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypa
             "--num_generations", "4", "--max_new_tokens", "3", "--format_warmup_steps", "3",
             "--tiny_hidden_size", "32", "--task_terms", "2", "--task_max_operand", "5",
             "--eval_every", "0", "--save_every", "0", "--num_iterations", "2",
-            "--backend", "torch", "--no-progress", "--no-plot", "--no-save_final_model",
+            "--backend", "chunked", "--no-progress", "--no-plot", "--no-save_final_model",
             "--lr_scheduler", "cosine", "--beta", "0.1",
             "--reward", "accuracy", f"{helper}:maybe_interrupt:0.5"]
     assert main(argv) == 130  # interrupted: checkpoint saved, non-zero exit
@@ -144,7 +144,7 @@ def test_real_model_and_dataset_through_the_auto_classes(tmp_path, arch, capsys)
             "--max_new_tokens", "6", "--micro_batch_size", "4", "--beta", "0.04",
             "--num_iterations", "2", "--reward", "accuracy", "format:0.5",
             "--eval_size", "4", "--eval_every", "2", "--save_every", "1",
-            "--backend", "torch", "--no-progress", "--no-plot", "--learning_rate", "1e-3"]
+            "--backend", "chunked", "--no-progress", "--no-plot", "--learning_rate", "1e-3"]
     assert main(argv) == 0
     recs = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in recs] == [0, 1, 2]
@@ -183,14 +183,14 @@ def test_reference_loss_matches_fused_loss(tmp_path):
 def test_one_step_through_the_triton_backend(tmp_path):
     """The Triton kernels (the interpreter on CPU) inside the trainer agree with PyTorch."""
     got = {}
-    for backend in ("torch", "triton"):
+    for backend in ("chunked", "triton"):
         cfg = tiny_cfg(tmp_path / backend, steps=1, num_prompts=4, num_iterations=1,
                        backend=backend, max_grad_norm=0.0, beta=0.0)
         train(cfg)
         got[backend] = step_record(cfg, 1)
-    assert got["torch"]["grad_norm"] > 0
+    assert got["chunked"]["grad_norm"] > 0
     for key in ("loss", "grad_norm", "entropy"):
-        assert got["triton"][key] == pytest.approx(got["torch"][key], rel=1e-4, abs=1e-6), key
+        assert got["triton"][key] == pytest.approx(got["chunked"][key], rel=1e-4, abs=1e-6), key
 
 
 def test_gradient_checkpointing_gives_the_same_step(tmp_path):
@@ -247,11 +247,11 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, argv, match):
     match = match.replace("EMPTY_DIR", str(paths["EMPTY_DIR"])).replace(
         "BROKEN_FILE", str(paths["BROKEN_FILE"]))
     capsys.readouterr()
-    assert main(["--output_dir", str(tmp_path / "run"), "--backend", "torch", *argv]) == 2
+    assert main(["--output_dir", str(tmp_path / "run"), "--backend", "chunked", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo-train: error: ") and match in err[0], err
     with pytest.raises(UsageError, match="--"):  # the library raises; only the CLI prints
-        train(parse_config(["--output_dir", str(tmp_path / "run2"), "--backend", "torch",
+        train(parse_config(["--output_dir", str(tmp_path / "run2"), "--backend", "chunked",
                             *argv]))
 
 
@@ -261,7 +261,7 @@ def test_embedded_default_learns(tmp_path):
     accuracy >= 0.9 (greedy, 61 problems never trained on) from about chance at step 0. Seeds 0-5
     ended at 0.967-1.0 on an AMD EPYC, so this has a margin for other CPUs' rounding."""
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), save_every=0, progress=False, plot=False,
-                      save_final_model=False, backend="torch")
+                      save_final_model=False, backend="chunked")
     history = train(cfg)["eval_accuracy"]
     assert sorted(history) == [0, 25, 50, 75], history
     assert history[0] <= 0.25 and history[75] >= 0.9, history

@@ -91,7 +91,7 @@ def make_batch(trainer, seed=0, noise=0.3):
     )
 
 
-def run_both(model_dir, backend="torch", mode="train", patch=None, extra=None, noise=0.3, **cfg):
+def run_both(model_dir, backend="chunked", mode="train", patch=None, extra=None, noise=0.3, **cfg):
     """(TRL trainer, our trainer, TRL loss, our loss) on one batch, after backward."""
     ref, ours = make_trainer(trl.GRPOTrainer, model_dir, **cfg), make_trainer(GRPOTrainer,
                                                                              model_dir, **cfg)
@@ -180,7 +180,7 @@ def test_lora_head_matches_trl_loss_on_the_models_own_logits(model_dir):
     inputs = make_batch(ref)
     loss_ref = ref._compute_loss(ref.model, inputs)
     loss_ref.backward()
-    with force_backend("torch"):
+    with force_backend("chunked"):
         loss = ours._compute_loss(ours.model, inputs)
         loss.backward()
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
@@ -244,7 +244,7 @@ def test_old_and_ref_scoring_match_trl(model_dir):
     batch = make_batch(ref)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    with torch.no_grad(), force_backend("torch"):
+    with torch.no_grad(), force_backend("chunked"):
         want = ref._get_per_token_logps_and_entropies(ref.model, ids, am, T, compute_entropy=True)
         got = ours._get_per_token_logps_and_entropies(ours.model, ids, am, T, batch_size=3,
                                                       compute_entropy=True)
@@ -263,11 +263,11 @@ def test_unsupported_features_fall_back_to_trl_with_one_warning(model_dir):
             tr.current_gradient_accumulation_steps = 2
         inputs = make_batch(ref)
         with pytest.warns(UserWarning, match="not implemented by grpo-kernels"):
-            with force_backend("torch"):
+            with force_backend("chunked"):
                 loss = ours._compute_loss(ours.model, inputs)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the second call is silent
-            with force_backend("torch"):
+            with force_backend("chunked"):
                 ours._compute_loss(ours.model, inputs)
         torch.testing.assert_close(loss, ref._compute_loss(ref.model, inputs), rtol=1e-5,
                                    atol=1e-7)
@@ -302,7 +302,7 @@ def test_training_run_matches_trl(model_dir, cfg):
     runs = []
     for cls in (trl.GRPOTrainer, GRPOTrainer):
         trainer = make_trainer(cls, model_dir, max_steps=3, optim="sgd", learning_rate=0.1, **cfg)
-        with force_backend("torch"), warnings.catch_warnings():
+        with force_backend("chunked"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
         runs.append(trainer)
@@ -393,7 +393,7 @@ def test_fsdp2_sharded_head_runs_the_fused_path(tmp_path):
             seen.append(type(weight).__name__)
             return policy_terms(hidden, weight, bias, ids[:, -T:], mask, adv, None, None, params)
 
-        with force_backend("torch"):
+        with force_backend("chunked"):
             want = run_as_forward(base, terms)[0]
             want.backward()
             got = run_as_forward(sharded, terms)[0]

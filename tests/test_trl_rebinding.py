@@ -53,7 +53,7 @@ def rebind(monkeypatch, name: str):
 def loss_and_grads(trainer, inputs):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
-    with force_backend("torch"):
+    with force_backend("chunked"):
         loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     return loss, {n: p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -124,7 +124,7 @@ def test_fallback_warning_names_the_callers_line(model_dir, monkeypatch, way):
     inputs = make_batch(trainer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
-    with pytest.warns(UserWarning, match="vespo") as record, force_backend("torch"):
+    with pytest.warns(UserWarning, match="vespo") as record, force_backend("chunked"):
         trainer._compute_loss(trainer.model, inputs)
     fallback_warning(record, "TRL's loss math runs instead")
 
@@ -141,6 +141,6 @@ def test_fallback_warning_in_training_names_the_train_call(model_dir, softcap_mo
              "TRL's own implementation runs instead"))
     for directory, cfg, reason, instead in runs:
         trainer = make_trainer(cls, directory, **cfg)  # 2 steps, 4 micro-batches
-        with pytest.warns(UserWarning, match=reason) as record, force_backend("torch"):
+        with pytest.warns(UserWarning, match=reason) as record, force_backend("chunked"):
             trainer.train()
         fallback_warning(record, instead)  # once for the run

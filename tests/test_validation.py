@@ -98,6 +98,16 @@ def test_selective_logprobs_errors():
             pass
 
 
+def test_former_backend_name_still_pins_the_chunked_path():
+    """The chunked path was once called "torch": that name still works, with a FutureWarning."""
+    from grpo_kernels.ops.backends import forced_backend
+
+    with pytest.warns(FutureWarning, match="'torch' is now called 'chunked'"):
+        with gk.force_backend("torch"):
+            assert forced_backend() == "chunked"
+    assert forced_backend() is None
+
+
 @pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16])
 def test_mixed_head_precision_is_accepted(hidden_dtype):
     """16-bit hidden with a float32 lm_head (and bias) passes validation on every public entry

@@ -1,10 +1,11 @@
 """The backend registry and dispatch: which launchers run a selective log-prob op.
 
 Backends: "triton" (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before triton was
-imported) and "torch" (the chunked PyTorch path, `cpu/chunked.py`). Both implement the same four
-launchers (linear-head and logits forward/backward) and save only per-token statistics (lse,
-entropy) for backward, never logits (see `autograd.py`; the one exception, a small problem's
-single tile on the chunked path in eager mode, is in `custom_ops._LinearLogprobs`).
+imported) and "chunked" (the chunked PyTorch path, `chunked/launchers.py`). Both implement the
+same four launchers (linear-head and logits forward/backward) and save only per-token
+statistics (lse, entropy) for backward, never logits (see `autograd.py`; the one exception, a
+small problem's single tile on the chunked path in eager mode, is in
+`custom_ops._LinearLogprobs`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from types import SimpleNamespace
 
 import torch
 
-from ..cpu import chunked
+from ..chunked import launchers as chunked
 from ..kernels import linear_backward_gemm
 from ..kernels import linear_logprobs as triton_impl
 from ..kernels import logits_logprobs as logits_impl
 from ..kernels.tile_configs import INTERPRET
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "chunked")
+# Former names a caller may still pass: force_backend and grpo_train's --backend map them (with a
+# FutureWarning) to the backend's one name.
+FORMER_NAMES = {"torch": "chunked"}
 # The Triton backwards of the linear head (cost model: docs/benchmarks.md). "gemm" (default):
 # d logits per chunk + GEMMs, no atomics, deterministic. "atomic": every tile adds its products
 # with float32 atomics (not deterministic); with grad_filter it skips the products of dropped
@@ -73,7 +77,7 @@ IMPLS = {
         logits_logprob_forward=logits_impl.logits_logprob_forward,
         logits_logprob_backward=logits_impl.logits_logprob_backward,
     ),
-    "torch": chunked,
+    "chunked": chunked,
 }
 _forced: str | None = None
 
@@ -85,8 +89,9 @@ def forced_backend() -> str | None:
 
 @contextlib.contextmanager
 def force_backend(name: str | None) -> Iterator[None]:
-    """Run the enclosed calls on one backend ("triton" or "torch"); None restores dispatch."""
+    """Run the enclosed calls on one backend ("triton" or "chunked"); None restores dispatch."""
     global _forced
+    name = backend_name(name)
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
     previous, _forced = _forced, name
@@ -108,4 +113,14 @@ def backend_for(x: torch.Tensor) -> str:
                 "TRITON_INTERPRET=1 set before triton is imported)"
             )
         return _forced
-    return "triton" if triton_ok else "torch"
+    return "triton" if triton_ok else "chunked"
+
+
+def backend_name(name):
+    """`name`, or the backend's one name for a former name (with a FutureWarning)."""
+    if isinstance(name, str) and name in FORMER_NAMES:
+        new = FORMER_NAMES[name]
+        warnings.warn(f"backend {name!r} is now called {new!r}; the old name will be removed",
+                      FutureWarning, stacklevel=3)
+        return new
+    return name

@@ -301,7 +301,7 @@ class _LogitsLogprobs(torch.autograd.Function):
 
 class _EagerFirst:
     """An operator packet that a plain eager call on the chunked backend (args[backend_at] ==
-    "torch", `direct` on the first `tensors` arguments) runs as `function` instead; every
+    "chunked", `direct` on the first `tensors` arguments) runs as `function` instead; every
     attribute (`.default`, the schema) is the operator's."""
 
     def __init__(self, packet, function, backend_at: int, tensors: int):
@@ -309,7 +309,7 @@ class _EagerFirst:
         self.backend_at, self.tensors = backend_at, tensors
 
     def __call__(self, *args):
-        if args[self.backend_at] == "torch" and direct(*args[:self.tensors]):
+        if args[self.backend_at] == "chunked" and direct(*args[:self.tensors]):
             return self.function.call(*args)
         return self.packet(*args)
 

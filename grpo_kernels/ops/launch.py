@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu import chunked
+from ..chunked import launchers as chunked
 from ..grpo_math import per_token_loss
 from ..kernels.epilogue import loss_kind
 from ..params import GRPOParams

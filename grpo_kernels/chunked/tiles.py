@@ -1,4 +1,4 @@
-"""What the chunked launchers (`chunked.py`) do to one tile of logits: the softmax statistics,
+"""What the chunked launchers (`launchers.py`) do to one tile of logits: the softmax statistics,
 the per-token results, the backward's tile of d z (and its modes: how the linear-head backward
 makes that tile, `BackwardMode`), and the tile's operands.
 

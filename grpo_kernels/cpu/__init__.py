@@ -1,3 +1,0 @@
-"""The chunked PyTorch path (`chunked.py`, its per-tile operations in `tiles.py`): the same four
-launchers as the Triton kernels, for CPU tensors and float64, holding one [chunk, V] block of
-logits at a time."""
