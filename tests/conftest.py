@@ -8,7 +8,8 @@ float32 first, exactly; float32 operands are rounded as the tensor cores round t
 dot's `input_precision`: "tf32" keeps 10 mantissa bits (truncation: the low 13 bits are
 dropped, the worse of the two rounding modes a GPU may use), "tf32x3" sums the three TF32
 products of Triton's split (big = tf32(a), small = tf32(a - big), round to nearest), "ieee" is
-exact float32. Products accumulate in float32 as on the GPU. tests/test_precision.py checks it.
+exact float32. Products accumulate in float32 as on the GPU. tests/kernels/test_precision.py
+checks it.
 
 Nothing else is patched: the kernels' runtime `range()` bounds go through `loop_bound`
 (grpo_kernels/kernels/linear_logprobs.py), so they run in the interpreter of Triton 3.4-3.6 with
@@ -50,7 +51,7 @@ def gpu_dot(a, b, precision: str):
 
 def patch_interpreter():
     """Installs the correction above (idempotent). Returns the interpreter's own
-    create_dot, which tests/test_precision.py uses to show the bf16 bug."""
+    create_dot, which tests/kernels/test_precision.py uses to show the bf16 bug."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -120,7 +121,7 @@ def recompute_tiles(monkeypatch):
     """Eager calls on the chunked backend recompute the linear head's logits in the backward,
     as the operator that a compiled graph calls does, so that compiled and eager gradients can
     be compared bitwise (from a tile kept by the forward they differ by float32 rounding; see
-    tests/test_torch_compile.py)."""
+    tests/ops/test_torch_compile.py)."""
     from grpo_kernels.chunked import launchers as chunked
 
     monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)

@@ -9,7 +9,7 @@ float32 inputs follow PyTorch's float32 matmul setting (read so that it can neve
                                  (relative error below 2^-10 per operand, so a logit is off by
                                  up to ~2·2^-10·Σ_d |h_d·w_d|). Measured with an interpreter
                                  emulation of TF32 truncation (tests/conftest.py), on random
-                                 logits of spread ~8 over D = 256 (tests/test_precision.py):
+                                 logits of spread ~8 over D = 256 (tests/kernels/test_precision.py):
                                  logp off by 3.5e-2 with "tf32", 6.6e-6 with "tf32x3".
 Triton 3.4.0, 3.6.0 and 3.9.0 accept "tf32x3" and compile it for sm_75 (plain FMA there), sm_80
 and sm_90 (mma); checked with `triton.compile` on this CPU machine.

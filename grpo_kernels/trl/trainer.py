@@ -24,7 +24,7 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 The numbers are TRL 1.16's, and the same as the standalone loss's: both follow docs/semantics.md,
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
 aggregation weights, entropy bonus, metric sums and clip flags). Tested against TRL's own
-`_compute_loss` to float32 precision (tests/test_trl.py, tests/test_semantics_trl.py).
+`_compute_loss` to float32 precision (tests/trl/test_trl.py, tests/api/test_semantics_trl.py).
 What the trainer adds is TRL's bookkeeping: per-micro-batch losses / current accumulation steps;
 dapo/cispo divide by num_items_in_batch / num_processes · accumulation steps / steps_per_generation;
 metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max, `cispo_clip_ratio`,
@@ -86,7 +86,7 @@ if _trl_version < TESTED_TRL:
                       "pip install -U grpo-kernels[trl]")
 if _trl_version > TESTED_TRL:
     warnings.warn(f"grpo_kernels.trl was checked against TRL 1.16; TRL {_trl.__version__} may "
-                  "normalize or log differently (tests/test_trl.py checks it)", stacklevel=2)
+                  "normalize or log differently (tests/trl/test_trl.py checks it)", stacklevel=2)
 
 __all__ = ["GRPOTrainer", "policy_terms"]
 

@@ -56,7 +56,7 @@ def test_cli_sweep_writes_csv_and_plot(tmp_path, capsys):
         assert r["device"].startswith("CPU ") and r["command"].startswith("python -m benchmarks")
         assert (r["head"], r["n_tokens"], r["batch"], r["seq_len"]) == ("tiny", "64", "8", "8")
     assert {r["provider"] for r in rows} == {"ours", "reference"}
-    assert all("backend=torch" in r["note"] for r in rows if r["provider"] == "ours")
+    assert all("backend=chunked" in r["note"] for r in rows if r["provider"] == "ours")
     assert png.exists() and png.stat().st_size > 10_000
 
     # --from-csv re-prints the latest matching rows without measuring (README tables)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A run of a second or two: tiny model, few prompts, short completions (as tests/test_train_loop)
 TINY_RUN = ["--steps", "1", "--num_prompts", "2", "--num_generations", "2", "--max_new_tokens",
             "2", "--format_warmup_steps", "1", "--tiny_hidden_size", "16", "--task_terms", "2",
@@ -67,7 +67,8 @@ def test_argument_errors_are_one_line(args, named, tmp_path):
 
 def test_input_errors_are_one_line_before_any_model_loads(tmp_path):
     """Bad --model / --reward / --dataset values, each in a fresh process; and --debug turns
-    an error back into a traceback. (More bad inputs, in-process: tests/test_train_loop.py.)"""
+    an error back into a traceback. (More bad inputs, in-process:
+    tests/train/test_train_loop.py.)"""
     no_columns = tmp_path / "d.jsonl"
     no_columns.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
     cases = [

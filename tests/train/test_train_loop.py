@@ -237,7 +237,7 @@ def test_failing_reward_functions_leave_completions_unscored(tmp_path, capsys):
 ])
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys, argv, match):
     """`main` turns each into one stderr line and exit status 2 (subprocess versions of these
-    and more: tests/test_cli.py); the library raises UsageError, a ValueError."""
+    and more: tests/train/test_cli.py); the library raises UsageError, a ValueError."""
     paths = {"EMPTY_DIR": tmp_path / "empty_model", "BROKEN_FILE": tmp_path / "broken.jsonl",
              "NO_COLUMNS": tmp_path / "d.jsonl"}
     paths["EMPTY_DIR"].mkdir()

@@ -60,7 +60,7 @@ def _in_fresh_process(name: str) -> None:
     the recorder."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = f"import test_train_phases as t; t._attempts(t.{name})"
-    root = os.path.dirname(here)  # benchmarks/ is a folder of the repository, not installed
+    root = os.path.dirname(os.path.dirname(here))  # the repository: benchmarks/ is not installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True,
                          timeout=300, env=env)

@@ -29,7 +29,7 @@ from grpo_kernels.trl import GRPOTrainer  # noqa: E402
 from grpo_kernels.trl.trainer import _adapter_on_head_allowed  # noqa: E402
 from grpo_train.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 B, P, T = 4, 5, 7  # micro-batch, prompt length, completion length
 EOS = build_tokenizer().eos_token_id
 DATASET = Dataset.from_dict(
@@ -354,7 +354,7 @@ def test_fsdp2_sharded_head_runs_the_fused_path(tmp_path):
     """Unit level, one CPU process (gloo): a model sharded with FSDP2's fully_shard keeps its
     head as a DTensor shard outside a forward; `run_as_forward` runs the fused policy terms as a
     registered FSDP forward of the root, giving the unsharded model's loss and gradients. (The
-    multi-process FSDP run is grpo_train's tests/test_train_fsdp.py; the TRL trainer under
+    multi-process FSDP run is grpo_train's tests/train/test_train_fsdp.py; the TRL trainer under
     accelerate's FSDP2 is not run here.)"""
     import copy
 

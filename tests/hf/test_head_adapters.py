@@ -216,7 +216,7 @@ def test_lora_example_runs():
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user runs it
     env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
