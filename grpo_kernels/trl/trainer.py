@@ -24,15 +24,20 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 The numbers are TRL 1.16's, and the same as the standalone loss's: both follow docs/semantics.md,
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
 aggregation weights, entropy bonus, metric sums and clip flags). Tested against TRL's own
-`_compute_loss` to float32 precision (tests/test_trl.py, tests/test_semantics_trl.py).
+`_compute_loss` to float32 precision (tests/test_trl.py, tests/test_semantics_trl.py,
+tests/test_loss_options.py).
 What the trainer adds is TRL's bookkeeping: per-micro-batch losses / current accumulation steps;
 dapo/cispo divide by num_items_in_batch / num_processes · accumulation steps / steps_per_generation;
 metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max, `cispo_clip_ratio`,
-`policy_loss`, `entropy_coef`) are reduced across processes as TRL does.
+`vespo/phi_seq_mean`, `policy_loss`, `entropy_coef`) are reduced across processes as TRL does.
+Every loss option of TRL 1.16 runs on this route: vespo, top_entropy_quantile < 1 (the quantile
+over the entropies of all processes), off_policy_mask_threshold (on the sampler's log-probs when
+the batch has them) and use_adaptive_entropy (`grpo_options.EntropyController`; its state stays
+in TRL's attributes entropy_coef and _last_world_entropy, which TRL's checkpoints save).
 
 Fallbacks (a one-time warning at the caller's line names the reason and what runs instead):
-- TRL's loss math on our log-probs (still no logits): loss_type "vespo" or any type we lack,
-  top_entropy_quantile < 1, off_policy_mask_threshold, use_adaptive_entropy.
+- TRL's loss math on our log-probs (still no logits): a loss_type grpo-kernels lacks (none in
+  TRL 1.16), or a configuration GRPOParams rejects.
 - TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
   logit soft-capping/scaling models, output heads with their own transform (BERT-style),
   heads sharded by DeepSpeed ZeRO-3 or FSDP1.
@@ -66,6 +71,7 @@ except ImportError as exc:  # TRL is an optional dependency
 
 from ..functional import linear_grpo_terms
 from ..grpo_math import clip_indicators, entropy_bonus, metric_sums
+from ..grpo_options import EntropyController, masked_sums
 from ..hf import (
     check_output_head,
     completion_hidden_states,
@@ -74,7 +80,7 @@ from ..hf import (
     head_for,
     unwrap_model,
 )
-from ..params import LOSS_TYPES, GRPOParams
+from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
@@ -125,7 +131,7 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
 
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
                  params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-                 grad_filter=None):
+                 grad_filter=None, sampling_logps=None):
     """The GRPO policy loss with the per-token values TRL's metrics need, by the route every
     loss takes (`linear_grpo_terms`: the token-terms op with the in-kernel GRPO epilogue on
     Triton at token level, else the selective log-prob op and `grpo_math`; no [N, V] logits);
@@ -134,13 +140,23 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
     (detached), kl [B, T] (detached) or None). grad_filter: see `selective_logprobs`.
     """
+    terms = _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps,
+                        ref_logps, params, num_items_in_batch, importance_sampling_ratio,
+                        grad_filter, sampling_logps)
+    return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
+
+
+def _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
+                params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
+                grad_filter=None, sampling_logps=None, entropy_gather=None):
+    """`policy_terms`' route, returning all of GRPOTerms (vespo's φ, the entropy mask)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
-    terms = linear_grpo_terms(hidden, weight, completion_ids, advantages, mask, old_logps,
-                              ref_logps, bias, num_items_in_batch=num_items_in_batch,
-                              importance_sampling_ratio=importance_sampling_ratio,
-                              grad_filter=grad_filter, params=params)
-    return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
+    return linear_grpo_terms(hidden, weight, completion_ids, advantages, mask, old_logps,
+                             ref_logps, bias, num_items_in_batch=num_items_in_batch,
+                             importance_sampling_ratio=importance_sampling_ratio,
+                             grad_filter=grad_filter, sampling_logps=sampling_logps,
+                             entropy_gather=entropy_gather, params=params)
 
 
 # Registered on an FSDP2 root as a forward method (`register_fsdp_forward_method`).
@@ -239,6 +255,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self._warned: set[str] = set()
         # TRL's cast_lm_head_to_fp32: a float32 head on the (bf16) hidden states as they are
         self._head_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
+        self._entropy_control: EntropyController | None = None
         self._grpo_params, self._loss_fallback = self._build_params()
         self._model_fallback = self._model_unsupported()
         head = unwrap_model(self.model).get_output_embeddings()
@@ -249,18 +266,17 @@ class GRPOTrainer(_TRLGRPOTrainer):
                              "code, which ignores the adapter. Remove the head from target_modules")
 
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
-        """Our hyperparameters from TRL's, or (None, why the loss must be TRL's)."""
-        if self.loss_type not in LOSS_TYPES:
+        """Our hyperparameters from TRL's, or (None, why the loss must be TRL's); sets the
+        adaptive entropy controller when use_adaptive_entropy is on."""
+        if self.loss_type not in ALL_LOSS_TYPES:
             return None, f"loss_type={self.loss_type!r} is not implemented by grpo-kernels"
-        for flag, on in (("top_entropy_quantile < 1", self.top_entropy_quantile < 1.0),
-                         ("off_policy_mask_threshold", self.off_policy_mask_threshold is not None),
-                         ("use_adaptive_entropy", self.use_adaptive_entropy)):
-            if on:
-                return None, f"{flag} is not implemented by grpo-kernels"
         try:
-            # the trainer's resolved attributes (epsilon_low, epsilon_high, ...) first, then its
-            # config's fields (delta, sapo temperatures, ...); the bonus is added by the trainer
+            # the trainer's resolved attributes (epsilon_low, epsilon_high, top_entropy_quantile,
+            # ...) first, then its config's fields (delta, sapo and vespo parameters, ...); the
+            # bonus is added by the trainer
             params = GRPOParams.from_config(self, self.args, entropy_coef=0.0)
+            if self.use_adaptive_entropy:
+                self._entropy_control = EntropyController.from_config(self.args)
         except (TypeError, ValueError) as exc:
             return None, f"grpo-kernels rejects this configuration ({exc})"
         return params, None
@@ -345,34 +361,71 @@ class GRPOTrainer(_TRLGRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items, scale = self._normalizer(inputs, mode, accumulation)
         isr = None
-        if self.use_vllm and self.vllm_importance_sampling_correction:
+        if self.loss_type == "vespo":  # its φ takes the rollout ratios whenever the batch has them
+            isr = inputs.get("importance_sampling_ratio")
+        elif self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
+        gather = self._gather_entropies if self.top_entropy_quantile < 1.0 else None
 
         def terms(model):
             with self.accelerator.autocast():
                 hidden = completion_hidden_states(model, input_ids, attention_mask, T)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
             with torch.autocast(hidden.device.type, enabled=False):
-                return policy_terms(
+                return _grpo_terms(
                     hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
                     inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
                     self._grpo_params, num_items, isr, self._grad_filter,
+                    inputs.get("sampling_per_token_logps"), gather,
                 )
 
-        policy, entropy, ratio, kl = run_as_forward(model, terms)
-        loss = policy * scale
-        maskf = mask.to(entropy.dtype)
+        t = run_as_forward(model, terms)
+        loss = t.policy_loss * scale
+        maskf = mask.to(t.entropy.dtype)
         if self._entropy_bonus_enabled:
-            # the micro-batch's masked mean entropy, scaled only for accumulation
-            loss = loss + entropy_bonus(entropy, maskf, self.entropy_coef) / accumulation
-            token_count = self._grpo_params.normalizes_by_token_count
-            logged = policy.detach() * (scale if token_count else 1)
-            self._metrics[mode]["policy_loss"].append(
-                self.accelerator.gather(logged).nanmean().item())
-            if mode == "train" and self.accelerator.sync_gradients:
-                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        self._log_metrics(mode, maskf, entropy.detach(), ratio, kl, advantages)
+            loss = loss + self._entropy_bonus(mode, t, maskf, scale, accumulation)
+        self._log_metrics(mode, maskf, t.entropy.detach(), t.ratio, t.kl, advantages,
+                          t.seq_weight)
         return loss
+
+    def _gather_entropies(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's [B·T] entropies (NaN at padding, and NaN-padded to one length), for
+        the top_entropy_quantile threshold over the whole batch, as TRL takes it."""
+        padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        return self.accelerator.gather(padded)
+
+    def _entropy_bonus(self, mode: str, t, maskf, scale, accumulation: int) -> torch.Tensor:
+        """TRL's entropy bonus for this micro-batch (the masked mean entropy over the tokens the
+        policy loss acts on, scaled only for accumulation), its policy_loss and entropy_coef
+        logs, and the adaptive controller's step at the end of an accumulation window."""
+        bonus_mask = maskf if t.entropy_mask is None else maskf * t.entropy_mask
+        coef = self.entropy_coef
+        if self._entropy_control is not None:  # the gate set at the previous optimizer step
+            coef = self._entropy_control.applied_coef(coef, self._last_world_entropy)
+        bonus = entropy_bonus(t.entropy, bonus_mask, coef) / accumulation
+        token_count = self._grpo_params.normalizes_by_token_count
+        logged = t.policy_loss.detach() * (scale if token_count else 1)
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(logged).nanmean().item())
+        if self._entropy_control is not None and mode == "train":
+            self._adaptive_entropy_step(masked_sums(t.entropy, bonus_mask))
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return bonus
+
+    def _adaptive_entropy_step(self, sums: torch.Tensor) -> None:
+        """Adds this micro-batch's [Σ entropy, tokens] to the window; at the optimizer step, the
+        window's mean over all processes moves the coefficient for the next step. The state is
+        TRL's own attributes (its checkpoints save entropy_coef and _last_world_entropy)."""
+        window = self._entropy_window_stats
+        self._entropy_window_stats = sums if window is None else window + sums
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = self._entropy_control.window_entropy(totals)
+        self.entropy_coef = self._entropy_control.next_coef(self.entropy_coef, world_entropy)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _normalizer(self, inputs, mode: str, accumulation: int):
         """(num_items_in_batch for our loss, factor applied to our loss) reproducing TRL's
@@ -388,7 +441,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             return norm, norm.clamp(min=1.0) / norm
         return None, 1.0 / accumulation
 
-    def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages) -> None:
+    def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages, seq_weight=None) -> None:
         """TRL's loss metrics: `grpo_math.metric_sums` added up across processes, and the
         per-sequence min/max of the clip fractions."""
         metrics = self._metrics[mode]
@@ -398,7 +451,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         p = self._grpo_params
         A = advantages.to(ratio.device)
         sums = metric_sums(on_tokens(entropy.float()), ratio, None if kl is None else
-                           on_tokens(kl.float()), A, maskf, p)
+                           on_tokens(kl.float()), A, maskf, p, seq_weight=seq_weight)
         names = list(sums)
         totals = self.accelerator.reduce(
             torch.stack([torch.stack(sums[k]) for k in names]), reduction="sum")  # [K, 2]
