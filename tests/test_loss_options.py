@@ -24,6 +24,7 @@ from grpo_kernels import GRPOParams, force_backend, fused_linear_grpo_loss, refe
 from grpo_kernels.functional import _fused
 from grpo_kernels.grpo_options import EntropyController
 from grpo_kernels.ops.backends import backend_for
+from grpo_kernels.params import VESPO_FIELDS
 from grpo_kernels.reference import logprobs_from_logits
 
 trl = pytest.importorskip("trl")
@@ -100,9 +101,7 @@ def trl_loss(batch, hp, sampling=False, isr=False):
         args=SimpleNamespace(delta=None, use_bias_correction_kl=False,
                              sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
                              steps_per_generation=1,
-                             **{k: hp.get(k, getattr(defaults, k)) for k in (
-                                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                                 "vespo_lambda_neg")}),
+                             **{k: hp.get(k, getattr(defaults, k)) for k in VESPO_FIELDS}),
         _entropy_bonus_enabled=hp["entropy_coef"] != 0.0, entropy_coef=hp["entropy_coef"],
         use_adaptive_entropy=False, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
@@ -113,11 +112,9 @@ def trl_loss(batch, hp, sampling=False, isr=False):
                   prompt_mask=torch.ones(B, 1, dtype=torch.long), completion_ids=batch["ids"],
                   completion_mask=batch["mask"].long(), advantages=batch["advantages"],
                   num_items_in_batch=batch["num_items"], old_per_token_logps=batch["old"],
-                  ref_per_token_logps=batch["ref"])
-    if sampling:
-        inputs["sampling_per_token_logps"] = batch["sampling"]
-    if isr:
-        inputs["importance_sampling_ratio"] = batch["isr"]
+                  ref_per_token_logps=batch["ref"],
+                  **({"sampling_per_token_logps": batch["sampling"]} if sampling else {}),
+                  **({"importance_sampling_ratio": batch["isr"]} if isr else {}))
     loss = trl.GRPOTrainer._compute_loss(stand_in, None, inputs)
     loss.backward()
     metrics = {k: v[-1] for k, v in stand_in._metrics["train"].items()}
@@ -190,19 +187,13 @@ def test_options_match_trl_compute_loss(case):
     assert_matches(got, want, 2e-5, f"reference-f64 {case}")
 
 
-def triton_available():
+@pytest.mark.parametrize("case", ["vespo-rollout-ratios", "all-three"])
+def test_options_on_triton_match_trl(case):
     try:
         with force_backend("triton"):
             backend_for(torch.zeros(1))
     except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.parametrize("case", ["vespo-rollout-ratios", "all-three"])
-def test_options_on_triton_match_trl(case):
-    if (why := triton_available()) is not None:
-        pytest.skip(why)
+        pytest.skip(str(exc))
     hp, sampling, isr = CASES[case]
     batch = make_batch()
     with force_backend("triton"):
@@ -233,19 +224,17 @@ def test_packed_batch_equals_padded():
                off_policy_mask_threshold=0.1)
     real = batch["mask"].bool()
     cu = torch.nn.functional.pad(real.sum(1).cumsum(0), (1, 0))
-    f32 = lambda x: x.float()  # noqa: E731
-    common = dict(num_items_in_batch=batch["num_items"].item(), **hp)
+
+    def loss(sel, mask, **kw):  # sel: the tokens kept (all, or the real ones packed)
+        x = {k: batch[k][sel].float() for k in ("hidden", "old", "ref", "sampling", "isr")}
+        return fused_linear_grpo_loss(
+            x["hidden"], batch["weight"].float(), batch["ids"][sel], batch["advantages"].float(),
+            mask, x["old"], x["ref"], sampling_logps=x["sampling"],
+            importance_sampling_ratio=x["isr"], num_items_in_batch=batch["num_items"].item(),
+            **hp, **kw)
+
     with force_backend("torch"):
-        padded = fused_linear_grpo_loss(
-            f32(batch["hidden"]), f32(batch["weight"]), batch["ids"], f32(batch["advantages"]),
-            f32(batch["mask"]), f32(batch["old"]), f32(batch["ref"]),
-            sampling_logps=f32(batch["sampling"]), importance_sampling_ratio=f32(batch["isr"]),
-            **common)
-        packed = fused_linear_grpo_loss(
-            f32(batch["hidden"][real]), f32(batch["weight"]), batch["ids"][real],
-            f32(batch["advantages"]), None, f32(batch["old"][real]), f32(batch["ref"][real]),
-            sampling_logps=f32(batch["sampling"][real]),
-            importance_sampling_ratio=f32(batch["isr"][real]), cu_seqlens=cu, **common)
+        padded, packed = loss(..., batch["mask"].float()), loss(real, None, cu_seqlens=cu)
     torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-6)
     assert packed[1].keys() == padded[1].keys()
     for k in padded[1]:
@@ -300,8 +289,7 @@ DATASET = Dataset.from_dict(
 
 
 def digits_reward(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c[0]["content"]) + 0.1 * len(c[0]["content"])
-            for c in completions]
+    return [sum(ch.isdigit() for ch in c[0]["content"]) for c in completions]
 
 
 @pytest.fixture(scope="module")
@@ -402,8 +390,7 @@ def test_trainer_matches_trl_without_fallback(model_dir, case):
     for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=max(rtol, 1e-5), atol=1e-6 * scale,
                                    msg=lambda m, n=name: f"grad of {n}: {m}")
-    got = {k: v[-1] for k, v in ours._metrics["train"].items()}
-    want = {k: v[-1] for k, v in ref._metrics["train"].items()}
+    got, want = ({k: v[-1] for k, v in tr._metrics["train"].items()} for tr in (ours, ref))
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=max(rtol, 1e-5), abs=1e-6, nan_ok=True), k
