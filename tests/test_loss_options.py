@@ -261,6 +261,46 @@ def test_bad_option_values_name_the_argument(kw, match):
         GRPOParams(**kw)
 
 
+class TwoProcesses:
+    """An accelerator of two processes as seen from rank 0: the peer sends `peer_local` (its
+    per-process tensor, in the caller's own format), padded to one length like this rank's."""
+
+    def __init__(self, peer_local):
+        self.peer_local, self.pad_index = peer_local, 0.0
+
+    def pad_across_processes(self, x, dim=0, pad_index=0.0):
+        self.pad_index = pad_index
+        n = max(len(x), len(self.peer_local))
+        return torch.nn.functional.pad(x, (0, n - len(x)), value=pad_index)
+
+    def gather(self, x):
+        peer = self.pad_across_processes(self.peer_local, pad_index=self.pad_index)
+        return torch.cat([x, peer])
+
+
+def test_entropy_quantile_over_two_processes_as_trl():
+    """The TRL subclass's NaN-padded gather gives TRL's threshold over both processes' tokens,
+    with a peer holding more tokens than this rank (so both pad) and different entropies."""
+    from grpo_kernels.grpo_options import high_entropy_mask
+    from grpo_kernels.trl.bookkeeping import LossBookkeeping
+
+    g = torch.Generator().manual_seed(5)
+    ent, peer = torch.rand(3, 4, generator=g) * 3, torch.rand(5, 6, generator=g) * 3 + 0.5
+    mask = (torch.rand(3, 4, generator=g) > 0.3).float()
+    peer_mask = (torch.rand(5, 6, generator=g) > 0.3)
+    kept = []
+    for q in (0.2, 0.45, 0.9):
+        trl_side = SimpleNamespace(accelerator=TwoProcesses(peer[peer_mask]))
+        want = trl.GRPOTrainer.get_high_entropy_mask(trl_side, ent, mask, 1 - q)
+        ours_side = SimpleNamespace(accelerator=TwoProcesses(
+            torch.where(peer_mask, peer, torch.nan).reshape(-1)))
+        got = high_entropy_mask(ent, mask, q, lambda x, side=ours_side: (
+            LossBookkeeping._gather_entropies(side, x)))
+        assert torch.equal(got.bool(), want), q
+        kept.append(int(got.sum()))
+    assert len(set(kept)) == 3 and 0 < max(kept) < mask.sum(), kept  # the quantile matters
+
+
 def test_entropy_controller():
     c = EntropyController(entropy_target=0.5, entropy_coef_delta=0.1, entropy_coef_min=0.05,
                           entropy_coef_max=0.25)
