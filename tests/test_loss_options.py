@@ -464,3 +464,16 @@ def test_training_run_with_every_option_matches_trl(model_dir):
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (k, want["step"])
     for p, q in zip(ref.model.parameters(), ours.model.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+
+
+def test_fsdp_forward_method_keeps_the_terms_named():
+    """Under FSDP2 the loss runs through `_call_forward`, which copies views among the outputs:
+    the GRPOTerms the subclass reads by name must come back as GRPOTerms."""
+    from grpo_kernels import GRPOTerms
+    from grpo_kernels.trl.trainer import _call_forward
+
+    x = torch.arange(6.0).reshape(2, 3)
+    terms = GRPOTerms(x.sum(), x[:, 1:], x, x[:, :1], None)
+    out = _call_forward(None, lambda _: terms, None)
+    assert type(out) is GRPOTerms and out.kl is None and out.seq_weight is None
+    assert not out.logp._is_view() and torch.equal(out.logp, x[:, 1:])
