@@ -11,9 +11,10 @@ Importing the package loads only `params` (no torch, no Triton), so that command
 the hyperparameters' names and choices quickly; the functions and modules load on first use.
 """
 
-from .params import LOSS_TYPES, GRPOParams
+from .params import ALL_LOSS_TYPES, LOSS_TYPES, GRPOParams
 
 __all__ = [
+    "ALL_LOSS_TYPES",
     "FusedLinearGRPOLoss",
     "GRPOLoss",
     "GRPOParams",

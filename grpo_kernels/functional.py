@@ -13,8 +13,9 @@ losses, the modules, the Hugging Face helpers and the TRL trainer all call:
 
     token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
         GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
-    sequence-level (GSPO) ratios, which need every token of a sequence first, and the chunked
-        PyTorch backend: the selective log-prob op, then `grpo_math.policy_loss` around it;
+    sequence-level (GSPO) ratios and the options that need whole sequences or the batch (vespo,
+        the off-policy mask, the entropy quantile; `grpo_options`), and the chunked PyTorch
+        backend: the selective log-prob op, then `grpo_math.policy_loss` around it;
     then Σ weight·ℓ, the entropy bonus and the metrics in PyTorch (`grpo_math.finish_loss`).
 
 The semantics are in docs/semantics.md.
@@ -78,11 +79,14 @@ class GRPOTerms(NamedTuple):
     entropy: torch.Tensor  # per token, float32, differentiable
     ratio: torch.Tensor  # importance ratio w, detached: per token, or per sequence (GSPO)
     kl: torch.Tensor | None  # k3 KL per token, detached; None when beta == 0
+    seq_weight: torch.Tensor | None = None  # vespo's φ per sequence, detached; else None
+    entropy_mask: torch.Tensor | None = None  # top_entropy_quantile < 1: kept tokens (0/1)
 
 
 def _fused(backend: str, params: GRPOParams) -> bool:
-    """Does the call take the token-terms op (the GRPO epilogue inside the forward kernel)?"""
-    return backend == "triton" and params.importance_sampling_level == "token"
+    """Does the call take the token-terms op (the GRPO epilogue inside the forward kernel)?
+    Not for options that need a whole sequence or the batch before any token's loss."""
+    return backend == "triton" and not params.needs_whole_sequences
 
 
 def _terms_args(inputs: LossInputs, params: GRPOParams) -> tuple:
@@ -104,19 +108,21 @@ def _fused_terms(outputs, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
                      ratio.reshape(shape), kl.reshape(shape) if params.beta != 0.0 else None)
 
 
-def _unfused_terms(logp, ent, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
-    """Sequence-level ratios, or the chunked PyTorch backend: the differentiable log-probs [N]
-    of the selective op (which checks the token ids) go through `grpo_math` on [B, T] (or [N]
-    packed) (traceable)."""
+def _unfused_terms(logp, ent, inputs: LossInputs, params: GRPOParams,
+                   entropy_gather=None) -> GRPOTerms:
+    """Sequence-level ratios, the whole-sequence options, or the chunked PyTorch backend: the
+    differentiable log-probs [N] of the selective op (which checks the token ids) go through
+    `grpo_math` on [B, T] (or [N] packed) (traceable)."""
     check_finite_advantages(inputs.advantages)  # in-graph under torch.compile
     shape = inputs.mask.shape  # [B, T], or [N] packed
     logp, ent = logp.reshape(shape), ent.reshape(shape)
-    loss, ratio, kl = policy_loss(logp, inputs, params)
-    return GRPOTerms(loss, logp, ent, ratio, kl)
+    t = policy_loss(logp, inputs, params, entropy=ent, entropy_gather=entropy_gather)
+    return GRPOTerms(t.loss, logp, ent, t.ratio, t.kl, t.seq_weight, t.entropy_mask)
 
 
 def _loss_and_metrics(terms: GRPOTerms, inputs: LossInputs, params: GRPOParams):
-    return finish_loss(terms.policy_loss, terms.entropy, terms.ratio, terms.kl, inputs, params)
+    return finish_loss(terms.policy_loss, terms.entropy, terms.ratio, terms.kl, inputs, params,
+                       seq_weight=terms.seq_weight, entropy_mask=terms.entropy_mask)
 
 
 # ---- selective log-probs ----------------------------------------------------------------------
@@ -211,27 +217,33 @@ def linear_grpo_terms(
     importance_sampling_ratio: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     grad_filter: float | str | None = None,
+    sampling_logps: torch.Tensor | None = None,
+    entropy_gather=None,
     params: GRPOParams | None = None,
     **hyperparameters,
 ) -> GRPOTerms:
     """The per-token terms of `fused_linear_grpo_loss` (same arguments): the policy loss
-    Σ weight·ℓ without the entropy bonus, and per-token logp, entropy, ratio and kl, for a
-    trainer that aggregates or logs them its own way. params.entropy_coef is not applied."""
+    Σ weight·ℓ without the entropy bonus, and per-token logp, entropy, ratio and kl (with
+    vespo's φ and the entropy mask), for a trainer that aggregates or logs them its own way.
+    params.entropy_coef is not applied. entropy_gather (top_entropy_quantile < 1): a function
+    that gathers the entropies of every process, see `grpo_options.high_entropy_mask`."""
     return _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                          ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
-                         cu_seqlens, grad_filter, GRPOParams.resolve(params, hyperparameters))[0]
+                         cu_seqlens, grad_filter, GRPOParams.resolve(params, hyperparameters),
+                         sampling_logps, entropy_gather)[0]
 
 
 def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                   ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                  grad_filter, params: GRPOParams) -> tuple[GRPOTerms, LossInputs]:
+                  grad_filter, params: GRPOParams, sampling_logps=None, entropy_gather=None
+                  ) -> tuple[GRPOTerms, LossInputs]:
     """The route of every linear-head GRPO loss: checks, then the token-terms op or the
     selective log-prob op with grpo_math. Returns the terms and the validated inputs."""
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
                                            check_values=False,  # the op checks values
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     eps = check_grad_filter(grad_filter, hidden.dtype)
     backend = backend_for(hidden)
     head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
@@ -241,7 +253,7 @@ def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, o
         return _fused_terms(outputs, inputs, params), inputs
     logp, ent, _ = OPS.linear_logprobs(*head, ids.reshape(-1), params.temperature, eps, backend,
                                        "completion_ids")
-    return _unfused_terms(logp, ent, inputs, params), inputs
+    return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
 
 
 @signature_with_params
@@ -259,6 +271,7 @@ def fused_linear_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     grad_filter: float | str | None = None,
+    sampling_logps: torch.Tensor | None = None,
     params: GRPOParams | None = None,
     **hyperparameters,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -281,6 +294,8 @@ def fused_linear_grpo_loss(
             advantages and importance_sampling_ratio [S], [S, 1] or [N]. Equals the padded call.
         grad_filter: None (exact, default), "auto" or eps >= 0: gradient filtering in the
             Triton backward (approximate; see `selective_logprobs`).
+        sampling_logps: [B, T] log-probs under the sampling engine, for the off-policy mask
+            (off_policy_mask_threshold; default: old_logps); NaN marks an unscored token.
         params: a GRPOParams, or the hyperparameters as keywords (GRPOParams' fields: beta,
             epsilon_low, epsilon_high, delta, temperature, loss_type, ...), not both.
 
@@ -290,19 +305,21 @@ def fused_linear_grpo_loss(
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = _linear_route(hidden, weight, completion_ids, advantages, completion_mask,
                                   old_logps, ref_logps, bias, num_items_in_batch,
-                                  importance_sampling_ratio, cu_seqlens, grad_filter, params)
+                                  importance_sampling_ratio, cu_seqlens, grad_filter, params,
+                                  sampling_logps)
     return _loss_and_metrics(terms, inputs, params)
 
 
 def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
                   num_items_in_batch, importance_sampling_ratio, cu_seqlens, inplace,
-                  params: GRPOParams) -> tuple[GRPOTerms, LossInputs]:
+                  params: GRPOParams, sampling_logps=None, entropy_gather=None
+                  ) -> tuple[GRPOTerms, LossInputs]:
     """The route of every logits-input GRPO loss (see `_linear_route`)."""
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
                                            check_values=False,  # the op checks values
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     x = _as_btv(logits)  # [N, V] -> [1, N, V]
     backend = backend_for(x)
     if _fused(backend, params):
@@ -311,18 +328,20 @@ def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps
         return _fused_terms(outputs, inputs, params), inputs
     logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
                                        "completion_ids", _eager(inplace))
-    return _unfused_terms(logp, ent, inputs, params), inputs
+    return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
 
 
 @signature_with_params
 def logits_grpo_terms(logits, completion_ids, advantages, completion_mask=None, old_logps=None,
                       ref_logps=None, *, num_items_in_batch=None, importance_sampling_ratio=None,
-                      cu_seqlens=None, inplace: bool = False, params: GRPOParams | None = None,
+                      cu_seqlens=None, inplace: bool = False, sampling_logps=None,
+                      entropy_gather=None, params: GRPOParams | None = None,
                       **hyperparameters) -> GRPOTerms:
     """The per-token terms of `grpo_loss` (same arguments); see `linear_grpo_terms`."""
     return _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
                          ref_logps, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                         inplace, GRPOParams.resolve(params, hyperparameters))[0]
+                         inplace, GRPOParams.resolve(params, hyperparameters), sampling_logps,
+                         entropy_gather)[0]
 
 
 @signature_with_params
@@ -338,6 +357,7 @@ def grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     inplace: bool = False,
+    sampling_logps: torch.Tensor | None = None,
     params: GRPOParams | None = None,
     **hyperparameters,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -355,5 +375,5 @@ def grpo_loss(
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
                                   ref_logps, num_items_in_batch, importance_sampling_ratio,
-                                  cu_seqlens, inplace, params)
+                                  cu_seqlens, inplace, params, sampling_logps)
     return _loss_and_metrics(terms, inputs, params)

@@ -2,10 +2,11 @@
 
 This is the one PyTorch implementation of the per-token loss, aggregation, entropy bonus and
 metrics of docs/semantics.md. The reference (`grpo_kernels.reference`) and the loss route
-(`functional.linear_grpo_terms`: the chunked CPU path and sequence-level ratios) call it on top of
-their own log-probs; the fused token-level Triton kernels carry the same per-token loss in a
-Triton epilogue (`kernels/epilogue.py`), its one twin, cross-tested against this file, and leave
-aggregation, the entropy bonus and the metrics to `finish_loss` here.
+(`functional.linear_grpo_terms`: the chunked CPU path, sequence-level ratios and the options that
+need whole sequences or the batch, from `grpo_options`) call it on top of their own log-probs; the
+fused token-level Triton kernels carry the same per-token loss in a Triton epilogue
+(`kernels/epilogue.py`), its one twin, cross-tested against this file, and leave aggregation,
+the entropy bonus and the metrics to `finish_loss` here.
 
 Shapes: B sequences, T completion positions. `logp`, `old_logps`, `ref_logps`, `mask` are [B, T];
 `advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T]. A packed batch
@@ -16,8 +17,11 @@ on where tokens sit (per-sequence sums, expanding a per-sequence value to its to
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from .grpo_options import gamma_weights, high_entropy_mask, off_policy_mask
 from .layouts import PaddedLayout, layout_of
 from .params import GRPOParams
 from .validation import LossInputs
@@ -94,8 +98,15 @@ def per_token_loss(
     params: GRPOParams,
     importance_sampling_ratio: torch.Tensor | None = None,
     layout=None,
+    *,
+    phi: torch.Tensor | None = None,
+    token_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """ℓ of docs/semantics.md, differentiable w.r.t. logp.
+
+    vespo uses `phi` (its sequence weights, [B, 1]; computed here when None). token_scale
+    ([B, T] or [B, 1], 0/1) multiplies the policy term before the rollout ratio and the KL: the
+    off-policy and entropy masks of `policy_loss`.
 
     Returns (loss [B, T] or [B, 1], ratio w [B, T] or [B, 1] (detached), kl [B, T] or None);
     packed: (loss [N], ratio [N] or [S, 1], kl [N] or None).
@@ -107,7 +118,13 @@ def per_token_loss(
     # per-sequence values meet per-token ones: broadcasting when padded, expanded when packed
     w, A = layout.expand(ratio), layout.expand(advantages)
     lt = params.loss_type
-    if lt == "cispo":
+    if lt == "vespo":
+        # φ comes from the token log-ratios whatever the level; the rollout ratio goes into φ
+        if phi is None:
+            phi = gamma_weights(logp - old, mask, advantages, importance_sampling_ratio, params,
+                                layout)
+        loss = -layout.expand(phi) * A * logp
+    elif lt == "cispo":
         loss = -torch.clamp(w, max=params.eps_high).detach() * A * logp
     elif lt == "sapo":
         t = torch.where(
@@ -119,7 +136,9 @@ def per_token_loss(
     else:
         clipped = torch.clamp(w, *params.clip_range)
         loss = -torch.minimum(capped_ratio(w, params) * A, clipped * A)
-    if importance_sampling_ratio is not None:
+    if token_scale is not None:
+        loss = loss * layout.expand(token_scale)
+    if importance_sampling_ratio is not None and lt != "vespo":
         loss = loss * layout.expand(importance_sampling_ratio)
     kl = None
     if params.beta != 0.0:
@@ -138,6 +157,7 @@ def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
 
 CLIP_FLAGS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 CISPO_FLAG = "cispo_clip_ratio"
+VESPO_WEIGHT = "vespo/phi_seq_mean"
 
 
 def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
@@ -149,7 +169,8 @@ def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
 
 def metric_names(params: GRPOParams) -> tuple[str, ...]:
     """The keys of `grpo_metrics` for these hyperparameters, in order."""
-    return ("entropy",) + (("kl",) if params.beta != 0.0 else ()) + clip_flag_names(params)
+    return (("entropy",) + (("kl",) if params.beta != 0.0 else ()) + clip_flag_names(params)
+            + ((VESPO_WEIGHT,) if params.loss_type == "vespo" else ()))
 
 
 def clip_indicators(
@@ -187,6 +208,7 @@ def metric_sums(
     mask: torch.Tensor,
     params: GRPOParams,
     layout=None,
+    seq_weight: torch.Tensor | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (sum, count), 0-dim float32 each; the metric is sum / max(count, 1).
 
@@ -194,7 +216,7 @@ def metric_sums(
     with one value per sequence ([B, 1]: the clip flags at importance_sampling_level="sequence")
     is summed over all B sequences, fully masked ones included (count B). Sums and counts, not
     means, so that a trainer can add them up across processes before dividing. Packed: [N]
-    per token, [S, 1] per sequence (zero-length sequences included).
+    per token, [S, 1] per sequence (zero-length sequences included). seq_weight: vespo's φ.
     """
     layout = layout or PaddedLayout(mask)
     with torch.no_grad():
@@ -211,42 +233,85 @@ def metric_sums(
             sums["kl"] = terms(kl)
         for name, flag in clip_indicators(ratio, advantages, params, layout).items():
             sums[name] = terms(flag)
+        if seq_weight is not None:
+            sums[VESPO_WEIGHT] = terms(seq_weight)
     return sums
 
 
-def grpo_metrics(*metric_sums_args) -> dict[str, torch.Tensor]:
+def grpo_metrics(*metric_sums_args, **kwargs) -> dict[str, torch.Tensor]:
     """The loss metrics of one process (detached 0-dim float32), from `metric_sums`' arguments:
     each metric's sum / max(count, 1), keys in `metric_names` order."""
     return {name: total / count.clamp(min=1.0)
-            for name, (total, count) in metric_sums(*metric_sums_args).items()}
+            for name, (total, count) in metric_sums(*metric_sums_args, **kwargs).items()}
 
 
-def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layout=None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+class PolicyTerms(NamedTuple):
+    """What `policy_loss` returns (per-token [B, T] / per-sequence [B, 1]; packed [N] / [S, 1])."""
+
+    loss: torch.Tensor  # Σ weight·ℓ, 0-dim, differentiable
+    ratio: torch.Tensor  # importance ratio w, detached
+    kl: torch.Tensor | None  # k3 KL per token (beta != 0)
+    seq_weight: torch.Tensor | None = None  # vespo's φ, detached
+    entropy_mask: torch.Tensor | None = None  # top_entropy_quantile < 1: kept tokens, 0/1
+
+
+def option_masks(logp, entropy, inputs: LossInputs, params: GRPOParams, layout,
+                 entropy_gather=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(token_scale for `per_token_loss` or None, entropy mask or None): the product of the
+    off-policy mask ([B, 1]) and the high-entropy mask ([B, T]) that are on."""
+    scale, ent_mask = None, None
+    if params.off_policy_mask_threshold is not None:
+        # the sampler's log-probs if given, else the old policy's (else none: no drift)
+        sampling = inputs.sampling_logps if inputs.sampling_logps is not None else (
+            inputs.old_logps if inputs.old_logps is not None else logp.detach())
+        scale = off_policy_mask(logp, sampling, inputs.advantages, inputs.mask,
+                                params.off_policy_mask_threshold, layout)
+    if params.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
+        ent_mask = high_entropy_mask(entropy, inputs.mask, params.top_entropy_quantile,
+                                     entropy_gather)
+        scale = ent_mask if scale is None else layout.expand(scale) * ent_mask
+    return scale, ent_mask
+
+
+def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layout=None, *,
+                entropy: torch.Tensor | None = None, entropy_gather=None) -> PolicyTerms:
     """The aggregated policy loss Σ weight·ℓ without the entropy bonus, differentiable w.r.t.
-    logp [B, T]: (loss 0-dim, ratio [B, T] or [B, 1] (detached), kl [B, T] or None).
-    Packed inputs (inputs.cu_seqlens): logp [N], ratio [N] or [S, 1], kl [N]."""
+    logp [B, T], with the ratio, KL, vespo's φ and the entropy mask (PolicyTerms). Packed
+    inputs (inputs.cu_seqlens): logp [N], per-sequence values [S, 1]. `entropy` ([B, T]) is
+    needed for top_entropy_quantile < 1; `entropy_gather`: see `high_entropy_mask`."""
     layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
+    old = logp.detach() if inputs.old_logps is None else inputs.old_logps
+    phi = None
+    if params.loss_type == "vespo":
+        phi = gamma_weights(logp - old, inputs.mask, inputs.advantages,
+                            inputs.importance_sampling_ratio, params, layout)
+    token_scale, ent_mask = option_masks(logp, entropy, inputs, params, layout, entropy_gather)
     loss_tok, ratio, kl = per_token_loss(
         logp, inputs.old_logps, inputs.ref_logps, inputs.advantages, inputs.mask, params,
-        inputs.importance_sampling_ratio, layout,
+        inputs.importance_sampling_ratio, layout, phi=phi, token_scale=token_scale,
     )
     weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
-    return (weights * loss_tok).sum(), ratio, kl
+    return PolicyTerms((weights * loss_tok).sum(), ratio, kl, phi, ent_mask)
 
 
 def finish_loss(policy: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor,
-                kl: torch.Tensor | None, inputs: LossInputs, params: GRPOParams, layout=None
+                kl: torch.Tensor | None, inputs: LossInputs, params: GRPOParams, layout=None, *,
+                seq_weight: torch.Tensor | None = None,
+                entropy_mask: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) from the policy loss Σ weight·ℓ (0-dim) and the per-token values of
     `policy_loss` (entropy [B, T] or [N], differentiable when entropy_coef != 0): adds the
-    entropy bonus and computes the metrics of one process."""
+    entropy bonus (over the entropy mask's tokens when there is one) and computes the metrics
+    of one process."""
     layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
     loss = policy
     if params.entropy_coef != 0.0:
-        loss = loss + entropy_bonus(entropy, inputs.mask, params.entropy_coef)
+        bonus_mask = inputs.mask if entropy_mask is None else inputs.mask * entropy_mask
+        loss = loss + entropy_bonus(entropy, bonus_mask, params.entropy_coef)
     return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params,
-                              layout)
+                              layout, seq_weight=seq_weight)
 
 
 def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
@@ -255,5 +320,6 @@ def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: Loss
     packed batch) and the validated inputs. Gradients flow into `logp` (and `entropy` when
     entropy_coef != 0)."""
     layout = layout_of(inputs.mask, inputs.cu_seqlens)
-    loss, ratio, kl = policy_loss(logp, inputs, params, layout)
-    return finish_loss(loss, entropy, ratio, kl, inputs, params, layout)
+    terms = policy_loss(logp, inputs, params, layout, entropy=entropy)
+    return finish_loss(terms.loss, entropy, terms.ratio, terms.kl, inputs, params, layout,
+                       seq_weight=terms.seq_weight, entropy_mask=terms.entropy_mask)

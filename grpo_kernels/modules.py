@@ -45,12 +45,12 @@ class FusedLinearGRPOLoss(_GRPOModule):
 
     def forward(self, hidden, weight, completion_ids, advantages, completion_mask=None,
                 old_logps=None, ref_logps=None, bias=None, num_items_in_batch=None,
-                importance_sampling_ratio=None, cu_seqlens=None):
+                importance_sampling_ratio=None, cu_seqlens=None, sampling_logps=None):
         return fused_linear_grpo_loss(
             hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
             bias, num_items_in_batch=num_items_in_batch,
             importance_sampling_ratio=importance_sampling_ratio, cu_seqlens=cu_seqlens,
-            grad_filter=self.grad_filter, params=self.params)
+            sampling_logps=sampling_logps, grad_filter=self.grad_filter, params=self.params)
 
 
 class GRPOLoss(_GRPOModule):
@@ -68,8 +68,9 @@ class GRPOLoss(_GRPOModule):
 
     def forward(self, logits, completion_ids, advantages, completion_mask=None, old_logps=None,
                 ref_logps=None, num_items_in_batch=None, importance_sampling_ratio=None,
-                cu_seqlens=None):
+                cu_seqlens=None, sampling_logps=None):
         return grpo_loss(logits, completion_ids, advantages, completion_mask, old_logps,
                          ref_logps, num_items_in_batch=num_items_in_batch,
                          importance_sampling_ratio=importance_sampling_ratio,
-                         cu_seqlens=cu_seqlens, inplace=self.inplace, params=self.params)
+                         cu_seqlens=cu_seqlens, sampling_logps=sampling_logps,
+                         inplace=self.inplace, params=self.params)

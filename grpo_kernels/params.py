@@ -13,11 +13,14 @@ import inspect
 import math
 from dataclasses import MISSING, dataclass, fields
 
+# Loss types whose per-token loss depends on the token's own ratio only (the Triton epilogue's).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+# Every loss type: vespo weights a sequence by a function of its summed log-ratio.
+ALL_LOSS_TYPES = LOSS_TYPES + ("vespo",)
 # Loss types whose per-token loss is the PPO-style clipped surrogate.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # Loss types normalized by the number of completion tokens of the whole step (num_items_in_batch).
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo")
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -35,27 +38,35 @@ class GRPOParams:
     epsilon_high: float | None = None  # upper clip (None -> epsilon_low); cispo: the raw cap
     delta: float | None = None  # two-sided clipping: ratio capped at delta in the unclipped term
     temperature: float = 1.0  # policy logits are divided by this before the softmax
-    loss_type: str = "dapo"  # one of LOSS_TYPES
+    loss_type: str = "dapo"  # one of ALL_LOSS_TYPES
     importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO)
     max_completion_length: int | None = None  # dr_grpo's fixed normalizer
     use_bias_correction_kl: bool = False  # multiply the k3 KL by the importance ratio
     entropy_coef: float = 0.0  # loss -= entropy_coef * mean entropy (needs entropy grads)
     sapo_temperature_pos: float = 1.0  # SAPO soft-gate temperature for A > 0
     sapo_temperature_neg: float = 1.05  # SAPO soft-gate temperature for A <= 0
+    vespo_k_pos: float = 2.0  # vespo's power of the sequence ratio for A >= 0
+    vespo_lambda_pos: float = 3.0  # vespo's decay rate of the sequence ratio for A >= 0
+    vespo_k_neg: float = 3.0  # the same two for A < 0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0  # policy loss on the top fraction of tokens by entropy
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences drifted beyond this
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.loss_type not in ALL_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {ALL_LOSS_TYPES}, got {self.loss_type!r}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
                 "importance_sampling_level must be one of "
                 f"{IMPORTANCE_SAMPLING_LEVELS}, got {self.importance_sampling_level!r}"
             )
         for name in ("beta", "epsilon_low", "temperature", "entropy_coef",
-                     "sapo_temperature_pos", "sapo_temperature_neg"):
+                     "sapo_temperature_pos", "sapo_temperature_neg", "top_entropy_quantile",
+                     *VESPO_FIELDS):
             _check_finite(name, getattr(self, name))
-        if self.epsilon_high is not None:
-            _check_finite("epsilon_high", self.epsilon_high)
+        for name in ("epsilon_high", "off_policy_mask_threshold"):
+            if getattr(self, name) is not None:
+                _check_finite(name, getattr(self, name))
         if self.epsilon_low < 0 or self.eps_high < 0:
             raise ValueError(
                 "epsilon_low and epsilon_high must be >= 0, "
@@ -69,6 +80,7 @@ class GRPOParams:
                 raise ValueError(f"delta must be > 0 (a cap on the ratio), got {self.delta}")
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be > 0")
+        self._check_options()
         if self.loss_type == "dr_grpo":
             if self.max_completion_length is None:
                 raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normalizer)")
@@ -76,6 +88,18 @@ class GRPOParams:
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
                 raise ValueError(f"max_completion_length must be a positive int, got {m!r}")
+
+    def _check_options(self) -> None:
+        """The sequence and batch options (docs/semantics.md, "Sequence and batch options")."""
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError("top_entropy_quantile must be in [0, 1] (the fraction of tokens "
+                             f"kept), got {self.top_entropy_quantile}")
+        for name in VESPO_FIELDS:
+            value = getattr(self, name)
+            if name.startswith("vespo_k") and value < 0:
+                raise ValueError(f"{name} must be >= 0 (a power of the ratio), got {value}")
+            if name.startswith("vespo_lambda") and value <= 0:
+                raise ValueError(f"{name} must be > 0 (a decay rate), got {value}")
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -147,11 +171,19 @@ class GRPOParams:
         return self.loss_type in CLIPPED_LOSS_TYPES
 
     @property
+    def needs_whole_sequences(self) -> bool:
+        """Options that need every token of a sequence or of the batch before any token's loss
+        (GSPO ratios, vespo, the off-policy mask, the entropy quantile): no per-token epilogue."""
+        return (self.importance_sampling_level == "sequence" or self.loss_type == "vespo"
+                or self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0)
+
+    @property
     def normalizes_by_token_count(self) -> bool:
-        """dapo/cispo: divided by the step's completion-token count (num_items_in_batch)."""
+        """dapo/cispo/vespo: divided by the step's completion-token count (num_items_in_batch)."""
         return self.loss_type in TOKEN_COUNT_LOSS_TYPES
 
 
+VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 FIELD_NAMES = tuple(f.name for f in fields(GRPOParams))
 
 # Field annotation -> torch.library schema type (the annotations are strings: `from __future__`).

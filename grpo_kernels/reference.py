@@ -51,14 +51,14 @@ def selective_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0,
 @signature_with_params
 def grpo_loss(logits, completion_ids, advantages, completion_mask=None, old_logps=None,
               ref_logps=None, *, num_items_in_batch=None, importance_sampling_ratio=None,
-              cu_seqlens=None, params=None, **hyperparameters):
+              cu_seqlens=None, sampling_logps=None, params=None, **hyperparameters):
     """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] (packed: [N, V] and
     cu_seqlens) -> (loss, metrics)."""
     params = GRPOParams.resolve(params, hyperparameters)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     return _loss_from_logits(logits, ids, inputs, params)
 
 
@@ -74,7 +74,7 @@ def _loss_from_logits(logits, ids, inputs, params):
 def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None,
                            old_logps=None, ref_logps=None, bias=None, *, num_items_in_batch=None,
                            importance_sampling_ratio=None, cu_seqlens=None, grad_filter=None,
-                           params=None, **hyperparameters):
+                           sampling_logps=None, params=None, **hyperparameters):
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits).
     Always exact: grad_filter is validated for signature parity and has no effect."""
     params = GRPOParams.resolve(params, hyperparameters)
@@ -82,6 +82,6 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     check_grad_filter(grad_filter, hidden.dtype)
     return _loss_from_logits(_head_logits(hidden, weight, bias), ids, inputs, params)

@@ -166,6 +166,7 @@ class LossInputs:
     importance_sampling_ratio: torch.Tensor | None  # [B, 1] or [B, T]
     num_items_in_batch: torch.Tensor | None  # 0-dim float32
     cu_seqlens: torch.Tensor | None = None  # [S + 1] int64, packed batches only
+    sampling_logps: torch.Tensor | None = None  # [B, T], the sampler's (off-policy mask only)
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ def check_loss_inputs(
     B: int, T: int, device, params, completion_mask, advantages, old_logps, ref_logps,
     importance_sampling_ratio, num_items_in_batch, ref_name: str = "hidden",
     check_values: bool = True, cu_seqlens: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
 ) -> LossInputs:
     """Validates the per-token loss inputs against [B, T] and the device of `ref_name` (the
     tensor the loss is computed from: hidden or logits). check_values=False skips the finite
@@ -295,12 +297,16 @@ def check_loss_inputs(
             raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
         else:  # one form from here on: a 0-dim float32 tensor
             num_items_in_batch = torch.tensor(float(num_items_in_batch), device=device)
-    return LossInputs(mask, adv, old, ref, isr, num_items_in_batch, cu_seqlens)
+    sampling = None
+    if sampling_logps is not None:  # NaN allowed: a token the sampler could not score
+        sampling = per_token("sampling_logps", sampling_logps, False)
+    return LossInputs(mask, adv, old, ref, isr, num_items_in_batch, cu_seqlens, sampling)
 
 
 def check_logits_loss_inputs(
     logits, completion_ids, params, completion_mask, advantages, old_logps, ref_logps,
     importance_sampling_ratio, num_items_in_batch, check_values: bool = True, cu_seqlens=None,
+    sampling_logps=None,
 ) -> tuple[torch.Tensor, LossInputs]:
     """Validates the inputs of a GRPO loss from logits [B, T, V] (packed: [N, V] and
     cu_seqlens); returns (completion_ids [B, T] (or [N]) int64, LossInputs). Shared by
@@ -317,14 +323,14 @@ def check_logits_loss_inputs(
     inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
                                num_items_in_batch, ref_name="logits", check_values=check_values,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     return ids, inputs
 
 
 def check_linear_loss_inputs(
     hidden, weight, bias, completion_ids, params, completion_mask, advantages, old_logps,
     ref_logps, importance_sampling_ratio, num_items_in_batch, check_values: bool = True,
-    cu_seqlens=None,
+    cu_seqlens=None, sampling_logps=None,
 ) -> tuple[torch.Tensor, LossInputs]:
     """Validates the inputs of a GRPO loss from hidden [B, T, D] (packed: [N, D] and
     cu_seqlens) and a head weight [V, D] (and bias [V]); returns (completion_ids [B, T] (or
@@ -341,5 +347,5 @@ def check_linear_loss_inputs(
     inputs = check_loss_inputs(B, T, hidden.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
                                num_items_in_batch, check_values=check_values,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     return ids, inputs

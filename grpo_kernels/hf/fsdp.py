@@ -45,7 +45,11 @@ def _call_forward(_root, call, target):
     outputs for its backward; a view would make that hook fragile and FSDP warns about it)."""
     out = call(target)
     fresh = lambda x: x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x  # noqa: E731
-    return tuple(fresh(x) for x in out) if isinstance(out, tuple) else fresh(out)
+    if not isinstance(out, tuple):
+        return fresh(out)
+    values = [fresh(x) for x in out]
+    # a named tuple (GRPOTerms from the loss route) keeps its type and field names
+    return type(out)(*values) if hasattr(out, "_fields") else tuple(values)
 
 
 def run_as_forward(model: nn.Module, fn):

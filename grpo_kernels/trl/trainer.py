@@ -24,15 +24,21 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 The numbers are TRL 1.16's, and the same as the standalone loss's: both follow docs/semantics.md,
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
 aggregation weights, entropy bonus, metric sums and clip flags). Tested against TRL's own
-`_compute_loss` to float32 precision (tests/trl/test_trl.py, tests/api/test_semantics_trl.py).
-What the trainer adds is TRL's bookkeeping: per-micro-batch losses / current accumulation steps;
-dapo/cispo divide by num_items_in_batch / num_processes · accumulation steps / steps_per_generation;
-metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence low_min/high_max, `cispo_clip_ratio`,
-`policy_loss`, `entropy_coef`) are reduced across processes as TRL does.
+`_compute_loss` to float32 precision (tests/trl/test_trl.py, tests/api/test_semantics_trl.py,
+tests/api/test_loss_options.py).
+What the trainer adds is TRL's bookkeeping (`bookkeeping.py`): per-micro-batch losses / current
+accumulation steps; dapo/cispo/vespo divide by num_items_in_batch / num_processes · accumulation
+steps / steps_per_generation; metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence
+low_min/high_max, `cispo_clip_ratio`, `vespo/phi_seq_mean`, `policy_loss`, `entropy_coef`) are
+reduced across processes as TRL does.
+Every loss option of TRL 1.16 runs on this route: vespo, top_entropy_quantile < 1 (the quantile
+over the entropies of all processes), off_policy_mask_threshold (on the sampler's log-probs when
+the batch has them) and use_adaptive_entropy (`grpo_options.EntropyController`; its state stays
+in TRL's attributes entropy_coef and _last_world_entropy, which TRL's checkpoints save).
 
 Fallbacks (a one-time warning at the caller's line names the reason and what runs instead):
-- TRL's loss math on our log-probs (still no logits): loss_type "vespo" or any type we lack,
-  top_entropy_quantile < 1, off_policy_mask_threshold, use_adaptive_entropy.
+- TRL's loss math on our log-probs (still no logits): a loss_type grpo-kernels lacks (none in
+  TRL 1.16), or a configuration GRPOParams rejects.
 - TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
   logit soft-capping/scaling models, output heads with their own transform (BERT-style),
   heads sharded by DeepSpeed ZeRO-3 or FSDP1.
@@ -57,14 +63,13 @@ try:
     import transformers
     import trl as _trl
     from trl.trainer import grpo_trainer as _trl_grpo_trainer
-    from trl.trainer.utils import nanmax, nanmin
 except ImportError as exc:  # TRL is an optional dependency
     raise ImportError(
         "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
     ) from exc
 
 from ..functional import linear_grpo_terms
-from ..grpo_math import clip_indicators, entropy_bonus, metric_sums
+from ..grpo_options import EntropyController
 from ..hf import (
     check_output_head,
     completion_hidden_states,
@@ -75,8 +80,9 @@ from ..hf import (
     run_as_forward,
     unwrap_model,
 )
-from ..params import LOSS_TYPES, GRPOParams
+from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
+from .bookkeeping import LossBookkeeping
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -126,7 +132,7 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
 
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
                  params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-                 grad_filter=None):
+                 grad_filter=None, sampling_logps=None):
     """The GRPO policy loss with the per-token values TRL's metrics need, by the route every
     loss takes (`linear_grpo_terms`: the token-terms op with the in-kernel GRPO epilogue on
     Triton at token level, else the selective log-prob op and `grpo_math`; no [N, V] logits);
@@ -135,13 +141,23 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
     (detached), kl [B, T] (detached) or None). grad_filter: see `selective_logprobs`.
     """
+    terms = _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps,
+                        ref_logps, params, num_items_in_batch, importance_sampling_ratio,
+                        grad_filter, sampling_logps)
+    return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
+
+
+def _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
+                params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
+                grad_filter=None, sampling_logps=None, entropy_gather=None):
+    """`policy_terms`' route, returning all of GRPOTerms (vespo's φ, the entropy mask)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
-    terms = linear_grpo_terms(hidden, weight, completion_ids, advantages, mask, old_logps,
-                              ref_logps, bias, num_items_in_batch=num_items_in_batch,
-                              importance_sampling_ratio=importance_sampling_ratio,
-                              grad_filter=grad_filter, params=params)
-    return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
+    return linear_grpo_terms(hidden, weight, completion_ids, advantages, mask, old_logps,
+                             ref_logps, bias, num_items_in_batch=num_items_in_batch,
+                             importance_sampling_ratio=importance_sampling_ratio,
+                             grad_filter=grad_filter, sampling_logps=sampling_logps,
+                             entropy_gather=entropy_gather, params=params)
 
 
 @contextlib.contextmanager
@@ -166,7 +182,7 @@ def _adapter_on_head_allowed(enabled: bool = True):
         module.BaseTunerLayer = original
 
 
-class GRPOTrainer(_TRLGRPOTrainer):
+class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
     Same constructor and config as TRL's; see the module docstring for what changes. One
@@ -195,6 +211,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         self._warned: set[str] = set()
         # TRL's cast_lm_head_to_fp32: a float32 head on the (bf16) hidden states as they are
         self._head_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
+        self._entropy_control: EntropyController | None = None
         self._grpo_params, self._loss_fallback = self._build_params()
         self._model_fallback = self._model_unsupported()
         head = unwrap_model(self.model).get_output_embeddings()
@@ -205,18 +222,17 @@ class GRPOTrainer(_TRLGRPOTrainer):
                              "code, which ignores the adapter. Remove the head from target_modules")
 
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
-        """Our hyperparameters from TRL's, or (None, why the loss must be TRL's)."""
-        if self.loss_type not in LOSS_TYPES:
+        """Our hyperparameters from TRL's, or (None, why the loss must be TRL's); sets the
+        adaptive entropy controller when use_adaptive_entropy is on."""
+        if self.loss_type not in ALL_LOSS_TYPES:
             return None, f"loss_type={self.loss_type!r} is not implemented by grpo-kernels"
-        for flag, on in (("top_entropy_quantile < 1", self.top_entropy_quantile < 1.0),
-                         ("off_policy_mask_threshold", self.off_policy_mask_threshold is not None),
-                         ("use_adaptive_entropy", self.use_adaptive_entropy)):
-            if on:
-                return None, f"{flag} is not implemented by grpo-kernels"
         try:
-            # the trainer's resolved attributes (epsilon_low, epsilon_high, ...) first, then its
-            # config's fields (delta, sapo temperatures, ...); the bonus is added by the trainer
+            # the trainer's resolved attributes (epsilon_low, epsilon_high, top_entropy_quantile,
+            # ...) first, then its config's fields (delta, sapo and vespo parameters, ...); the
+            # bonus is added by the trainer
             params = GRPOParams.from_config(self, self.args, entropy_coef=0.0)
+            if self.use_adaptive_entropy:
+                self._entropy_control = EntropyController.from_config(self.args)
         except (TypeError, ValueError) as exc:
             return None, f"grpo-kernels rejects this configuration ({exc})"
         return params, None
@@ -301,73 +317,29 @@ class GRPOTrainer(_TRLGRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items, scale = self._normalizer(inputs, mode, accumulation)
         isr = None
-        if self.use_vllm and self.vllm_importance_sampling_correction:
+        if self.loss_type == "vespo":  # its φ takes the rollout ratios whenever the batch has them
+            isr = inputs.get("importance_sampling_ratio")
+        elif self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
+        gather = self._gather_entropies if self.top_entropy_quantile < 1.0 else None
 
         def terms(model):
             with self.accelerator.autocast():
                 hidden = completion_hidden_states(model, input_ids, attention_mask, T)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
             with torch.autocast(hidden.device.type, enabled=False):
-                return policy_terms(
+                return _grpo_terms(
                     hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
                     inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
                     self._grpo_params, num_items, isr, self._grad_filter,
+                    inputs.get("sampling_per_token_logps"), gather,
                 )
 
-        policy, entropy, ratio, kl = run_as_forward(model, terms)
-        loss = policy * scale
-        maskf = mask.to(entropy.dtype)
+        t = run_as_forward(model, terms)
+        loss = t.policy_loss * scale
+        maskf = mask.to(t.entropy.dtype)
         if self._entropy_bonus_enabled:
-            # the micro-batch's masked mean entropy, scaled only for accumulation
-            loss = loss + entropy_bonus(entropy, maskf, self.entropy_coef) / accumulation
-            token_count = self._grpo_params.normalizes_by_token_count
-            logged = policy.detach() * (scale if token_count else 1)
-            self._metrics[mode]["policy_loss"].append(
-                self.accelerator.gather(logged).nanmean().item())
-            if mode == "train" and self.accelerator.sync_gradients:
-                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        self._log_metrics(mode, maskf, entropy.detach(), ratio, kl, advantages)
+            loss = loss + self._entropy_bonus(mode, t, maskf, scale, accumulation)
+        self._log_metrics(mode, maskf, t.entropy.detach(), t.ratio, t.kl, advantages,
+                          t.seq_weight)
         return loss
-
-    def _normalizer(self, inputs, mode: str, accumulation: int):
-        """(num_items_in_batch for our loss, factor applied to our loss) reproducing TRL's
-        normalization of self.loss_type."""
-        if self._grpo_params.normalizes_by_token_count:
-            # num_items_in_batch counts the whole generation batch on all processes; TRL rescales
-            # it to one accumulation window of this process
-            n = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32)
-            norm = n.clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                norm = norm * accumulation / self.args.steps_per_generation
-            # our loss clamps its normalizer at 1 and TRL's rescaled one is not; undo our clamp
-            return norm, norm.clamp(min=1.0) / norm
-        return None, 1.0 / accumulation
-
-    def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages) -> None:
-        """TRL's loss metrics: `grpo_math.metric_sums` added up across processes, and the
-        per-sequence min/max of the clip fractions."""
-        metrics = self._metrics[mode]
-        # TRL's per-token tensors are zero at padded positions; zero ours too (it matters only
-        # where a [B, 1] completion makes a per-token value count as a per-sequence one)
-        on_tokens = lambda x: x * maskf if x.shape == maskf.shape else x  # noqa: E731
-        p = self._grpo_params
-        A = advantages.to(ratio.device)
-        sums = metric_sums(on_tokens(entropy.float()), ratio, None if kl is None else
-                           on_tokens(kl.float()), A, maskf, p)
-        names = list(sums)
-        totals = self.accelerator.reduce(
-            torch.stack([torch.stack(sums[k]) for k in names]), reduction="sum")  # [K, 2]
-        means = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
-        for name, value in zip(names, means):
-            metrics[name].append(value)
-
-        def per_sequence(x):  # [B]: NaN for a sequence without tokens (dropped by nanmin/max)
-            return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
-
-        flags = clip_indicators(ratio, A, p)
-        if "clip_ratio/low_mean" in flags:
-            gathered = self.accelerator.gather(per_sequence(flags["clip_ratio/low_mean"]))
-            metrics["clip_ratio/low_min"].append(nanmin(gathered).item())
-            gathered = self.accelerator.gather(per_sequence(flags["clip_ratio/high_mean"]))
-            metrics["clip_ratio/high_max"].append(nanmax(gathered).item())

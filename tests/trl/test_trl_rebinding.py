@@ -120,11 +120,12 @@ def fallback_warning(record, instead: str):
 @pytest.mark.parametrize("way", ("by name", *REBOUND))
 def test_fallback_warning_names_the_callers_line(model_dir, monkeypatch, way):
     cls = GRPOTrainer if way == "by name" else rebind(monkeypatch, way)
-    trainer = make_trainer(cls, model_dir, loss_type="vespo")
+    # TRL floors vespo's λ at 1e-4; GRPOParams refuses λ <= 0, so the loss falls back to TRL's
+    trainer = make_trainer(cls, model_dir, loss_type="vespo", vespo_lambda_pos=0.0)
     inputs = make_batch(trainer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
-    with pytest.warns(UserWarning, match="vespo") as record, force_backend("chunked"):
+    with pytest.warns(UserWarning, match="vespo_lambda_pos") as record, force_backend("chunked"):
         trainer._compute_loss(trainer.model, inputs)
     fallback_warning(record, "TRL's loss math runs instead")
 
@@ -135,7 +136,7 @@ def test_fallback_warning_in_training_names_the_train_call(model_dir, softcap_mo
     """Through Trainer.train: the loss fallback (training_step -> compute_loss -> _compute_loss)
     and the model fallback (first met in old-policy scoring during generation)."""
     cls = GRPOTrainer if way == "by name" else rebind(monkeypatch, way)
-    runs = ((model_dir, dict(top_entropy_quantile=0.5), "top_entropy_quantile",
+    runs = ((model_dir, dict(loss_type="vespo", vespo_lambda_neg=0.0), "vespo_lambda_neg",
              "TRL's loss math runs instead"),
             (softcap_model_dir, {}, "final_logit_softcapping",
              "TRL's own implementation runs instead"))

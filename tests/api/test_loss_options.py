@@ -1,0 +1,479 @@
+"""The loss options that need whole sequences or the batch (vespo, top_entropy_quantile,
+off_policy_mask_threshold, use_adaptive_entropy) against TRL 1.16.
+
+- Our functions against TRL's own `GRPOTrainer._compute_loss`, run unchanged on a stand-in
+  trainer whose scoring is a float64 linear head (one process, no accumulation): loss, both
+  gradients and every metric we return, on the chunked backend and, for two cases, on the
+  Triton kernels (interpreter on CPU); the reference (float64 head) too.
+- A positive control: each option changes the loss on this batch.
+- The TRL subclass against TRL's trainer on one batch for each option, with no fallback warning,
+  and a short training run with the adaptive entropy controller.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_kernels import GRPOParams, force_backend, fused_linear_grpo_loss, reference
+from grpo_kernels.functional import _fused
+from grpo_kernels.grpo_options import EntropyController
+from grpo_kernels.ops.backends import backend_for
+from grpo_kernels.params import VESPO_FIELDS
+from grpo_kernels.reference import logprobs_from_logits
+
+trl = pytest.importorskip("trl")
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+B, T, D, V = 5, 6, 16, 48
+TEMPERATURE = 0.7
+LENGTHS = [6, 3, 0, 5, 1]  # 15 real tokens, one fully masked sequence
+# entropy quantiles whose interpolation point 14·(1 - q) is not a whole number: at a whole
+# number the threshold is one token's own entropy, which TRL (float64 here) compares against its
+# float32 rounding, a coin flip that says nothing about the formula
+QUANTILES = (0.2, 0.45)
+
+
+def make_batch(seed=3):
+    """hidden, weight (float64), ids, mask, advantages of both signs, old/ref log-probs near the
+    policy's, sampling log-probs that drift far (sequence 1) and little (sequence 3) from the
+    policy on the two negative-advantage sequences, with one unscored (NaN) token, and rollout
+    ratios (1 at padding, as TRL's)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).to(torch.float64)
+    advantages = torch.tensor([0.9, -1.3, 0.4, -0.6, 1.1], dtype=torch.float64)
+    with torch.no_grad():
+        logp = logprobs_from_logits(hidden @ weight.T, ids, temperature=TEMPERATURE)
+    noise = lambda s: s * torch.randn(B, T, generator=g, dtype=torch.float64)  # noqa: E731
+    drift = torch.tensor([0.3, 0.6, 0.0, -0.2, 0.9], dtype=torch.float64)[:, None]
+    sampling = (logp + drift + noise(0.05)) * mask
+    sampling[1, 1] = math.nan
+    isr = torch.where(mask.bool(), 0.6 + 0.8 * torch.rand(B, T, generator=g,
+                                                          dtype=torch.float64), 1.0)
+    return dict(hidden=hidden, weight=weight, ids=ids, mask=mask, advantages=advantages,
+                old=logp + noise(0.3), ref=logp + noise(0.4), sampling=sampling, isr=isr,
+                num_items=mask.sum() * 2)
+
+
+def hyper(loss_type="dapo", level="token", beta=0.0, entropy_coef=0.0, **options):
+    return dict(loss_type=loss_type, importance_sampling_level=level, beta=beta,
+                entropy_coef=entropy_coef, epsilon_low=0.2,
+                epsilon_high=1.5 if loss_type == "cispo" else 0.28, temperature=TEMPERATURE,
+                max_completion_length=T, **options)
+
+
+def trl_loss(batch, hp, sampling=False, isr=False):
+    """TRL 1.16's `_compute_loss` on the batch: (loss, grad of hidden, grad of weight, metrics).
+    sampling: the batch carries sampling_per_token_logps; isr: rollout ratios with TRL's vLLM
+    correction on."""
+    hidden = batch["hidden"].clone().requires_grad_(True)
+    weight = batch["weight"].clone().requires_grad_(True)
+
+    def scoring(model, input_ids, attention_mask, logits_to_keep, **_):
+        logp, ent = logprobs_from_logits(hidden @ weight.T, batch["ids"],
+                                         temperature=hp["temperature"], return_entropy=True)
+        return logp, ent, None
+
+    identity = lambda x, **_: x  # noqa: E731 - one process: gather/reduce/pad change nothing
+    defaults = GRPOParams()
+    stand_in = SimpleNamespace(
+        _get_per_token_logps_and_entropies=scoring,
+        top_entropy_quantile=hp.get("top_entropy_quantile", 1.0),
+        off_policy_mask_threshold=hp.get("off_policy_mask_threshold"),
+        get_off_policy_mask=trl.GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=trl.GRPOTrainer.get_gamma_weights,
+        importance_sampling_level=hp["importance_sampling_level"], beta=hp["beta"],
+        loss_type=hp["loss_type"], epsilon_low=hp["epsilon_low"],
+        epsilon_high=hp["epsilon_high"], use_vllm=isr, vllm_importance_sampling_correction=isr,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=hp["max_completion_length"],
+        accelerator=SimpleNamespace(num_processes=1, gather=identity, reduce=identity,
+                                    pad_across_processes=identity, sync_gradients=True),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                             steps_per_generation=1,
+                             **{k: hp.get(k, getattr(defaults, k)) for k in VESPO_FIELDS}),
+        _entropy_bonus_enabled=hp["entropy_coef"] != 0.0, entropy_coef=hp["entropy_coef"],
+        use_adaptive_entropy=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
+    stand_in.get_high_entropy_mask = lambda *a: trl.GRPOTrainer.get_high_entropy_mask(
+        stand_in, *a)
+    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long),
+                  prompt_mask=torch.ones(B, 1, dtype=torch.long), completion_ids=batch["ids"],
+                  completion_mask=batch["mask"].long(), advantages=batch["advantages"],
+                  num_items_in_batch=batch["num_items"], old_per_token_logps=batch["old"],
+                  ref_per_token_logps=batch["ref"],
+                  **({"sampling_per_token_logps": batch["sampling"]} if sampling else {}),
+                  **({"importance_sampling_ratio": batch["isr"]} if isr else {}))
+    loss = trl.GRPOTrainer._compute_loss(stand_in, None, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in stand_in._metrics["train"].items()}
+    return loss.detach(), hidden.grad, weight.grad, metrics
+
+
+def our_loss(fn, batch, hp, dtype, sampling=False, isr=False):
+    hidden = batch["hidden"].to(dtype, copy=True).requires_grad_(True)
+    weight = batch["weight"].to(dtype, copy=True).requires_grad_(True)
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    loss, metrics = fn(hidden, weight, batch["ids"], cast(batch["advantages"]),
+                       cast(batch["mask"]), cast(batch["old"]), cast(batch["ref"]),
+                       num_items_in_batch=cast(batch["num_items"]),
+                       sampling_logps=cast(batch["sampling"]) if sampling else None,
+                       importance_sampling_ratio=cast(batch["isr"]) if isr else None, **hp)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad, {k: v.item() for k, v in metrics.items()}
+
+
+def assert_matches(got, want, tol, label):
+    loss, g_hidden, g_weight, metrics = got
+    want_loss, want_hidden, want_weight, want_metrics = want
+    torch.testing.assert_close(loss.double(), want_loss, rtol=tol, atol=tol,
+                               msg=lambda m: f"{label} loss: {m}")
+    for name, g, w in (("hidden", g_hidden, want_hidden), ("weight", g_weight, want_weight)):
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * scale,
+                                   msg=lambda m, n=name: f"{label} grad of {n}: {m}")
+    # TRL also logs policy_loss and the per-sequence clip extremes (the TRL subclass's part)
+    assert metrics.keys() <= want_metrics.keys(), (label, metrics.keys(), want_metrics.keys())
+    extra = {"policy_loss", "entropy_coef", "clip_ratio/low_min", "clip_ratio/high_max"}
+    assert want_metrics.keys() - metrics.keys() <= extra, label
+    for k, v in metrics.items():
+        assert v == pytest.approx(want_metrics[k], rel=tol, abs=tol), (label, k)
+
+
+# name: (hyperparameters, with sampling log-probs, with rollout ratios)
+CASES = {
+    "vespo": (hyper("vespo"), False, False),
+    "vespo-seq-kl-entropy": (hyper("vespo", "sequence", 0.04, 0.1), False, False),
+    "vespo-rollout-ratios": (hyper("vespo", beta=0.04), False, True),
+    "vespo-own-k-lambda": (hyper("vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5,
+                                 vespo_k_neg=0.5, vespo_lambda_neg=4.0), False, False),
+    "quantile-grpo-entropy": (hyper("grpo", entropy_coef=0.1, top_entropy_quantile=0.2),
+                              False, False),
+    "quantile-dapo-seq-kl": (hyper("dapo", "sequence", 0.04, 0.1, top_entropy_quantile=0.45),
+                             False, False),
+    "quantile-cispo-ratios": (hyper("cispo", top_entropy_quantile=0.45), False, True),
+    "offpolicy-sampling": (hyper("grpo", beta=0.04, off_policy_mask_threshold=0.1), True,
+                           False),
+    "offpolicy-old": (hyper("luspo", "sequence", off_policy_mask_threshold=0.05), False, False),
+    "offpolicy-sapo-ratios": (hyper("sapo", entropy_coef=0.1, off_policy_mask_threshold=0.1),
+                              True, True),
+    "all-three": (hyper("vespo", beta=0.04, entropy_coef=0.1, top_entropy_quantile=0.2,
+                        off_policy_mask_threshold=0.1), True, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_options_match_trl_compute_loss(case):
+    hp, sampling, isr = CASES[case]
+    batch = make_batch()
+    want = trl_loss(batch, hp, sampling, isr)
+    with force_backend("torch"):
+        got = our_loss(fused_linear_grpo_loss, batch, hp, torch.float32, sampling, isr)
+    assert_matches(got, want, 2e-5, f"torch-f32 {case}")
+    got = our_loss(reference.fused_linear_grpo_loss, batch, hp, torch.float64, sampling, isr)
+    # the reference too (float64 head; its loss inputs are float32 like ours, and vespo's φ
+    # amplifies their rounding, so the same tolerance)
+    assert_matches(got, want, 2e-5, f"reference-f64 {case}")
+
+
+@pytest.mark.parametrize("case", ["vespo-rollout-ratios", "all-three"])
+def test_options_on_triton_match_trl(case):
+    try:
+        with force_backend("triton"):
+            backend_for(torch.zeros(1))
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    hp, sampling, isr = CASES[case]
+    batch = make_batch()
+    with force_backend("triton"):
+        got = our_loss(fused_linear_grpo_loss, batch, hp, torch.float32, sampling, isr)
+    assert_matches(got, trl_loss(batch, hp, sampling, isr), 2e-5, f"triton-f32 {case}")
+
+
+def test_each_option_changes_this_batch():
+    """Positive control: every option moves TRL's loss on this batch, the off-policy mask drops
+    one negative-advantage sequence and keeps the other, and the quantile keeps some tokens."""
+    batch = make_batch()
+    base = trl_loss(batch, hyper("grpo", entropy_coef=0.1), True)[0]
+    for options in (dict(top_entropy_quantile=0.2), dict(off_policy_mask_threshold=0.1)):
+        assert trl_loss(batch, hyper("grpo", entropy_coef=0.1, **options), True)[0] != base
+    logp = logprobs_from_logits(batch["hidden"] @ batch["weight"].T, batch["ids"],
+                                temperature=TEMPERATURE)
+    keep = trl.GRPOTrainer.get_off_policy_mask(batch["advantages"][:, None], logp,
+                                               batch["sampling"], batch["mask"], 0.1)
+    assert keep.squeeze(1).tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
+    # vespo's rollout ratios enter φ: with and without them the loss differs
+    hp = hyper("vespo")
+    assert trl_loss(batch, hp, isr=True)[0] != trl_loss(batch, hp)[0]
+
+
+def test_packed_batch_equals_padded():
+    batch = make_batch()
+    hp = hyper("vespo", beta=0.04, entropy_coef=0.1, top_entropy_quantile=0.2,
+               off_policy_mask_threshold=0.1)
+    real = batch["mask"].bool()
+    cu = torch.nn.functional.pad(real.sum(1).cumsum(0), (1, 0))
+
+    def loss(sel, mask, **kw):  # sel: the tokens kept (all, or the real ones packed)
+        x = {k: batch[k][sel].float() for k in ("hidden", "old", "ref", "sampling", "isr")}
+        return fused_linear_grpo_loss(
+            x["hidden"], batch["weight"].float(), batch["ids"][sel], batch["advantages"].float(),
+            mask, x["old"], x["ref"], sampling_logps=x["sampling"],
+            importance_sampling_ratio=x["isr"], num_items_in_batch=batch["num_items"].item(),
+            **hp, **kw)
+
+    with force_backend("torch"):
+        padded, packed = loss(..., batch["mask"].float()), loss(real, None, cu_seqlens=cu)
+    torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-6)
+    assert packed[1].keys() == padded[1].keys()
+    for k in padded[1]:
+        torch.testing.assert_close(packed[1][k], padded[1][k], rtol=1e-5, atol=1e-6)
+
+
+def test_whole_sequence_options_leave_the_epilogue():
+    assert _fused("triton", GRPOParams())
+    for kw in (dict(loss_type="vespo"), dict(top_entropy_quantile=0.5),
+               dict(off_policy_mask_threshold=0.5), dict(importance_sampling_level="sequence")):
+        assert not _fused("triton", GRPOParams(**kw)), kw
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in"),
+    (dict(top_entropy_quantile=math.nan), "top_entropy_quantile must be a finite"),
+    (dict(off_policy_mask_threshold=math.inf), "off_policy_mask_threshold must be a finite"),
+    (dict(vespo_k_pos=-1.0), "vespo_k_pos must be >= 0"),
+    (dict(vespo_lambda_neg=0.0), "vespo_lambda_neg must be > 0"),
+    (dict(loss_type="vespa"), "vespo"),
+])
+def test_bad_option_values_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOParams(**kw)
+
+
+class TwoProcesses:
+    """An accelerator of two processes as seen from rank 0: the peer sends `peer_local` (its
+    per-process tensor, in the caller's own format), padded to one length like this rank's."""
+
+    def __init__(self, peer_local):
+        self.peer_local, self.pad_index = peer_local, 0.0
+
+    def pad_across_processes(self, x, dim=0, pad_index=0.0):
+        self.pad_index = pad_index
+        n = max(len(x), len(self.peer_local))
+        return torch.nn.functional.pad(x, (0, n - len(x)), value=pad_index)
+
+    def gather(self, x):
+        peer = self.pad_across_processes(self.peer_local, pad_index=self.pad_index)
+        return torch.cat([x, peer])
+
+
+def test_entropy_quantile_over_two_processes_as_trl():
+    """The TRL subclass's NaN-padded gather gives TRL's threshold over both processes' tokens,
+    with a peer holding more tokens than this rank (so both pad) and different entropies."""
+    from grpo_kernels.grpo_options import high_entropy_mask
+    from grpo_kernels.trl.bookkeeping import LossBookkeeping
+
+    g = torch.Generator().manual_seed(5)
+    ent, peer = torch.rand(3, 4, generator=g) * 3, torch.rand(5, 6, generator=g) * 3 + 0.5
+    mask = (torch.rand(3, 4, generator=g) > 0.3).float()
+    peer_mask = (torch.rand(5, 6, generator=g) > 0.3)
+    kept = []
+    for q in (0.2, 0.45, 0.9):
+        trl_side = SimpleNamespace(accelerator=TwoProcesses(peer[peer_mask]))
+        want = trl.GRPOTrainer.get_high_entropy_mask(trl_side, ent, mask, 1 - q)
+        ours_side = SimpleNamespace(accelerator=TwoProcesses(
+            torch.where(peer_mask, peer, torch.nan).reshape(-1)))
+        got = high_entropy_mask(ent, mask, q, lambda x, side=ours_side: (
+            LossBookkeeping._gather_entropies(side, x)))
+        assert torch.equal(got.bool(), want), q
+        kept.append(int(got.sum()))
+    assert len(set(kept)) == 3 and 0 < max(kept) < mask.sum(), kept  # the quantile matters
+
+
+def test_entropy_controller():
+    c = EntropyController(entropy_target=0.5, entropy_coef_delta=0.1, entropy_coef_min=0.05,
+                          entropy_coef_max=0.25)
+    assert c.applied_coef(0.2, math.inf) == 0.0 and c.applied_coef(0.2, 0.5) == 0.2
+    assert c.next_coef(0.2, 0.4) == 0.25 and c.next_coef(0.1, 0.6) == 0.05
+    assert c.window_entropy(torch.tensor([3.0, 0.0])) == 3.0
+    with pytest.raises(ValueError, match="entropy_coef_min must be <="):
+        EntropyController(entropy_coef_min=2.0)
+    with pytest.raises(ValueError, match="entropy_target must be a finite"):
+        EntropyController(entropy_target=math.nan)
+
+
+# ---- the TRL subclass against TRL's trainer --------------------------------------------------
+
+pytest.importorskip("datasets")
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+from grpo_kernels.trl import GRPOTrainer  # noqa: E402
+from grpo_train.tiny import build_tokenizer, save_tiny_model  # noqa: E402
+
+MB, P, TC = 4, 5, 7  # micro-batch, prompt length, completion length (as tests/trl/test_trl.py)
+EOS = build_tokenizer().eos_token_id
+DATASET = Dataset.from_dict(
+    {"prompt": [[{"role": "user", "content": f"{i}+{2 * i}"}] for i in range(8)]})
+
+
+def digits_reward(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c[0]["content"]) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    save_tiny_model(str(path), hidden_size=32, num_layers=2)
+    return str(path)
+
+
+def make_trainer(cls, model_dir, **overrides):
+    cfg = dict(
+        output_dir=f"{model_dir}/out", report_to=[], use_cpu=True, bf16=False, seed=0,
+        per_device_train_batch_size=MB, num_generations=4, max_completion_length=TC,
+        gradient_accumulation_steps=2, generation_batch_size=4 * MB, logging_steps=1,
+        max_steps=2, save_strategy="no", disable_tqdm=True,
+        generation_kwargs={"sequence_bias": [[[EOS], 3.5]]},  # completions of varied lengths
+    )
+    cfg.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
+                   train_dataset=DATASET)
+
+
+def trainer_batch(trainer, seed=0, noise=0.5):
+    """A TRL micro-batch: completions of lengths 7, 3, 5, 1, old/ref/sampling log-probs near the
+    policy's (TRL's scoring + noise, one unscored sampling token), rollout ratios."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(10, 90, (MB, P), generator=g)
+    prompt_mask = torch.ones(MB, P, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    completion_mask = (torch.arange(TC)[None] < torch.tensor([7, 3, 5, 1])[:, None]).long()
+    completion_ids = torch.randint(10, 90, (MB, TC), generator=g).masked_fill(
+        completion_mask == 0, 0)
+    with torch.no_grad():
+        logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([prompt_mask, completion_mask], 1), TC)
+    noisy = lambda: (logps + noise * torch.randn(MB, TC, generator=g)) * completion_mask  # noqa
+    sampling = noisy()
+    sampling[1, 0] = math.nan
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                completion_mask=completion_mask,
+                advantages=torch.tensor([0.7, -1.2, -0.4, 0.9]),
+                num_items_in_batch=completion_mask.sum().float() * 4,
+                old_per_token_logps=noisy(), ref_per_token_logps=noisy(),
+                sampling_per_token_logps=sampling,
+                importance_sampling_ratio=torch.where(
+                    completion_mask.bool(), 0.6 + 0.8 * torch.rand(MB, TC, generator=g), 1.0))
+
+
+def no_fallback_warning(record) -> None:
+    ours = [str(w.message) for w in record if "grpo_kernels.trl" in str(w.message)]
+    assert not ours, ours
+
+
+TRAINER_CASES = {
+    "vespo-kl": dict(loss_type="vespo", beta=0.04),
+    "vespo-rollout-ratios": dict(loss_type="vespo", vespo_k_neg=1.5, patch=dict(
+        use_vllm=True, vllm_importance_sampling_correction=True)),
+    "quantile-grpo-entropy": dict(loss_type="grpo", top_entropy_quantile=0.3,
+                                  entropy_coef=0.1),
+    "offpolicy-dapo": dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.05),
+    # entropy at or below the target since the last step: the coefficient applies and rises
+    "adaptive-on": dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.1,
+                        entropy_target=50.0, top_entropy_quantile=0.5,
+                        patch=dict(_last_world_entropy=1.0)),
+    "adaptive-off": dict(loss_type="cispo", epsilon_high=1.2, use_adaptive_entropy=True,
+                         entropy_coef=0.1, entropy_target=0.2),
+}
+
+
+@pytest.mark.parametrize("case", TRAINER_CASES)
+def test_trainer_matches_trl_without_fallback(model_dir, case):
+    cfg = dict(TRAINER_CASES[case])
+    patch = cfg.pop("patch", {})
+    ref, ours = make_trainer(trl.GRPOTrainer, model_dir, **cfg), make_trainer(
+        GRPOTrainer, model_dir, **cfg)
+    assert ours._loss_fallback is None
+    for tr in (ref, ours):
+        tr.model.train()
+        tr.current_gradient_accumulation_steps = 2
+        for k, v in patch.items():
+            setattr(tr, k, v)
+    inputs = trainer_batch(ref)
+    loss_ref = ref._compute_loss(ref.model, inputs)
+    loss_ref.backward()
+    with force_backend("torch"), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loss = ours._compute_loss(ours.model, inputs)
+        loss.backward()
+    no_fallback_warning(record)
+    # vespo's φ = exp(λ + k·log w − λ·w) amplifies the float32 rounding of the summed log-ratio
+    # (both trainers compute log-probs in float32, by different matmuls) by |k − λ·w|
+    rtol = 3e-5 if cfg["loss_type"] == "vespo" else 1e-6
+    torch.testing.assert_close(loss, loss_ref, rtol=rtol, atol=1e-7)
+    scale = max(p.grad.abs().max() for p in ref.model.parameters())
+    for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=max(rtol, 1e-5), atol=1e-6 * scale,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
+    got, want = ({k: v[-1] for k, v in tr._metrics["train"].items()} for tr in (ours, ref))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=max(rtol, 1e-5), abs=1e-6, nan_ok=True), k
+    assert ours.entropy_coef == pytest.approx(ref.entropy_coef)
+    assert ours._last_world_entropy == pytest.approx(ref._last_world_entropy, rel=1e-5)
+
+
+def test_training_run_with_every_option_matches_trl(model_dir):
+    """Three optimizer steps of two micro-batches: vespo, the entropy quantile, the off-policy
+    mask and the adaptive controller (its target above the entropy: it engages after step 1)."""
+    cfg = dict(loss_type="vespo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.05,
+               use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.05,
+               entropy_target=50.0, max_steps=3, optim="sgd", learning_rate=0.1)
+    runs = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        trainer = make_trainer(cls, model_dir, **cfg)
+        with force_backend("torch"), warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer.train()
+        runs.append(trainer)
+    no_fallback_warning(record)
+    ref, ours = runs
+    logs = [h for h in ref.state.log_history if "loss" in h]
+    assert len(logs) == 3 and [h["entropy_coef"] for h in logs] == pytest.approx(
+        [0.1, 0.15, 0.2])
+    for want, got in zip(logs, [h for h in ours.state.log_history if "loss" in h]):
+        for k in ("loss", "grad_norm", "entropy", "vespo/phi_seq_mean", "policy_loss",
+                  "entropy_coef", "reward"):
+            if k not in want:  # rewards are logged at generation steps only
+                continue
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (k, want["step"])
+    for p, q in zip(ref.model.parameters(), ours.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+
+
+def test_fsdp_forward_method_keeps_the_terms_named():
+    """Under FSDP2 the loss runs through `_call_forward`, which copies views among the outputs:
+    the GRPOTerms the subclass reads by name must come back as GRPOTerms."""
+    from grpo_kernels import GRPOTerms
+    from grpo_kernels.trl.trainer import _call_forward
+
+    x = torch.arange(6.0).reshape(2, 3)
+    terms = GRPOTerms(x.sum(), x[:, 1:], x, x[:, :1], None)
+    out = _call_forward(None, lambda _: terms, None)
+    assert type(out) is GRPOTerms and out.kl is None and out.seq_weight is None
+    assert not out.logp._is_view() and torch.equal(out.logp, x[:, 1:])
