@@ -62,11 +62,11 @@ def test_a_bare_runtime_bound_is_seen():
 
 
 def test_old_torch_is_refused_in_one_line():
-    for fine in ("2.8.0", "2.8.0+cu128", "2.13.0+cpu"):
+    for fine in ("2.8.0", "2.8.0+cu128", "2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132"):
         torch_check.check(fine)
     with pytest.raises(ImportError) as err:
         torch_check.check("2.7.1+cu126")
-    assert str(err.value) == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.7.1+cu126"
+    assert str(err.value) == "grpo-kernels needs torch>=2.8,<2.16; found torch 2.7.1+cu126"
 
 
 def test_range_is_pyproject_s():
@@ -84,7 +84,7 @@ def test_importing_the_losses_on_an_old_torch_fails_in_one_line():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=os.environ)
-    assert out.stdout.strip() == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.6.0", out
+    assert out.stdout.strip() == "grpo-kernels needs torch>=2.8,<2.16; found torch 2.6.0", out
 
 
 def test_traced_entry_points_take_hyperparameters_without_locals():
