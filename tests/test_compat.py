@@ -6,6 +6,7 @@ import ast
 import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -98,3 +99,16 @@ def test_traced_entry_points_take_hyperparameters_without_locals():
         calls = [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)]
         assert "locals" not in calls, fn.__qualname__
         assert "GRPOParams.resolve" in calls, fn.__qualname__
+
+
+def test_ci_runs_the_newest_admitted_torch():
+    """.ci/run's NEWEST_TORCH is a release of the newest minor version pyproject admits, so that
+    widening the range without moving CI (or the reverse) fails here."""
+    ci = ROOT / ".ci" / "run"
+    if not ci.exists():
+        pytest.skip("installed without .ci/run")
+    newest = re.search(r"^NEWEST_TORCH=(\d+)\.(\d+)\.\d+$", ci.read_text(), re.M)
+    upper = re.search(r"<(\d+)\.(\d+)$", torch_check.TORCH_RANGE)
+    assert newest and upper, (newest, upper)
+    assert (int(newest[1]), int(newest[2]) + 1) == (int(upper[1]), int(upper[2])), (
+        newest[0], torch_check.TORCH_RANGE)
