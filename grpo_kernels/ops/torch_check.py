@@ -13,7 +13,7 @@ import re
 
 import torch
 
-TORCH_RANGE = ">=2.8,<2.14"
+TORCH_RANGE = ">=2.8,<2.16"
 OLDEST = (2, 8)
 
 

@@ -83,6 +83,7 @@ from ..hf import (
 from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
+from .compat import trl_checked
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -199,7 +200,7 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         cast_head = bool(getattr(config, "cast_lm_head_to_fp32", False))
         # TRL's float32 head cast replaces the head's forward: keep its refusal of an adapter there
         try:
-            with _adapter_on_head_allowed(not cast_head):
+            with _adapter_on_head_allowed(not cast_head), trl_checked(self, _TRLGRPOTrainer):
                 super().__init__(*args, **kwargs)
         except ValueError as exc:
             if cast_head and "lm_head" in str(exc) and "PEFT" in str(exc):

@@ -6,6 +6,7 @@ import ast
 import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -62,11 +63,11 @@ def test_a_bare_runtime_bound_is_seen():
 
 
 def test_old_torch_is_refused_in_one_line():
-    for fine in ("2.8.0", "2.8.0+cu128", "2.13.0+cpu"):
+    for fine in ("2.8.0", "2.8.0+cu128", "2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132"):
         torch_check.check(fine)
     with pytest.raises(ImportError) as err:
         torch_check.check("2.7.1+cu126")
-    assert str(err.value) == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.7.1+cu126"
+    assert str(err.value) == "grpo-kernels needs torch>=2.8,<2.16; found torch 2.7.1+cu126"
 
 
 def test_range_is_pyproject_s():
@@ -84,7 +85,7 @@ def test_importing_the_losses_on_an_old_torch_fails_in_one_line():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=os.environ)
-    assert out.stdout.strip() == "grpo-kernels needs torch>=2.8,<2.14; found torch 2.6.0", out
+    assert out.stdout.strip() == "grpo-kernels needs torch>=2.8,<2.16; found torch 2.6.0", out
 
 
 def test_traced_entry_points_take_hyperparameters_without_locals():
@@ -98,3 +99,16 @@ def test_traced_entry_points_take_hyperparameters_without_locals():
         calls = [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)]
         assert "locals" not in calls, fn.__qualname__
         assert "GRPOParams.resolve" in calls, fn.__qualname__
+
+
+def test_ci_runs_the_newest_admitted_torch():
+    """.ci/run's NEWEST_TORCH is a release of the newest minor version pyproject admits, so that
+    widening the range without moving CI (or the reverse) fails here."""
+    ci = ROOT / ".ci" / "run"
+    if not ci.exists():
+        pytest.skip("installed without .ci/run")
+    newest = re.search(r"^NEWEST_TORCH=(\d+)\.(\d+)\.\d+$", ci.read_text(), re.M)
+    upper = re.search(r"<(\d+)\.(\d+)$", torch_check.TORCH_RANGE)
+    assert newest and upper, (newest, upper)
+    assert (int(newest[1]), int(newest[2]) + 1) == (int(upper[1]), int(upper[2])), (
+        newest[0], torch_check.TORCH_RANGE)
