@@ -46,10 +46,13 @@ TRAINER_ATTRIBUTES = (
     "top_entropy_quantile", "off_policy_mask_threshold", "use_adaptive_entropy",
     "aux_loss_enabled", "_entropy_bonus_enabled", "entropy_coef", "use_vllm",
     "vllm_importance_sampling_correction", "temperature",
+    "_last_world_entropy", "_entropy_window_stats",  # the adaptive entropy controller's state
 )
 
 # GRPOConfig fields read directly from trainer.args.
-CONFIG_FIELDS = ("cast_lm_head_to_fp32", "steps_per_generation")
+CONFIG_FIELDS = ("cast_lm_head_to_fp32", "steps_per_generation",
+                 # the adaptive entropy controller's settings (grpo_options.EntropyController)
+                 "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
 
 # Set by transformers' training loop, not by a constructor; read by `_compute_loss`.
 TRAINING_LOOP_ATTRIBUTES = ("current_gradient_accumulation_steps",)

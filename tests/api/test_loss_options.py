@@ -470,7 +470,7 @@ def test_fsdp_forward_method_keeps_the_terms_named():
     """Under FSDP2 the loss runs through `_call_forward`, which copies views among the outputs:
     the GRPOTerms the subclass reads by name must come back as GRPOTerms."""
     from grpo_kernels import GRPOTerms
-    from grpo_kernels.trl.trainer import _call_forward
+    from grpo_kernels.hf.fsdp import _call_forward
 
     x = torch.arange(6.0).reshape(2, 3)
     terms = GRPOTerms(x.sum(), x[:, 1:], x, x[:, :1], None)

@@ -84,6 +84,8 @@ TRAINER_SOURCE = """
         sapo_temperature_pos = 1.0
         sapo_temperature_neg = 1.05
         use_bias_correction_kl = False
+        vespo_k_pos = vespo_lambda_pos = vespo_k_neg = vespo_lambda_neg = 2.0
+        entropy_target = entropy_coef_delta = entropy_coef_min = entropy_coef_max = 0.0
 
     class Trainer:
         def __init__(self, attributes):
