@@ -303,6 +303,13 @@ def _logits_liger(shape, dtype, device, cfg):
                 f"inplace={cfg.inplace}; logits [B,T+1,V]", [ids, adv, mask, old, ref])
 
 
+def _references(kernel: str, build, eager_note: str, compiled_note: str) -> tuple[Provider, ...]:
+    """The eager reference of one kernel and the same under torch.compile; build(compiled)."""
+    return (Provider(kernel, "reference", build(False), _always, f"{eager_note}, eager"),
+            Provider(kernel, "reference-compile", build(True), _always,
+                     f"{compiled_note} under torch.compile(dynamic=False)"))
+
+
 PROVIDERS: dict[str, Provider] = {
     p.key: p
     for p in (
@@ -316,17 +323,13 @@ PROVIDERS: dict[str, Provider] = {
                  "ours with gradient filtering (approximate). Its saving grows with how peaked "
                  "the softmax is: these N(0, 4) logits (entropy 9.9 nats at V=152k) keep every "
                  "128x64 tile, so this row shows the filter's overhead, not its saving"),
-        Provider("fused_linear", "reference", _fused_reference(False), _always,
-                 "grpo_kernels.reference: [N, V] logits, eager"),
-        Provider("fused_linear", "reference-compile", _fused_reference(True), _always,
-                 "grpo_kernels.reference under torch.compile(dynamic=False)"),
+        *_references("fused_linear", _fused_reference, "grpo_kernels.reference: [N, V] logits",
+                     "grpo_kernels.reference"),
         Provider("fused_linear", "liger", _fused_liger, lambda d: _liger(d, False),
                  "LigerFusedLinearGRPOLoss: no entropy; grads computed in forward"),
         Provider("logits", "ours", _logits_ours, _ours_logits, "grpo_kernels.grpo_loss"),
-        Provider("logits", "reference", _logits_reference(False), _always,
-                 "grpo_kernels.reference.grpo_loss, eager"),
-        Provider("logits", "reference-compile", _logits_reference(True), _always,
-                 "grpo_kernels.reference.grpo_loss under torch.compile(dynamic=False)"),
+        *_references("logits", _logits_reference, "grpo_kernels.reference.grpo_loss",
+                     "grpo_kernels.reference.grpo_loss"),
         Provider("logits", "liger", _logits_liger, lambda d: _liger(d, True),
                  "liger triton_grpo_loss: no entropy; skips masked tokens; logits [B,T+1,V]"),
     )

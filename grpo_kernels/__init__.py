@@ -23,15 +23,13 @@ __all__ = [
     "force_backend",
     "fused_linear_grpo_loss",
     "grpo_loss",
-    "linear_grpo_terms",
-    "logits_grpo_terms",
     "logprobs_from_logits",
     "selective_logprobs",
 ]
 __version__ = "0.1.0"
 
-_FUNCTIONAL = ("GRPOTerms", "fused_linear_grpo_loss", "grpo_loss", "linear_grpo_terms",
-               "logits_grpo_terms", "logprobs_from_logits", "selective_logprobs")
+_FUNCTIONAL = ("GRPOTerms", "fused_linear_grpo_loss", "grpo_loss", "logprobs_from_logits",
+               "selective_logprobs")
 
 
 def __getattr__(name: str):

@@ -4,12 +4,12 @@
     logprobs_from_logits(logits, targets)                log p(target) from logits
     fused_linear_grpo_loss(hidden, weight, ids, adv)     GRPO loss of a linear head
     grpo_loss(logits, ids, adv)                          GRPO loss from logits
-    linear_grpo_terms / logits_grpo_terms                their per-token terms (GRPOTerms)
+    ...(..., return_terms=True)                          their per-token terms (GRPOTerms)
 
 None of them materializes full-vocabulary float32 logits. Each checks shapes and dtypes here
 (traceable by torch.compile) and calls a custom operator (`ops/custom_ops.py`) on the backend of
-`ops/backends.py`. Every GRPO loss takes one route, the `*_grpo_terms` functions, which the
-losses, the modules, the Hugging Face helpers and the TRL trainer all call:
+`ops/backends.py`. Every GRPO loss takes one route (`_linear_route`, `_logits_route`), which the
+losses, the modules, the Hugging Face helpers and the TRL trainer all reach:
 
     token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
         GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
@@ -202,37 +202,6 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=Fal
 # ---- GRPO losses ------------------------------------------------------------------------------
 
 
-@signature_with_params
-def linear_grpo_terms(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    completion_ids: torch.Tensor,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor | None = None,
-    old_logps: torch.Tensor | None = None,
-    ref_logps: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    *,
-    num_items_in_batch: int | float | torch.Tensor | None = None,
-    importance_sampling_ratio: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    grad_filter: float | str | None = None,
-    sampling_logps: torch.Tensor | None = None,
-    entropy_gather=None,
-    params: GRPOParams | None = None,
-    **hyperparameters,
-) -> GRPOTerms:
-    """The per-token terms of `fused_linear_grpo_loss` (same arguments): the policy loss
-    Σ weight·ℓ without the entropy bonus, and per-token logp, entropy, ratio and kl (with
-    vespo's φ and the entropy mask), for a trainer that aggregates or logs them its own way.
-    params.entropy_coef is not applied. entropy_gather (top_entropy_quantile < 1): a function
-    that gathers the entropies of every process, see `grpo_options.high_entropy_mask`."""
-    return _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
-                         ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
-                         cu_seqlens, grad_filter, GRPOParams.resolve(params, hyperparameters),
-                         sampling_logps, entropy_gather)[0]
-
-
 def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                   ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
                   grad_filter, params: GRPOParams, sampling_logps=None, entropy_gather=None
@@ -272,9 +241,11 @@ def fused_linear_grpo_loss(
     cu_seqlens: torch.Tensor | None = None,
     grad_filter: float | str | None = None,
     sampling_logps: torch.Tensor | None = None,
+    return_terms: bool = False,
+    entropy_gather=None,
     params: GRPOParams | None = None,
     **hyperparameters,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | GRPOTerms:
     """GRPO loss (docs/semantics.md, TRL semantics) from hidden states and the lm_head weight.
 
     Args:
@@ -296,18 +267,24 @@ def fused_linear_grpo_loss(
             Triton backward (approximate; see `selective_logprobs`).
         sampling_logps: [B, T] log-probs under the sampling engine, for the off-policy mask
             (off_policy_mask_threshold; default: old_logps); NaN marks an unscored token.
+        return_terms: return the per-token terms (`GRPOTerms`: the policy loss Σ weight·ℓ
+            without the entropy bonus, and per-token logp, entropy, ratio and kl, with vespo's φ
+            and the entropy mask) instead of (loss, metrics), for a trainer that aggregates or
+            logs them its own way; params.entropy_coef is then not applied.
+        entropy_gather: with top_entropy_quantile < 1, a function that gathers the entropies
+            of every process (see `grpo_options.high_entropy_mask`); default: this batch's.
         params: a GRPOParams, or the hyperparameters as keywords (GRPOParams' fields: beta,
             epsilon_low, epsilon_high, delta, temperature, loss_type, ...), not both.
 
     Returns:
-        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
+        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors), or GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = _linear_route(hidden, weight, completion_ids, advantages, completion_mask,
                                   old_logps, ref_logps, bias, num_items_in_batch,
                                   importance_sampling_ratio, cu_seqlens, grad_filter, params,
-                                  sampling_logps)
-    return _loss_and_metrics(terms, inputs, params)
+                                  sampling_logps, entropy_gather)
+    return terms if return_terms else _loss_and_metrics(terms, inputs, params)
 
 
 def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
@@ -332,19 +309,6 @@ def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps
 
 
 @signature_with_params
-def logits_grpo_terms(logits, completion_ids, advantages, completion_mask=None, old_logps=None,
-                      ref_logps=None, *, num_items_in_batch=None, importance_sampling_ratio=None,
-                      cu_seqlens=None, inplace: bool = False, sampling_logps=None,
-                      entropy_gather=None, params: GRPOParams | None = None,
-                      **hyperparameters) -> GRPOTerms:
-    """The per-token terms of `grpo_loss` (same arguments); see `linear_grpo_terms`."""
-    return _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
-                         ref_logps, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                         inplace, GRPOParams.resolve(params, hyperparameters), sampling_logps,
-                         entropy_gather)[0]
-
-
-@signature_with_params
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -358,9 +322,11 @@ def grpo_loss(
     cu_seqlens: torch.Tensor | None = None,
     inplace: bool = False,
     sampling_logps: torch.Tensor | None = None,
+    return_terms: bool = False,
+    entropy_gather=None,
     params: GRPOParams | None = None,
     **hyperparameters,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | GRPOTerms:
     """GRPO loss (docs/semantics.md) from logits [B, T, V]; logits[b, t] predicts
     completion_ids[b, t]. Nothing of [B, T, V] float32 is allocated: logits are read in their
     own dtype, and views sliced out of a model's output are read in place.
@@ -370,10 +336,10 @@ def grpo_loss(
     afterwards).
 
     Returns:
-        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors)
+        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors), or GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
                                   ref_logps, num_items_in_batch, importance_sampling_ratio,
-                                  cu_seqlens, inplace, params, sampling_logps)
-    return _loss_and_metrics(terms, inputs, params)
+                                  cu_seqlens, inplace, params, sampling_logps, entropy_gather)
+    return terms if return_terms else _loss_and_metrics(terms, inputs, params)

@@ -2,7 +2,7 @@
 
 This is the one PyTorch implementation of the per-token loss, aggregation, entropy bonus and
 metrics of docs/semantics.md. The reference (`grpo_kernels.reference`) and the loss route
-(`functional.linear_grpo_terms`: the chunked CPU path, sequence-level ratios and the options that
+(`functional._linear_route`: the chunked CPU path, sequence-level ratios and the options that
 need whole sequences or the batch, from `grpo_options`) call it on top of their own log-probs; the
 fused token-level Triton kernels carry the same per-token loss in a Triton epilogue
 (`kernels/epilogue.py`), its one twin, cross-tested against this file, and leave aggregation,

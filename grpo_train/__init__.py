@@ -6,8 +6,9 @@
 From Python: `train(TrainConfig(...))` or `main(["--steps", "10", ...])`.
 """
 
+from .checks import validate
 from .cli import parse_config
-from .config import TrainConfig, resolve_auto, validate
+from .config import TrainConfig, resolve_auto
 
 __all__ = ["TrainConfig", "parse_config", "train", "main"]
 

@@ -15,7 +15,8 @@ import json
 import os
 import typing
 
-from .config import AUTO, CHOICES, RESOLVED_LATER, TOPICS, TrainConfig, resolve_auto, validate
+from .checks import CHOICES, validate
+from .config import AUTO, RESOLVED_LATER, TOPICS, TrainConfig, resolve_auto
 from .flags import BoolFlag, MissingPathError, Parser, UsageError, VersionAction
 
 

@@ -2,7 +2,7 @@
 setting's --help text, as in TRL's GRPOConfig (so transformers' HfArgumentParser can parse it
 too); `TOPICS`, the groups of --help; the "auto" values and the learning-rate schedule.
 Validation with errors that name the flag, and the loss' hyperparameters (`grpo_params`), are in
-`checks.py` and re-exported here."""
+`checks.py`, which imports this module (never the reverse)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .checks import (  # noqa: F401 - re-exported: the trainer and the tests import them from here
-    CHOICES,
-    LOCAL_DATASET_FORMATS,
-    check_dataset_source,
-    check_model_source,
-    grad_filter_value,
-    grpo_params,
-    validate,
-)
+
+def option(default, help: str):
+    """A TrainConfig field: its default and its --help text (in `metadata["help"]`, where
+    HfArgumentParser looks for it too)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -28,78 +24,65 @@ class TrainConfig:
     whose default is "auto" hold None until `resolve_auto` (see AUTO): one value for the embedded
     tiny run, TRL's for --model."""
 
-    seed: int = field(default=0, metadata={
-        "help": "seeds the embedded model, the task split, prompt order and sampling"})
+    seed: int = option(0, "seeds the embedded model, the task split, prompt order and sampling")
 
-    model: str = field(default="", metadata={
-        "help": "Local directory or hub id of any AutoModelForCausalLM (+ its tokenizer and chat "
-                'template). "" = the embedded default: a tiny randomly initialised causal LM and '
-                "a character tokenizer."})
-    revision: str | None = field(default=None, metadata={"help": "hub revision of --model"})
-    model_dtype: str = field(default="float32", metadata={
-        "help": "Weights dtype. float32 + --bf16 = mixed precision (float32 master weights, bf16 "
-                "compute); bfloat16 = pure-bf16 training, the least memory."})
-    trust_remote_code: bool = field(default=False, metadata={
-        "help": "run the model repository's own Python code"})
-    tiny_arch: str = field(default="qwen2", metadata={"help": "embedded model's architecture"})
-    tiny_hidden_size: int = field(default=64, metadata={"help": "embedded model width"})
-    tiny_layers: int = field(default=2, metadata={"help": "embedded model depth"})
-    tiny_init_std: float = field(default=0.1, metadata={
-        "help": "Standard deviation of the embedded model's random initial weights "
-                "(transformers' initializer_range, 0.02 by default). At 0.1, about "
-                "1/sqrt(width), the embedded run starts learning after 10-25 steps; at 0.02 its "
-                "output ignored the prompt for 20-60 steps."})
-    format_warmup_steps: int = field(default=30, metadata={
-        "help": "Supervised warm-up of the embedded model before step 0 on *random* answers: it "
-                "learns the output format (digits, then EOS), never which answer is right. 0 "
-                "disables it."})
-    format_warmup_lr: float = field(default=3e-3, metadata={
-        "help": "learning rate of the format warm-up"})
-    lora_r: int = field(default=0, metadata={
-        "help": "LoRA rank (PEFT, `pip install grpo-kernels[lora]`); 0 = train every weight. "
-                "With r > 0 only the adapters train; the reference policy (beta > 0) is the "
-                "model without them."})
-    lora_alpha: float = field(default=32.0, metadata={
-        "help": "LoRA scale numerator: adapters are scaled by alpha / r"})
-    lora_dropout: float = field(default=0.0, metadata={
-        "help": "dropout on the LoRA branch's input"})
-    lora_head: bool = field(default=True, metadata={
-        "help": "Put an adapter on the output head too: the fused loss trains it without a "
-                "merged head"})
-    fp32_lm_head: bool = field(default=False, metadata={
-        "help": "Keep the output head (lm_head) in float32 while the rest runs in bf16/fp16 "
-                "(TRL's cast_lm_head_to_fp32): the kernels take the 16-bit hidden states with "
-                "the fp32 head"})
+    model: str = option("",
+        "Local directory or hub id of any AutoModelForCausalLM (+ its tokenizer and chat "
+        "template). \"\" = the embedded default: a tiny randomly initialised causal LM and a "
+        "character tokenizer.")
+    revision: str | None = option(None, "hub revision of --model")
+    model_dtype: str = option("float32",
+        "Weights dtype. float32 + --bf16 = mixed precision (float32 master weights, bf16 "
+        "compute); bfloat16 = pure-bf16 training, the least memory.")
+    trust_remote_code: bool = option(False, "run the model repository's own Python code")
+    tiny_arch: str = option("qwen2", "embedded model's architecture")
+    tiny_hidden_size: int = option(64, "embedded model width")
+    tiny_layers: int = option(2, "embedded model depth")
+    tiny_init_std: float = option(0.1,
+        "Standard deviation of the embedded model's random initial weights (transformers' "
+        "initializer_range, 0.02 by default). At 0.1, about 1/sqrt(width), the embedded run "
+        "starts learning after 10-25 steps; at 0.02 its output ignored the prompt for 20-60 "
+        "steps.")
+    format_warmup_steps: int = option(30,
+        "Supervised warm-up of the embedded model before step 0 on *random* answers: it learns "
+        "the output format (digits, then EOS), never which answer is right. 0 disables it.")
+    format_warmup_lr: float = option(3e-3, "learning rate of the format warm-up")
+    lora_r: int = option(0,
+        "LoRA rank (PEFT, `pip install grpo-kernels[lora]`); 0 = train every weight. With r > 0"
+        " only the adapters train; the reference policy (beta > 0) is the model without them.")
+    lora_alpha: float = option(32.0, "LoRA scale numerator: adapters are scaled by alpha / r")
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input")
+    lora_head: bool = option(True,
+        "Put an adapter on the output head too: the fused loss trains it without a merged head")
+    fp32_lm_head: bool = option(False,
+        "Keep the output head (lm_head) in float32 while the rest runs in bf16/fp16 (TRL's "
+        "cast_lm_head_to_fp32): the kernels take the 16-bit hidden states with the fp32 head")
 
-    dataset: str = field(default="", metadata={
-        "help": '"" = the embedded arithmetic task (generated, no download); else a local '
-                ".json/.jsonl/.csv/.parquet file or a hub dataset id (loaded with `datasets`)."})
-    dataset_config: str | None = field(default=None, metadata={
-        "help": 'hub dataset configuration name (e.g. "main" for gsm8k)'})
-    split: str = field(default="train", metadata={"help": "training split of a hub dataset"})
-    eval_split: str | None = field(default=None, metadata={
-        "help": "held-out split; none = hold out eval_size training rows"})
-    prompt_column: str = field(default="question", metadata={
-        "help": "text prompt, or a list of chat messages"})
-    answer_column: str = field(default="answer", metadata={
-        "help": 'ground truth ("" = none); GSM8K "... #### 42" -> "42"'})
-    system_prompt: str | None = field(default=None, metadata={
-        "help": "prepended as a system message when the template has one"})
-    eval_size: int | None = field(default=None, metadata={
-        "help": "Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out "
-                "problems (61, see task_eval_fraction); the first 200 rows of --eval_split; else "
-                "min(200, 10%% of the dataset's rows) taken out of training (none under 10 rows). "
-                "A number N: the first N of those, or N rows taken out of training."})
-    max_prompt_length: int | None = field(default=None, metadata={
-        "help": "keep the last N prompt tokens (none: no limit)"})
-    task_terms: int = field(default=5, metadata={
-        "help": 'Embedded task: sums of this many digits ("2+0+1+2+1"). Five digits 0-2 give 243 '
-                "problems whose sums 0-10 are all single digits but 10, so every answer is "
-                "common enough to learn."})
-    task_max_operand: int = field(default=2, metadata={
-        "help": "embedded task: each digit is in [0, this]"})
-    task_eval_fraction: float = field(default=0.25, metadata={
-        "help": "embedded task: share of the problems held out for eval"})
+    dataset: str = option("",
+        "\"\" = the embedded arithmetic task (generated, no download); else a local "
+        ".json/.jsonl/.csv/.parquet file or a hub dataset id (loaded with `datasets`).")
+    dataset_config: str | None = option(None,
+        "hub dataset configuration name (e.g. \"main\" for gsm8k)")
+    split: str = option("train", "training split of a hub dataset")
+    eval_split: str | None = option(None, "held-out split; none = hold out eval_size training rows")
+    prompt_column: str = option("question", "text prompt, or a list of chat messages")
+    answer_column: str = option("answer",
+        "ground truth (\"\" = none); GSM8K \"... #### 42\" -> \"42\"")
+    system_prompt: str | None = option(None,
+        "prepended as a system message when the template has one")
+    eval_size: int | None = option(None,
+        "Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out "
+        "problems (61, see task_eval_fraction); the first 200 rows of --eval_split; else "
+        "min(200, 10%% of the dataset's rows) taken out of training (none under 10 rows). A "
+        "number N: the first N of those, or N rows taken out of training.")
+    max_prompt_length: int | None = option(None, "keep the last N prompt tokens (none: no limit)")
+    task_terms: int = option(5,
+        "Embedded task: sums of this many digits (\"2+0+1+2+1\"). Five digits 0-2 give 243 "
+        "problems whose sums 0-10 are all single digits but 10, so every answer is common "
+        "enough to learn.")
+    task_max_operand: int = option(2, "embedded task: each digit is in [0, this]")
+    task_eval_fraction: float = option(0.25,
+        "embedded task: share of the problems held out for eval")
 
     reward: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
         "help": 'Built-in "accuracy" / "format", or "module:function" / "path/file.py:function" '
@@ -107,125 +90,104 @@ class TrainConfig:
                 "\":weight\" appended scales it (default 1). The step's reward is the weighted "
                 "sum."})
 
-    num_prompts: int | None = field(default=None, metadata={
-        "help": "P: prompts per step, over all processes"})
-    num_generations: int = field(default=8, metadata={
-        "help": "G: completions per prompt (a group); must be >= 2"})
-    max_new_tokens: int | None = field(default=None, metadata={"help": "completion length cap"})
-    min_new_tokens: int = field(default=0, metadata={
-        "help": "EOS is suppressed before this many tokens (benchmarks: fixed length)"})
-    temperature: float = field(default=1.0, metadata={
-        "help": "sampling temperature, also applied to the loss' log-probs"})
-    top_p: float = field(default=1.0, metadata={
-        "help": "nucleus sampling: keep the smallest token set with this probability"})
-    top_k: int = field(default=0, metadata={
-        "help": "sample among the k likeliest tokens; 0 = no top-k filtering"})
-    mask_truncated_completions: bool = field(default=False, metadata={
-        "help": "completions without EOS get no loss"})
-    generation: str = field(default="auto", metadata={
-        "help": "How completions are generated: \"continuous\" = transformers' continuous "
-                "batching (paged attention: a finished completion leaves the batch and costs "
-                'nothing more); "padded" = model.generate on the left-padded batch (every row '
-                'runs until the longest ends); "auto" = continuous on CUDA where supported; '
-                "padded on CPU, where continuous batching is faster only for long completions of "
-                "varied length (docs/trainer.md, Generation paths). Set-ups continuous batching "
-                "cannot serve (--fsdp, --bf16 autocast, ...) run padded; the log names the path "
-                "that ran and why."})
+    num_prompts: int | None = option(None, "P: prompts per step, over all processes")
+    num_generations: int = option(8, "G: completions per prompt (a group); must be >= 2")
+    max_new_tokens: int | None = option(None, "completion length cap")
+    min_new_tokens: int = option(0,
+        "EOS is suppressed before this many tokens (benchmarks: fixed length)")
+    temperature: float = option(1.0, "sampling temperature, also applied to the loss' log-probs")
+    top_p: float = option(1.0,
+        "nucleus sampling: keep the smallest token set with this probability")
+    top_k: int = option(0, "sample among the k likeliest tokens; 0 = no top-k filtering")
+    mask_truncated_completions: bool = option(False, "completions without EOS get no loss")
+    generation: str = option("auto",
+        "How completions are generated: \"continuous\" = transformers' continuous batching (paged"
+        " attention: a finished completion leaves the batch and costs nothing more); \"padded\" ="
+        " model.generate on the left-padded batch (every row runs until the longest ends); "
+        "\"auto\" = continuous on CUDA where supported; padded on CPU, where continuous batching "
+        "is faster only for long completions of varied length (docs/trainer.md, Generation "
+        "paths). Set-ups continuous batching cannot serve (--fsdp, --bf16 autocast, ...) run "
+        "padded; the log names the path that ran and why.")
 
-    loss: str = field(default="fused", metadata={
-        "help": '"fused" (hidden states, no logits) | "reference" (materialized logits)'})
-    loss_type: str = field(default="dapo", metadata={
-        "help": "how token losses are normalized (see docs/semantics.md)"})
-    beta: float | None = field(default=None, metadata={
-        "help": "KL weight; > 0 loads a frozen reference model, 0 loads none. The embedded run "
-                "needs it: anchored to the warm-up policy, the tiny model keeps exploring "
-                "instead of collapsing onto the most frequent answer (0.3 learned faster and "
-                "more reliably than 0.1 there)."})
-    epsilon: float = field(default=0.2, metadata={"help": "lower clip: ratio >= 1 - epsilon"})
-    epsilon_high: float | None = field(default=None, metadata={
-        "help": "upper clip (none = epsilon)"})
-    delta: float | None = field(default=None, metadata={
-        "help": "two-sided clipping cap on the ratio"})
-    importance_sampling_level: str = field(default="token", metadata={"help": '"sequence" = GSPO'})
-    scale_rewards: str = field(default="group", metadata={
-        "help": "advantages divided by the std of the group, the batch, or not"})
-    entropy_coef: float = field(default=0.0, metadata={
-        "help": "loss -= entropy_coef x mean token entropy"})
-    num_iterations: int | None = field(default=None, metadata={
-        "help": "Optimizer steps per generation batch (> 1 computes old log-probs; the ratio is "
-                "clipped). Reusing each batch four times is what makes the embedded run learn in "
-                "minutes."})
-    backend: str = field(default="auto", metadata={
-        "help": "fused-loss kernels: auto = Triton on CUDA, the chunked PyTorch path on CPU; "
-                "triton; chunked"})
-    grad_filter: str | None = field(default=None, metadata={
-        "help": 'Gradient filtering in the Triton backward: none = exact; "auto" (2^-12 in bf16) '
-                "or a number skips vocabulary tiles whose d logits are all below it "
-                '(approximate, faster on peaked softmaxes; see docs/internals.md, "Gradient '
-                'filtering").'})
+    loss: str = option("fused",
+        "\"fused\" (hidden states, no logits) | \"reference\" (materialized logits)")
+    loss_type: str = option("dapo", "how token losses are normalized (see docs/semantics.md)")
+    beta: float | None = option(None,
+        "KL weight; > 0 loads a frozen reference model, 0 loads none. The embedded run needs "
+        "it: anchored to the warm-up policy, the tiny model keeps exploring instead of "
+        "collapsing onto the most frequent answer (0.3 learned faster and more reliably than "
+        "0.1 there).")
+    epsilon: float = option(0.2, "lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float | None = option(None, "upper clip (none = epsilon)")
+    delta: float | None = option(None, "two-sided clipping cap on the ratio")
+    importance_sampling_level: str = option("token", "\"sequence\" = GSPO")
+    scale_rewards: str = option("group",
+        "advantages divided by the std of the group, the batch, or not")
+    entropy_coef: float = option(0.0, "loss -= entropy_coef x mean token entropy")
+    num_iterations: int | None = option(None,
+        "Optimizer steps per generation batch (> 1 computes old log-probs; the ratio is "
+        "clipped). Reusing each batch four times is what makes the embedded run learn in "
+        "minutes.")
+    backend: str = option("auto",
+        "fused-loss kernels: auto = Triton on CUDA, the chunked PyTorch path on CPU; triton; "
+        "chunked")
+    grad_filter: str | None = option(None,
+        "Gradient filtering in the Triton backward: none = exact; \"auto\" (2^-12 in bf16) or a "
+        "number skips vocabulary tiles whose d logits are all below it (approximate, faster on "
+        "peaked softmaxes; see docs/internals.md, \"Gradient filtering\").")
 
-    steps: int | None = field(default=None, metadata={
-        "help": "generation steps (each does num_iterations optimizer steps)"})
-    learning_rate: float | None = field(default=None, metadata={"help": "AdamW learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    adam_beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
-    lr_scheduler: str = field(default="constant", metadata={
-        "help": "learning-rate schedule after the warm-up"})
-    lr_warmup_steps: int = field(default=0, metadata={
-        "help": "linear learning-rate warm-up, in optimizer steps"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping; 0 disables it"})
-    micro_batch_size: int | None = field(default=None, metadata={
-        "help": "Sequences per forward/backward; 0 = the whole per-process batch"})
-    max_tokens_per_microbatch: int = field(default=0, metadata={
-        "help": "Cut micro-batches by tokens instead (0 = off): as many whole sequences as fit N "
-                "tokens (packed: real prompt + completion tokens; padded: rows x padded length); "
-                "a longer sequence goes alone. Replaces --micro_batch_size."})
-    padding_free: bool = field(default=True, metadata={
-        "help": "Pack each micro-batch's sequences end to end in one row (position_ids "
-                "restarting, no attention mask): no forward or backward work on padding. Used "
-                "where the model attends within the packed sequences (checked once at start; "
-                "otherwise one line, and padded rows)."})
-    bf16: bool = field(default=False, metadata={
-        "help": "bfloat16 autocast (with float32 weights: mixed precision)"})
-    gradient_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute activations in backward (less memory)"})
+    steps: int | None = option(None, "generation steps (each does num_iterations optimizer steps)")
+    learning_rate: float | None = option(None, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.99, "AdamW beta2")
+    lr_scheduler: str = option("constant", "learning-rate schedule after the warm-up")
+    lr_warmup_steps: int = option(0, "linear learning-rate warm-up, in optimizer steps")
+    max_grad_norm: float = option(1.0, "gradient clipping; 0 disables it")
+    micro_batch_size: int | None = option(None,
+        "Sequences per forward/backward; 0 = the whole per-process batch")
+    max_tokens_per_microbatch: int = option(0,
+        "Cut micro-batches by tokens instead (0 = off): as many whole sequences as fit N tokens"
+        " (packed: real prompt + completion tokens; padded: rows x padded length); a longer "
+        "sequence goes alone. Replaces --micro_batch_size.")
+    padding_free: bool = option(True,
+        "Pack each micro-batch's sequences end to end in one row (position_ids restarting, no "
+        "attention mask): no forward or backward work on padding. Used where the model attends "
+        "within the packed sequences (checked once at start; otherwise one line, and padded "
+        "rows).")
+    bf16: bool = option(False, "bfloat16 autocast (with float32 weights: mixed precision)")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward (less memory)")
 
-    eval_every: int = field(default=25, metadata={
-        "help": "held-out eval every N steps (also at step 0 and at the end); 0 = off"})
-    eval_batch_size: int = field(default=256, metadata={
-        "help": "prompts per greedy generation call in eval"})
-    progress: bool = field(default=True, metadata={"help": "tqdm progress bar"})
-    plot: bool = field(default=True, metadata={
-        "help": "write OUTPUT_DIR/curves.png at the end (needs matplotlib)"})
+    eval_every: int = option(25,
+        "held-out eval every N steps (also at step 0 and at the end); 0 = off")
+    eval_batch_size: int = option(256, "prompts per greedy generation call in eval")
+    progress: bool = option(True, "tqdm progress bar")
+    plot: bool = option(True, "write OUTPUT_DIR/curves.png at the end (needs matplotlib)")
 
-    output_dir: str = field(default="runs/default", metadata={
-        "help": "Where the run writes metrics.jsonl, checkpoints/, initial_model/, final_model/, "
-                "curves.png. A directory holding files is refused unless --resume or --overwrite "
-                "is given."})
-    overwrite: bool = field(default=False, metadata={
-        "help": "Delete the previous run's files in OUTPUT_DIR first (metrics, checkpoints, "
-                "models, plot), so that everything in it belongs to this run"})
-    resume: str | None = field(default=None, metadata={
-        "help": "Continue from a checkpoint file, a run directory (its latest checkpoint), or "
-                '"auto" (the latest in OUTPUT_DIR, or a fresh start when OUTPUT_DIR holds no run '
-                "yet)"})
-    save_every: int = field(default=100, metadata={
-        "help": "checkpoint every N steps (and on Ctrl-C and at the end); 0 = off"})
-    keep_checkpoints: int = field(default=2, metadata={
-        "help": "older checkpoints are deleted after a new one is safely written"})
-    save_final_model: bool = field(default=True, metadata={
-        "help": "save_pretrained() to OUTPUT_DIR/final_model at the end"})
+    output_dir: str = option("runs/default",
+        "Where the run writes metrics.jsonl, checkpoints/, initial_model/, final_model/, "
+        "curves.png. A directory holding files is refused unless --resume or --overwrite is "
+        "given.")
+    overwrite: bool = option(False,
+        "Delete the previous run's files in OUTPUT_DIR first (metrics, checkpoints, models, "
+        "plot), so that everything in it belongs to this run")
+    resume: str | None = option(None,
+        "Continue from a checkpoint file, a run directory (its latest checkpoint), or \"auto\" "
+        "(the latest in OUTPUT_DIR, or a fresh start when OUTPUT_DIR holds no run yet)")
+    save_every: int = option(100,
+        "checkpoint every N steps (and on Ctrl-C and at the end); 0 = off")
+    keep_checkpoints: int = option(2,
+        "older checkpoints are deleted after a new one is safely written")
+    save_final_model: bool = option(True, "save_pretrained() to OUTPUT_DIR/final_model at the end")
 
-    fsdp: bool = field(default=False, metadata={
-        "help": "Shard parameters, gradients and AdamW state over the processes (PyTorch FSDP2) "
-                "instead of replicating them (DDP); launch with accelerate launch / torchrun as "
-                "for DDP"})
-    device: str = field(default="auto", metadata={"help": "auto = cuda when available"})
-    num_threads: int | None = field(default=None, metadata={
-        "help": "torch CPU threads; 0 = torch's default (one per core). The embedded model runs "
-                "on one: two are faster on an idle 2-core CPU (45 vs 76 s) but 2.4x slower "
-                "beside two busy processes (docs/trainer.md, Threads)."})
+    fsdp: bool = option(False,
+        "Shard parameters, gradients and AdamW state over the processes (PyTorch FSDP2) instead"
+        " of replicating them (DDP); launch with accelerate launch / torchrun as for DDP")
+    device: str = option("auto", "auto = cuda when available")
+    num_threads: int | None = option(None,
+        "torch CPU threads; 0 = torch's default (one per core). The embedded model runs on one:"
+        " two are faster on an idle 2-core CPU (45 vs 76 s) but 2.4x slower beside two busy "
+        "processes (docs/trainer.md, Threads).")
 
 
 # --help's topics, in TrainConfig's declaration order: each begins at the field named and runs up

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from .config import LOCAL_DATASET_FORMATS, check_dataset_source
+from .checks import LOCAL_DATASET_FORMATS, check_dataset_source
 from .flags import UsageError
 from .hub import check_hub_reachable
 

@@ -19,7 +19,7 @@ from grpo_kernels import selective_logprobs
 from grpo_kernels.hf import check_packed_attention, completion_hidden_states, output_head
 
 from . import sharding
-from .config import check_model_source
+from .checks import check_model_source
 from .data import random_answer_texts
 from .flags import UsageError
 from .hub import cache_only

@@ -35,7 +35,8 @@ from .checkpoint import (
     save_run,
     seed_everything,
 )
-from .config import grad_filter_value, grpo_params, lr_factor
+from .checks import grad_filter_value, grpo_params
+from .config import lr_factor
 from .data import PromptSampler, load_examples
 from .flags import UsageError
 from .generation import evaluate, generate

@@ -13,6 +13,20 @@ MATRIX = list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04], 
                                 [None, 1.5], [False, True]))
 
 
+def triton_unavailable() -> str | None:
+    """Why the Triton backend cannot run CPU tensors here (None when it can: Triton's
+    interpreter is on, as tests/conftest.py sets it up without a GPU)."""
+    from grpo_kernels import force_backend
+    from grpo_kernels.ops.backends import backend_for
+
+    try:
+        with force_backend("triton"):
+            backend_for(torch.zeros(1))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def hyper(loss_type, level, beta, temperature, delta, **extra):
     """Keyword hyperparameters of one matrix cell (cispo takes its raw cap as epsilon_high)."""
     kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta,

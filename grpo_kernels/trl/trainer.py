@@ -9,10 +9,11 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 
 - The training loss (`_compute_loss`) runs the model body only, takes the hidden states of the
   completion positions ([B, T, D]) and takes the route of every grpo-kernels loss
-  (`linear_grpo_terms`): on Triton at token level the forward kernel computes ratios, clipping
-  and KL per token in its GRPO epilogue; otherwise (chunked PyTorch on CPU, sequence-level
-  ratios) `grpo_math` does, on the kernels' log-probs. Prompt positions are never projected to
-  the vocabulary and no [B, T, V] logits exist.
+  (`fused_linear_grpo_loss(..., return_terms=True)`): on Triton at token level the forward
+  kernel computes ratios, clipping and KL per token in its GRPO epilogue; otherwise (chunked
+  PyTorch on CPU, sequence-level ratios, the sequence and batch options) `grpo_math` does, on
+  the kernels' log-probs. Prompt positions are never projected to the vocabulary and no
+  [B, T, V] logits exist.
 - Old- and reference-policy scoring (`_get_per_token_logps_and_entropies`) goes through the same
   hidden-state path (`grpo_kernels.hf.completion_logprobs`), without logits.
 - A PEFT LoRA adapter on lm_head (`peft_config` with "lm_head" in target_modules) is trained:
@@ -68,7 +69,7 @@ except ImportError as exc:  # TRL is an optional dependency
         "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
     ) from exc
 
-from ..functional import linear_grpo_terms
+from ..functional import fused_linear_grpo_loss
 from ..grpo_options import EntropyController
 from ..hf import (
     check_output_head,
@@ -135,8 +136,9 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
                  params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
                  grad_filter=None, sampling_logps=None):
     """The GRPO policy loss with the per-token values TRL's metrics need, by the route every
-    loss takes (`linear_grpo_terms`: the token-terms op with the in-kernel GRPO epilogue on
-    Triton at token level, else the selective log-prob op and `grpo_math`; no [N, V] logits);
+    loss takes (`fused_linear_grpo_loss(..., return_terms=True)`: the token-terms op with the
+    in-kernel GRPO epilogue on Triton at token level, else the selective log-prob op and
+    `grpo_math`; no [N, V] logits);
     params.entropy_coef is ignored (the trainer adds TRL's bonus).
     hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
@@ -154,11 +156,12 @@ def _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logp
     """`policy_terms`' route, returning all of GRPOTerms (vespo's φ, the entropy mask)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
-    return linear_grpo_terms(hidden, weight, completion_ids, advantages, mask, old_logps,
-                             ref_logps, bias, num_items_in_batch=num_items_in_batch,
-                             importance_sampling_ratio=importance_sampling_ratio,
-                             grad_filter=grad_filter, sampling_logps=sampling_logps,
-                             entropy_gather=entropy_gather, params=params)
+    return fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, mask, old_logps,
+                                  ref_logps, bias, num_items_in_batch=num_items_in_batch,
+                                  importance_sampling_ratio=importance_sampling_ratio,
+                                  grad_filter=grad_filter, sampling_logps=sampling_logps,
+                                  return_terms=True, entropy_gather=entropy_gather,
+                                  params=params)
 
 
 @contextlib.contextmanager

@@ -12,14 +12,13 @@ where an older reading of the spec differed from TRL shows.
 """
 
 import itertools
-from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import triton_unavailable
+from trl_compute_loss import assert_close_to_trl, trl_loss
 
 from grpo_kernels import LOSS_TYPES, force_backend, fused_linear_grpo_loss, reference
-from grpo_kernels.ops.backends import backend_for
 from grpo_kernels.reference import logprobs_from_logits
 
 trl = pytest.importorskip("trl")
@@ -58,45 +57,6 @@ def hyper(loss_type, level, delta, beta, entropy_coef):
                 max_completion_length=T)
 
 
-def trl_loss(batch, hp):
-    """TRL 1.16's `_compute_loss` on the batch: (loss, grads of hidden and weight, metrics)."""
-    hidden = batch["hidden"].clone().requires_grad_(True)
-    weight = batch["weight"].clone().requires_grad_(True)
-
-    def scoring(model, input_ids, attention_mask, logits_to_keep, **_):
-        logp, ent = logprobs_from_logits(hidden @ weight.T, batch["ids"],
-                                         temperature=hp["temperature"], return_entropy=True)
-        return logp, ent, None
-
-    identity = lambda x, **_: x  # noqa: E731 - one process: gather/reduce change nothing
-    stand_in = SimpleNamespace(
-        _get_per_token_logps_and_entropies=scoring, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, importance_sampling_level=hp["importance_sampling_level"],
-        beta=hp["beta"], loss_type=hp["loss_type"], epsilon_low=hp["epsilon_low"],
-        epsilon_high=hp["epsilon_high"], use_vllm=False, vllm_importance_sampling_correction=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        max_completion_length=hp["max_completion_length"],
-        accelerator=SimpleNamespace(num_processes=1, gather=identity, reduce=identity,
-                                    sync_gradients=True),
-        args=SimpleNamespace(delta=hp["delta"], use_bias_correction_kl=False,
-                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-                             steps_per_generation=1),
-        _entropy_bonus_enabled=hp["entropy_coef"] != 0.0, entropy_coef=hp["entropy_coef"],
-        use_adaptive_entropy=False, aux_loss_enabled=False,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-    )
-    mask = batch["mask"].long()
-    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long),
-                  prompt_mask=torch.ones(B, 1, dtype=torch.long), completion_ids=batch["ids"],
-                  completion_mask=mask, advantages=batch["advantages"],
-                  num_items_in_batch=batch["num_items"],
-                  old_per_token_logps=batch["old"], ref_per_token_logps=batch["ref"])
-    loss = trl.GRPOTrainer._compute_loss(stand_in, None, inputs)
-    loss.backward()
-    metrics = {k: v[-1] for k, v in stand_in._metrics["train"].items()}
-    return loss.detach(), hidden.grad, weight.grad, metrics
-
-
 def our_loss(fn, batch, hp, dtype):
     hidden = batch["hidden"].to(dtype, copy=True).requires_grad_(True)
     weight = batch["weight"].to(dtype, copy=True).requires_grad_(True)
@@ -109,29 +69,11 @@ def our_loss(fn, batch, hp, dtype):
 
 
 def assert_matches_trl(got, want, tol, label):
-    loss, g_hidden, g_weight, metrics = got
-    want_loss, want_hidden, want_weight, want_metrics = want
-    close = dict(rtol=tol, atol=tol)
-    torch.testing.assert_close(loss.double(), want_loss, **close,
-                               msg=lambda m: f"{label} loss: {m}")
-    for name, g, w in (("hidden", g_hidden, want_hidden), ("weight", g_weight, want_weight)):
-        scale = w.abs().max().item()
-        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * scale,
-                                   msg=lambda m, n=name: f"{label} grad of {n}: {m}")
     # TRL also logs per-sequence extremes and policy_loss, which the core API does not return
-    assert metrics.keys() <= want_metrics.keys(), (label, metrics.keys(), want_metrics.keys())
-    assert {"entropy"} <= metrics.keys()
-    for k, v in metrics.items():
-        assert v == pytest.approx(want_metrics[k], rel=tol, abs=tol), (label, k)
+    assert_close_to_trl(got, want, tol, label)
+    assert {"entropy"} <= got[3].keys()
 
 
-def triton_available():
-    try:
-        with force_backend("triton"):
-            backend_for(torch.zeros(1))
-    except RuntimeError as exc:
-        return str(exc)
-    return None
 
 
 IMPLEMENTATIONS = {
@@ -148,7 +90,7 @@ IMPLEMENTATIONS = {
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_loss_grads_and_metrics_match_trl(loss_type, level, impl):
     fn, dtype, backend, tol = IMPLEMENTATIONS[impl]
-    if backend == "triton" and (why := triton_available()) is not None:
+    if backend == "triton" and (why := triton_unavailable()) is not None:
         pytest.skip(why)
     batch = make_batch()
     for delta, beta, coef in VARIANTS:

@@ -216,7 +216,7 @@ def test_generation_flag():
     assert parse_config(["--generation", "padded"]).generation == "padded"
     with pytest.raises(SystemExit):
         parse_config(["--generation", "paged"])
-    from grpo_train.config import validate
+    from grpo_train.checks import validate
 
     with pytest.raises(UsageError, match="--generation"):
         validate(resolve_auto(TrainConfig(generation="fast")))

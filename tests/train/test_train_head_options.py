@@ -8,7 +8,7 @@ import torch
 from test_train_loop import tiny_cfg
 
 from grpo_train import parse_config, train
-from grpo_train.config import validate
+from grpo_train.checks import validate
 from grpo_train.flags import UsageError
 
 pytest.importorskip("peft")

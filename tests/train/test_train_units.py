@@ -16,8 +16,9 @@ from grpo_train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from grpo_train.checks import grad_filter_value
 from grpo_train.cli import field_docs, parse_config
-from grpo_train.config import AUTO, TrainConfig, grad_filter_value, resolve_auto
+from grpo_train.config import AUTO, TrainConfig, resolve_auto
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
