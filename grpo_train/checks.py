@@ -9,8 +9,9 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOParams
+from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
+from .config import grpo_params
 from .flags import MissingPathError, UsageError
 
 if TYPE_CHECKING:  # config.py imports this module: the dataclass is only a type hint here
@@ -118,13 +119,6 @@ def check_dataset_source(name: str) -> None:
     if ext in LOCAL_DATASET_FORMATS or name.startswith((".", "/", "~")) or os.path.isdir(name):
         raise MissingPathError(f"--dataset {name!r}: no such file (expected a local "
                                ".json/.jsonl/.csv/.parquet file or a hub dataset id)")
-
-
-def grpo_params(cfg: TrainConfig) -> GRPOParams:
-    """The loss' hyperparameters: TrainConfig's fields of GRPOParams' names, with the two that
-    the trainer names otherwise (--epsilon, and --max_new_tokens as dr_grpo's normalizer)."""
-    return GRPOParams.from_config(cfg, epsilon_low=cfg.epsilon,
-                                  max_completion_length=cfg.max_new_tokens)
 
 
 def _check_loss_params(cfg: TrainConfig) -> None:

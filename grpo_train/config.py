@@ -1,14 +1,16 @@
 """The trainer's configuration: `TrainConfig`, one dataclass whose field metadata holds each
 setting's --help text, as in TRL's GRPOConfig (so transformers' HfArgumentParser can parse it
 too); `TOPICS`, the groups of --help; the "auto" values and the learning-rate schedule.
-Validation with errors that name the flag, and the loss' hyperparameters (`grpo_params`), are in
-`checks.py`, which imports this module (never the reverse)."""
+`grpo_params` turns a TrainConfig into the loss' GRPOParams. Validation with errors that name
+the flag is in `checks.py`, which imports this module (never the reverse)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
+
+from grpo_kernels.params import GRPOParams
 
 
 def option(default, help: str):
@@ -245,3 +247,10 @@ def lr_factor(cfg: TrainConfig):
         return 1.0
 
     return factor
+
+
+def grpo_params(cfg: TrainConfig) -> GRPOParams:
+    """The loss' hyperparameters: TrainConfig's fields of GRPOParams' names, with the two that
+    the trainer names otherwise (--epsilon, and --max_new_tokens as dr_grpo's normalizer)."""
+    return GRPOParams.from_config(cfg, epsilon_low=cfg.epsilon,
+                                  max_completion_length=cfg.max_new_tokens)

@@ -11,8 +11,8 @@ shard. So the loss (and the no-grad log-probs) run as a registered FSDP forward 
 root (`grpo_kernels.hf.run_as_forward`, registered on first use): FSDP unshards the root's
 parameters before the method, the layers unshard in their own forwards, the head weight the loss
 sees is the full [V, D] matrix, and the backward through the loss unshards it again and
-reduce-scatters its gradient like any other. `causal_lm_grpo_loss` / `causal_lm_logprobs` below
-take that route for a sharded model and are grpo_kernels.hf's functions otherwise.
+reduce-scatters its gradient like any other. The trainer calls them through
+`hf.run_as_forward`, which is a plain call for a model that is not sharded.
 
 Generation runs `model.generate` with every unit all-gathered once for the call
 (`full_parameters`): one all-gather per unit instead of one per unit per token, and no collective
@@ -126,25 +126,6 @@ def full_parameters(model: nn.Module):
         model.set_reshard_after_forward(model._grpo_root_reshard, recurse=False)  # as built
         for unit in units:
             unit.reshard()
-
-
-# ---- the loss and log-probs, through FSDP's hooks when sharded -------------------------------
-
-
-def causal_lm_grpo_loss(model: nn.Module, *args, **kwargs):
-    """grpo_kernels.hf.causal_lm_grpo_loss; for a sharded model, as a forward of its root."""
-    if is_sharded(model):
-        return hf.run_as_forward(model, lambda m: hf.causal_lm_grpo_loss(m, *args, **kwargs))
-    return hf.causal_lm_grpo_loss(model, *args, **kwargs)
-
-
-def causal_lm_logprobs(model: nn.Module, *args, **kwargs):
-    """grpo_kernels.hf.causal_lm_logprobs; for a sharded model, as a forward of its root."""
-    if is_sharded(model):
-        with torch.no_grad():  # around FSDP's hooks too: nothing to prepare for a backward
-            return hf.run_as_forward(model,
-                                     lambda m: hf.causal_lm_logprobs(m, *args, **kwargs))
-    return hf.causal_lm_logprobs(model, *args, **kwargs)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

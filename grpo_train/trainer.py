@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from grpo_kernels import FusedLinearGRPOLoss, force_backend
+from grpo_kernels import FusedLinearGRPOLoss, force_backend, hf
 from grpo_kernels import reference as reference_impl
 
 from . import batching, sharding
@@ -35,8 +35,8 @@ from .checkpoint import (
     save_run,
     seed_everything,
 )
-from .checks import grad_filter_value, grpo_params
-from .config import lr_factor
+from .checks import grad_filter_value
+from .config import grpo_params, lr_factor
 from .data import PromptSampler, load_examples
 from .flags import UsageError
 from .generation import evaluate, generate
@@ -52,7 +52,6 @@ from .logs import (
 )
 from .models import build_models, save_model
 from .rewards import accuracy, combine, group_advantages, parse_reward_spec, score
-from .sharding import causal_lm_grpo_loss, causal_lm_logprobs  # hf's, via FSDP hooks if sharded
 
 
 class NoPhases:
@@ -305,19 +304,22 @@ def _backward(run, mb, sync: bool, adv, old, ref, num_items, sums: dict) -> floa
 
 
 def _logprobs(model, mb, cfg, head):
-    """No-grad log-probs of one micro-batch's completion tokens: [b, T] padded, [N] packed."""
-    return causal_lm_logprobs(model, *mb.inputs, temperature=cfg.temperature,
-                              position_ids=mb.position_ids, **head)
+    """No-grad log-probs of one micro-batch's completion tokens: [b, T] padded, [N] packed.
+    A sharded model runs it as a forward of its FSDP2 root (`hf.run_as_forward`), so FSDP's
+    hooks unshard the head; no_grad around them too: nothing to prepare for a backward."""
+    with torch.no_grad():
+        return hf.run_as_forward(model, lambda m: hf.causal_lm_logprobs(
+            m, *mb.inputs, temperature=cfg.temperature, position_ids=mb.position_ids, **head))
 
 
 def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
     """(loss, metrics) of one micro-batch: the fused loss from hidden states, or the reference
     that materializes [b, T, V] (packed: [N, V]) logits, for comparison and benchmarks.
     adv: [b] of its sequences; old/ref: from `_logprobs`; head: head_dtype."""
-    if which == "fused":
-        return causal_lm_grpo_loss(model, *mb.inputs, adv, mb.mask, old, ref, loss_fn=loss_fn,
-                                   num_items_in_batch=num_items, cu_seqlens=mb.cu_seqlens,
-                                   position_ids=mb.position_ids, **head)
+    if which == "fused":  # sharded: as a forward of the FSDP2 root (`hf.run_as_forward`)
+        return hf.run_as_forward(model, lambda m: hf.causal_lm_grpo_loss(
+            m, *mb.inputs, adv, mb.mask, old, ref, loss_fn=loss_fn, num_items_in_batch=num_items,
+            cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids, **head))
     ids, attn, keep = mb.inputs
     if mb.packed is None:
         logits = model(input_ids=ids, attention_mask=attn, position_ids=mb.position_ids,
