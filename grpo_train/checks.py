@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
 
 from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
-from .config import grpo_params
+from .config import TrainConfig, grpo_params
 from .flags import MissingPathError, UsageError
-
-if TYPE_CHECKING:  # config.py imports this module: the dataclass is only a type hint here
-    from .config import TrainConfig
 
 # The values these fields accept (--help shows them as the flag's metavar).
 CHOICES = {
