@@ -65,9 +65,25 @@ class ForcedLengths:
                 raise RuntimeError(f"completion {i} ended at {got} tokens, drawn {want}: the "
                                    "forced lengths did not take effect")
 
+    def synthetic(self, prompt_ids: torch.Tensor, pad_id: int, vocab: int) -> torch.Tensor:
+        """[B, P + n] sequences as generate returns them, without running a model: random tokens
+        of the next draw's lengths (EOS last unless truncated at the cap), pad_id after, n the
+        longest completion. Tokens avoid EOS and pad_id, and depend on (seed, call) only."""
+        lengths = self.draw(prompt_ids.shape[0])  # cap + 1: truncated at the cap, no EOS
+        n = min(max(lengths), self.cap)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.history) + 7)
+        plain = torch.tensor([i for i in range(vocab) if i not in (self.eos_id, pad_id)])
+        tokens = plain[torch.randint(0, len(plain), (len(lengths), n), generator=g)]
+        for i, length in enumerate(lengths):
+            if length <= self.cap:
+                tokens[i, length - 1] = self.eos_id
+                tokens[i, length:] = pad_id
+        return torch.cat([prompt_ids, tokens.to(prompt_ids.device)], dim=1)
+
     @contextlib.contextmanager
-    def installed(self):
-        """GenerationMixin.generate patched to force the lengths, inside the block."""
+    def installed(self, synthetic: bool = False):
+        """GenerationMixin.generate patched to force the lengths, inside the block; synthetic:
+        to return `synthetic` sequences instead of running the model."""
         from transformers import GenerationMixin, LogitsProcessorList
 
         from grpo_train.generation import EosSchedule
@@ -77,6 +93,12 @@ class ForcedLengths:
 
         def generate(model, *args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
+            if synthetic:
+                config = kwargs.get("generation_config") or model.generation_config
+                pad = config.pad_token_id if config.pad_token_id is not None else forcing.eos_id
+                out = forcing.synthetic(ids, pad, model.config.get_text_config().vocab_size)
+                forcing.check(out, ids.shape[1])
+                return out
             lengths = torch.tensor(forcing.draw(ids.shape[0]))
             processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
             processors.append(EosSchedule(lengths, [forcing.eos_id], ids.shape[1]))

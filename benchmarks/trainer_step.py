@@ -1,10 +1,11 @@
 """One GRPO trainer step on a Qwen2.5-0.5B-shaped model: peak memory and throughput of
-grpo_train with the fused loss, grpo_train with the reference (materialized-logits) loss, and TRL's
-GRPOTrainer with the same settings.
+grpo_train with the fused loss, grpo_train with the reference (materialized-logits) loss, TRL's
+GRPOTrainer and grpo-kernels' TRL subclass with the same settings.
 
     python -m benchmarks.trainer_step --provider fused          # GPU, the real size
     python -m benchmarks.trainer_step --provider reference
     python -m benchmarks.trainer_step --provider trl            # needs trl (and datasets)
+    python -m benchmarks.trainer_step --provider trl-kernels    # grpo_kernels.trl.GRPOTrainer
     python benchmarks/trainer_step.py --provider fused --tiny   # CPU smoke test, tiny sizes
 
 One provider per process, so that peak memory is never shared between providers. Every provider
@@ -13,9 +14,11 @@ prompt of --prompt_tokens tokens, G = --num_generations completions whose length
 --length_profile with cap --completion_tokens (benchmarks/lengths.py: `fixed` = every completion
 at the cap; `lognormal` = long-tailed, median a third of the cap; the same draws for every
 provider, enforced with EOS at the drawn length), sampling at temperature 1, one optimizer step
-(AdamW) per generation batch with all G sequences in one micro-batch, beta = 0, loss_type
-"dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults). grpo_train packs
-its micro-batch (--padding_free on, its default) unless --padding_free off; TRL pads.
+(AdamW) per generation batch with all G sequences in one micro-batch, beta = --beta (0), loss_type
+"dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults). grpo_train and the
+TRL subclass pack their forwards (--padding_free on, their default) unless --padding_free off;
+TRL pads. --synthetic (TRL-based providers): completions of the drawn lengths are random tokens
+made without the model, so a step is scoring + loss + optimizer (benchmarks/trl_providers.py).
 
 Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end),
 tokens/s = G·(prompt + completion tokens) / step time, and memory by phase (benchmarks/phases.py):
@@ -109,7 +112,8 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         num_prompts=1, num_generations=args.num_generations,
         max_new_tokens=args.completion_tokens, padding_free=args.padding_free == "on",
         generation=args.generation,
-        micro_batch_size=args.num_generations, beta=0.0, num_iterations=1, loss_type="dapo",
+        micro_batch_size=args.num_generations, beta=args.beta, num_iterations=1,
+        loss_type="dapo",
         loss=args.provider, learning_rate=1e-6, bf16=cuda and not args.no_bf16,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         model_dtype=args.model_dtype, reward=[f"{Path(__file__).resolve()}:length_reward"],
@@ -123,94 +127,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
     return steps, recorder
 
 
-def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
-            recorder, forcing) -> list[dict]:
-    """Steps of TRL's GRPOTrainer, timed and measured by a callback around each step."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from grpo_train.logs import peak_memory_bytes
-    from grpo_train.models import DTYPES
-
-    from . import phases  # in the function: grpo_train loads this file for length_reward
-
-    cuda = device.type == "cuda"
-    per_step = []
-
-    class StepMeter(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            self.t0 = time.perf_counter()
-            phases.begin_step()
-
-        def on_pre_optimizer_step(self, *_, **__):
-            phases.begin("optimizer")
-
-        def on_step_end(self, *_, **__):
-            phases.end("optimizer")
-            phases.end_step()
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - self.t0
-            # this step's prompt + completion tokens (its generate call was the latest)
-            tokens = args.num_generations * args.prompt_tokens + sum(forcing.history[-1])
-            per_step.append(dict(step_time_s=elapsed, tokens_per_s=tokens / elapsed,
-                                 peak_gib=peak_memory_bytes(device) / 2**30))
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.model_dtype])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    dataset = Dataset.from_list([{"prompt": prompt_text + "="}] * (args.warmup + args.steps + 1))
-    config = GRPOConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=args.num_generations,
-        num_generations=args.num_generations, max_completion_length=args.completion_tokens,
-        gradient_accumulation_steps=1, max_steps=args.warmup + args.steps, learning_rate=1e-6,
-        bf16=cuda and not args.no_bf16,
-        gradient_checkpointing=not args.no_gradient_checkpointing, beta=0.0, loss_type="dapo",
-        temperature=1.0, top_p=1.0, top_k=0, logging_steps=10_000, disable_tqdm=True,
-        report_to="none",
-        save_strategy="no", use_cpu=not cuda, seed=args.seed, shuffle_dataset=False,
-        dataloader_num_workers=0)
-    trainer = _metered_grpo_trainer(GRPOTrainer)(
-        model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
-        processing_class=tokenizer, callbacks=[StepMeter()])
-    with phases.recording(recorder):
-        trainer.train()
-    return per_step, recorder
-
-
-def _metered_grpo_trainer(base):
-    """TRL's GRPOTrainer with grpo_train's phase marks: generation and scoring run first (as in
-    TRL, inside `_prepare_inputs`), then the rest of `training_step` is the loss phase."""
-    from . import phases  # in the function: grpo_train loads this file for length_reward
-
-    class MeteredGRPOTrainer(base):
-        _prepared = None
-
-        def training_step(self, model, inputs, num_items_in_batch):
-            model.train()  # as Trainer.training_step does before preparing inputs
-            self._prepared = base._prepare_inputs(self, inputs)
-            with phases.phase("loss"):
-                return super().training_step(model, inputs, num_items_in_batch)
-
-        def _prepare_inputs(self, inputs):
-            prepared, self._prepared = self._prepared, None
-            return prepared if prepared is not None else super()._prepare_inputs(inputs)
-
-        def _generate_and_score_completions(self, inputs):
-            with phases.phase("scoring"):
-                return super()._generate_and_score_completions(inputs)
-
-        def _generate(self, prompts):
-            with phases.phase("generation"):
-                return super()._generate(prompts)
-
-    return MeteredGRPOTrainer
-
-
+PROVIDERS = ("fused", "reference", "trl", "trl-kernels")
 PHASES = ("generation", "scoring", "loss", "optimizer", "step")
 
 
@@ -258,7 +175,7 @@ def versions(provider: str) -> dict:
 
         out["trl"] = trl.__version__
     except ImportError:
-        out["trl"] = "not installed" if provider == "trl" else ""
+        out["trl"] = "not installed" if provider.startswith("trl") else ""
     return out
 
 
@@ -266,7 +183,7 @@ def parse_args(argv):
     from benchmarks import lengths  # in the function: grpo_train loads this file as a path
 
     parser = Parser("python -m benchmarks.trainer_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--provider", choices=("fused", "reference", "trl"), required=True)
+    parser.add_argument("--provider", choices=PROVIDERS, required=True)
     parser.add_argument("--tiny", action="store_true",
                         help="tiny model and sizes (CPU smoke test; not a Qwen2.5 measurement)")
     parser.add_argument("--num_generations", type=int, default=None, help="G (default 8; tiny 4)")
@@ -277,8 +194,14 @@ def parse_args(argv):
                         help="completion lengths: fixed = all at the cap; lognormal = "
                              "long-tailed, median cap/3 (benchmarks/lengths.py)")
     parser.add_argument("--padding_free", default="on", choices=("on", "off"),
-                        help="grpo_train providers: packed micro-batches (on, the trainer's "
-                             "default) or padded rows; TRL always pads")
+                        help="grpo_train and trl-kernels: packed rows (on, their default) or "
+                             "padded ones; TRL's own trainer always pads")
+    parser.add_argument("--beta", type=float, default=0.0,
+                        help="KL coefficient (> 0: a reference model is scored every step)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="TRL-based providers: completions are random tokens of the drawn "
+                             "lengths, made without running the model (the loss phase and "
+                             "scoring are measured as usual; generation time is not)")
     parser.add_argument("--generation", default="auto", choices=("auto", "continuous", "padded"),
                         help="grpo_train providers' generation path (auto: padded on CPU); "
                              "TRL uses model.generate")
@@ -310,6 +233,10 @@ def parse_args(argv):
                       ("steps", 1), ("warmup", 0)):
         if getattr(args, name) < low:
             parser.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if args.synthetic and not args.provider.startswith("trl"):
+        parser.error("--synthetic is for the TRL-based providers (trl, trl-kernels)")
+    if args.beta < 0:
+        parser.error(f"--beta must be >= 0, got {args.beta}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     return args
@@ -340,10 +267,12 @@ def measure(args, argv) -> dict:
         forcing = lengths.ForcedLengths(args.length_profile, args.completion_tokens,
                                         eos_id=_eos_id(model_dir), seed=args.seed)
         recorder = make_recorder(args, device, workdir, env)
-        if args.provider == "trl":
-            with forcing.installed():
+        if args.provider.startswith("trl"):
+            from benchmarks.trl_providers import run_trl
+
+            with forcing.installed(synthetic=args.synthetic):
                 steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device,
-                                          recorder, forcing)
+                                          recorder, forcing, length_reward)
         else:
             from grpo_train.generation import forced_lengths
 
@@ -388,12 +317,15 @@ def describe(args, cuda: bool) -> dict:
     return {
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "provider": {"fused": "grpo_train+fused", "reference": "grpo_train+reference",
-                     "trl": "trl GRPOTrainer"}[args.provider],
+                     "trl": "trl GRPOTrainer",
+                     "trl-kernels": "grpo_kernels.trl GRPOTrainer"}[args.provider],
         "model": "tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random",
         "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "length_profile": args.length_profile,
         "padding_free": "off" if args.provider == "trl" else args.padding_free,
-        "generation": "generate (padded)" if args.provider == "trl" else args.generation,
+        "generation": ("synthetic" if args.synthetic else "generate (padded)")
+        if args.provider.startswith("trl") else args.generation,
+        "beta": args.beta,
         "warmup": args.warmup,
         "bf16_autocast": cuda and not args.no_bf16,
         "gradient_checkpointing": not args.no_gradient_checkpointing,

@@ -2,6 +2,7 @@
 
     python examples/trl_swap.py              # CPU, well under a minute, no downloads
     python examples/trl_swap.py --compare    # also train TRL's own trainer from the same seed
+    python examples/trl_swap.py --padded     # keep TRL's padded batches (padding_free=False)
 
 The only grpo-kernels line is the import of `GRPOTrainer`; the config, dataset, reward function
 and training call are plain TRL. A tiny random Qwen2 model and a character-level tokenizer are
@@ -50,8 +51,9 @@ def train(trainer_cls, model_path: str, out_dir: str, opts: argparse.Namespace):
         loss_type=opts.loss_type, beta=opts.beta, learning_rate=1e-3, max_steps=opts.steps,
         logging_steps=1, save_strategy="no", disable_tqdm=True,
     )
+    ours = {"padding_free": not opts.padded} if trainer_cls is GRPOTrainer else {}
     trainer = trainer_cls(model=model_path, reward_funcs=digits_reward, args=args,
-                          train_dataset=dataset)
+                          train_dataset=dataset, **ours)
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; we print our own lines
     trainer.train()
     return trainer
@@ -67,6 +69,8 @@ def main() -> None:
     parser.add_argument("--loss_type", default="dapo",
                         help="TRL loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
+    parser.add_argument("--padded", action="store_true",
+                        help="run TRL's padded batches, not packed rows (padding_free=False)")
     parser.add_argument("--compare", action="store_true",
                         help="also run trl.GRPOTrainer from the same seed and compare")
     opts = parser.parse_args()
@@ -86,7 +90,8 @@ def main() -> None:
                 reward = f"{log['reward']:.3f}" if "reward" in log else "-"
                 print(f"step {log['step']}: loss {log['loss']:+.4f}  kl {log['kl']:.5f}  "
                       f"entropy {log['entropy']:.3f}  reward {reward}")
-        print(f"grpo-kernels trainer: {trainer.state.global_step} steps in "
+        layout = "padded batches" if trainer._packing_off else "packed rows"
+        print(f"grpo-kernels trainer ({layout}): {trainer.state.global_step} steps in "
               f"{time.perf_counter() - start:.1f}s")
         if opts.compare:
             import trl

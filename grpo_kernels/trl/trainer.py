@@ -53,6 +53,7 @@ body runs as usual.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import warnings
@@ -85,6 +86,7 @@ from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
+from .padding_free import packable, packed_completion_hidden, packed_scores, packing_off_reason
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -97,6 +99,7 @@ if _trl_version > TESTED_TRL:
                   "normalize or log differently (tests/trl/test_trl.py checks it)", stacklevel=2)
 
 __all__ = ["GRPOTrainer", "policy_terms"]
+logger = logging.getLogger(__name__)
 
 # TRL's trainer module and its GRPOTrainer, bound once here. Training frameworks patch TRL with
 # `trl.GRPOTrainer = grpo_kernels.trl.GRPOTrainer` (and trl.trainer.GRPOTrainer): a lookup through
@@ -189,14 +192,19 @@ def _adapter_on_head_allowed(enabled: bool = True):
 class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
-    Same constructor and config as TRL's; see the module docstring for what changes. One
-    optional extra keyword: grad_filter (None = exact; "auto" or eps: approximate gradient
-    filtering in the Triton backward, see `selective_logprobs`).
+    Same constructor and config as TRL's; see the module docstring for what changes. Two
+    optional extra keywords: padding_free (default True: scoring and loss forwards run packed
+    rows wherever the model's attention gives exact results on them, see `padding_free.py`;
+    False keeps TRL's padded batches) and grad_filter (None = exact; "auto" or eps:
+    approximate gradient filtering in the Triton backward, see `selective_logprobs`).
     """
 
     _tag_names = ["trl", "grpo", "grpo-kernels"]
 
-    def __init__(self, *args, grad_filter: float | str | None = None, **kwargs):
+    def __init__(self, *args, padding_free: bool = True, grad_filter: float | str | None = None,
+                 **kwargs):
+        if not isinstance(padding_free, bool):
+            raise TypeError(f"padding_free must be a bool, got {type(padding_free).__name__}")
         check_grad_filter(grad_filter, torch.bfloat16)  # fail before TRL loads the model
         self._grad_filter = grad_filter
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -218,12 +226,40 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         self._entropy_control: EntropyController | None = None
         self._grpo_params, self._loss_fallback = self._build_params()
         self._model_fallback = self._model_unsupported()
+        self._packing_off = self._packing_decision(padding_free)
         head = unwrap_model(self.model).get_output_embeddings()
         if has_tuner_adapter(head) and self._model_fallback is not None:
             # TRL's own head path would leave the adapter untrained; refuse, as TRL does
             raise ValueError(f"the output embedding carries a PEFT adapter ({type(head).__name__})"
                              f" and {self._model_fallback}: that case would run TRL's own lm_head "
                              "code, which ignores the adapter. Remove the head from target_modules")
+
+    def _packing_decision(self, requested: bool) -> str | None:
+        """None when forwards run packed rows, else why not; says which in one log line."""
+        reason = (f"the model runs TRL's own implementation ({self._model_fallback})"
+                  if self._model_fallback is not None else
+                  packing_off_reason(self.model, requested))
+        if reason is None:
+            logger.info("grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run packed "
+                        "rows (padding_free=True)")
+        else:
+            log = logger.info if reason == "padding_free=False" else logger.warning
+            log("grpo_kernels.trl.GRPOTrainer: padded batches, not packed rows: %s", reason)
+        return reason
+
+    def _packs(self, attention_mask, completion_mask, batch) -> bool:
+        """Whether this batch runs as packed rows (a text batch whose masks pack exactly)."""
+        return (self._packing_off is None and not any(batch.get(k) is not None
+                                                      for k in MULTIMODAL_KEYS)
+                and packable(attention_mask, completion_mask))
+
+    def _equal_chunk_count(self, model):
+        """For packed scoring of a sharded model (FSDP2), whose every forward is a collective:
+        a function giving the largest chunk count over the processes; None otherwise."""
+        if self.accelerator.num_processes == 1 or fsdp2_root(model) is None:
+            return None
+        device = self.accelerator.device
+        return lambda n: int(self.accelerator.gather(torch.tensor([n], device=device)).max())
 
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
         """Our hyperparameters from TRL's, or (None, why the loss must be TRL's); sets the
@@ -288,6 +324,19 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        T = logits_to_keep
+        if self._packs(attention_mask, attention_mask[:, -T:], multimodal):
+            def packed(model):
+                with self.accelerator.autocast():
+                    return packed_scores(
+                        model, input_ids, attention_mask, T, batch_size=batch_size,
+                        return_entropy=compute_entropy, temperature=self.temperature,
+                        head_dtype=self._head_dtype,
+                        equal_count_across=self._equal_chunk_count(model))
+
+            logps, ents = run_as_forward(model, packed)
+            return logps, ents, None
+
         def score(model):
             with self.accelerator.autocast():
                 return completion_logprobs(
@@ -326,10 +375,15 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         elif self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
         gather = self._gather_entropies if self.top_entropy_quantile < 1.0 else None
+        packs = self._packs(attention_mask, completion_mask, inputs)
 
         def terms(model):
             with self.accelerator.autocast():
-                hidden = completion_hidden_states(model, input_ids, attention_mask, T)
+                if packs:  # the body on packed rows; hidden back on TRL's [B, T] grid
+                    hidden = packed_completion_hidden(model, input_ids, attention_mask,
+                                                      completion_mask)
+                else:
+                    hidden = completion_hidden_states(model, input_ids, attention_mask, T)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
             with torch.autocast(hidden.device.type, enabled=False):
                 return _grpo_terms(

@@ -77,3 +77,38 @@ def test_trainer_step_long_tailed_lengths(provider):
     drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=1)  # the timed step's
     assert row["completion_tokens_mean"] == pytest.approx(sum(drawn) / 4, abs=0.05)
     assert row["length_profile"] == "lognormal" and row["warmup"] == 1
+
+
+@pytest.mark.parametrize("padding_free", ["on", "off"])
+def test_trl_subclass_provider_with_synthetic_completions_and_reference(padding_free):
+    """grpo-kernels' TRL subclass under TRL's defaults, beta 0.04 (reference scoring), completions
+    made without the model: the drawn lengths, the row says what ran."""
+    pytest.importorskip("trl")
+    from benchmarks import lengths
+
+    row = trainer_step.main(["--provider", "trl-kernels", "--tiny", "--steps", "1", "--no_record",
+                             "--backend", "chunked", "--device", "cpu", "--synthetic",
+                             "--beta", "0.04", "--length_profile", "lognormal",
+                             "--completion_tokens", "24", "--padding_free", padding_free])
+    drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=1)
+    assert row["completion_tokens_mean"] == pytest.approx(sum(drawn) / 4, abs=0.05)
+    assert row["provider"] == "grpo_kernels.trl GRPOTrainer" and row["beta"] == 0.04
+    assert row["generation"] == "synthetic" and row["padding_free"] == padding_free
+    assert row["scoring_s"] > 0 and row["loss_s"] > 0
+
+
+def test_synthetic_completions_end_as_drawn_without_special_tokens_inside():
+    import torch
+
+    from benchmarks import lengths
+
+    forcing = lengths.ForcedLengths("lognormal", cap=12, eos_id=7, seed=3)
+    prompt = torch.full((6, 3), 5)
+    out = forcing.synthetic(prompt, pad_id=0, vocab=50)
+    forcing.check(out, 3)  # EOS exactly at each drawn length, none when truncated at the cap
+    assert torch.equal(out[:, :3], prompt)
+    for row, n in zip(out[:, 3:].tolist(), forcing.history[-1]):
+        body = row[:n - 1] if n < 12 else row
+        assert 7 not in body and 0 not in body and len(set(body)) > 1
+    with pytest.raises(SystemExit):
+        trainer_step.parse_args(["--provider", "fused", "--synthetic"])

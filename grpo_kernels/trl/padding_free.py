@@ -1,0 +1,116 @@
+"""Padding-free forwards for the TRL subclass: TRL's padded batches run through the model body as
+packed rows (`grpo_kernels.hf.pack_sequences`).
+
+TRL 1.16 scores and trains on padded batches [S, L]: prompts left-padded to the longest prompt,
+completions right-padded to the longest completion, and every padded position runs through the
+whole body. Here the same batch is laid out as rows [R, W] that hold only the real tokens (the
+prompt and the completion up to its mask's last 1), position_ids restarting per sequence and no
+attention mask; transformers reads the sequence boundaries from the restarts. The hidden states
+of the kept completion positions go back to TRL's [S, T] grid, so everything after the body (the
+fused head, TRL's normalization and metrics) sees the batch TRL built.
+
+- Scoring (old / reference policy, `packed_scores`) groups rows into forwards by positions, not
+  sequences: each forward takes at most batch_size · L positions, the footprint of one of TRL's
+  padded scoring chunks, so fewer forwards run and none holds more than TRL's did.
+- The loss (`packed_completion_hidden`) runs one forward per TRL micro-batch, as TRL does; the
+  micro-batch is TRL's, so its loss normalization and gradient-accumulation scaling are TRL's.
+
+Exact where the model's attention reads packed position_ids (checked once per model, at the
+trainer's construction: `check_packed_attention`); otherwise the trainer keeps padded batches and
+says why in one log line. A batch whose completion mask is not a prefix of each row (1s then 0s)
+cannot be packed without changing what the kept tokens attend to: it runs padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..hf import (
+    check_packed_attention,
+    completion_hidden_states,
+    completion_logprobs,
+    pack_sequences,
+    unwrap_model,
+)
+
+__all__ = ["packable", "packed_completion_hidden", "packed_scores", "packing_off_reason"]
+
+
+def packing_off_reason(model, requested: bool) -> str | None:
+    """None when TRL's batches can run as packed rows through `model`, else why not (a phrase).
+    Pass the model before DDP/FSDP wrap it (a PEFT wrapper is fine)."""
+    if not requested:
+        return "padding_free=False"
+    return check_packed_attention(unwrap_model(model))
+
+
+def packable(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
+    """Whether a padded batch packs exactly: attention_mask [S, L] whose last T columns are
+    completion_mask [S, T] (TRL's layout), every completion mask a prefix (1s then 0s, as an
+    EOS mask is) and every sequence with at least one prompt token."""
+    T = completion_mask.shape[1]
+    comp = completion_mask.bool()
+    prompt = attention_mask[:, :attention_mask.shape[1] - T].bool()
+    return (attention_mask.shape[1] > T and bool(prompt.any(dim=1).all())
+            and torch.equal(comp, comp.int().cummin(dim=1).values.bool()))
+
+
+def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             completion_mask: torch.Tensor) -> torch.Tensor:
+    """The body's hidden states of the positions that predict the completion tokens, [S, T, D],
+    from one forward of the batch's packed rows; zero where completion_mask is 0 (those tokens
+    are in no row; the loss masks them). Differentiable (a scatter of the [N, D] states).
+    input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T columns)."""
+    S, T = completion_mask.shape
+    packed = pack_sequences(input_ids, attention_mask, T, completion_mask)
+    hidden = completion_hidden_states(model, packed.input_ids, None, packed.logits_to_keep,
+                                      position_ids=packed.position_ids)[0]  # [N, D]
+    grid = hidden.new_zeros(S * T, hidden.shape[-1])
+    return grid.index_copy(0, packed.token_index.to(hidden.device), hidden).view(S, T, -1)
+
+
+def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[range]:
+    """Consecutive row ranges of at most max(1, budget // W) rows each. equal_count_across: a
+    function mapping this process's chunk count to the largest count over all processes (for
+    sharded models, whose every forward is a collective); missing chunks are empty ranges."""
+    per = max(1, budget // W)
+    chunks = [range(r, min(r + per, R)) for r in range(0, R, per)]
+    if equal_count_across is not None:
+        chunks += [range(R, R)] * (equal_count_across(len(chunks)) - len(chunks))
+    return chunks
+
+
+def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  logits_to_keep: int, *, batch_size: int | None, return_entropy: bool,
+                  equal_count_across=None, **logprob_kwargs):
+    """Log-probs (and entropies) [S, T] float32 of the last logits_to_keep = T tokens, zero at
+    masked completion positions, from packed rows in forwards of at most batch_size · L positions
+    (batch_size None: one forward). TRL's `_get_per_token_logps_and_entropies` on the padded batch
+    gives the same values. logprob_kwargs: `completion_logprobs`' (temperature, head_dtype).
+    equal_count_across: see `_row_chunks` (an empty chunk runs a one-token forward)."""
+    S, L = input_ids.shape
+    T = logits_to_keep
+    packed = pack_sequences(input_ids, attention_mask, T)
+    rows, positions = packed.input_ids, packed.logits_to_keep  # [R, W], [N]
+    R, W = rows.shape
+    row_of = positions // W
+    logp = torch.zeros(positions.numel(), dtype=torch.float32, device=input_ids.device)
+    ent = torch.zeros_like(logp) if return_entropy else None
+    budget = (S if batch_size is None else batch_size) * L
+    for chunk in _row_chunks(R, W, budget, equal_count_across):
+        if len(chunk) == 0:  # keep a sharded model's collectives in step with other processes
+            completion_logprobs(model, rows[:1, :2], None, torch.zeros(1, dtype=torch.long),
+                                position_ids=packed.position_ids[:1, :2], **logprob_kwargs)
+            continue
+        sel = ((row_of >= chunk.start) & (row_of < chunk.stop)).nonzero().squeeze(1)
+        if sel.numel() == 0:  # rows of prompts whose completions are fully masked
+            continue
+        out = completion_logprobs(
+            model, rows[chunk.start:chunk.stop], None, positions[sel] - chunk.start * W,
+            position_ids=packed.position_ids[chunk.start:chunk.stop],
+            return_entropy=return_entropy, **logprob_kwargs)
+        lp, en = out if return_entropy else (out, None)
+        logp = logp.index_copy(0, sel, lp.to(logp.device, torch.float32))
+        if return_entropy:
+            ent = ent.index_copy(0, sel, en.to(ent.device, torch.float32))
+    return packed.unpack(logp), None if ent is None else packed.unpack(ent)
