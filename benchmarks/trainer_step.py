@@ -47,7 +47,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
