@@ -109,18 +109,22 @@ def save_tiny_vlm(path, tok) -> None:
     )).save_pretrained(path)
 
 
-def image_dataset(n=8):
+def image_dataset(n=8, multi=False):
     """TRL's VLM format: conversational prompts and an "image" column; random pixels in two
-    sizes (12 and 16 image patches: 3 and 4 image tokens), so that micro-batches cut the
-    patch rows unevenly."""
+    sizes (16 and 24 patches of 14 pixels: 4 and 6 image tokens), so that micro-batches cut the
+    patch rows unevenly. multi: an "images" column of one or two images per prompt instead."""
     from PIL import Image
 
     rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 256, (56, 56 + 28 * (i % 2), 3), dtype=np.uint8))
-              for i in range(n)]
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"{i}+{2 * i}"}] for i in range(n)],
-        "image": images})
+
+    def image(i):
+        return Image.fromarray(rng.randint(0, 256, (56, 56 + 28 * (i % 2), 3), dtype=np.uint8))
+
+    prompts = [[{"role": "user", "content": f"{i}+{2 * i}"}] for i in range(n)]
+    if multi:
+        return Dataset.from_dict({"prompt": prompts, "images": [
+            [image(i)] if i % 3 else [image(i), image(i + 1)] for i in range(n)]})
+    return Dataset.from_dict({"prompt": prompts, "image": [image(i) for i in range(n)]})
 
 
 def build_trainer(cls, model_dir, processing_class=None, dataset=DATASET, **overrides):
@@ -282,27 +286,28 @@ def vlm(tmp_path_factory):
     return str(path), processor
 
 
-def vlm_batch(ref, n=B):
+def vlm_batch(ref, multi, n=B):
     """A TRL VLM micro-batch from TRL's own generation step (pixel_values, image_grid_thw,
     num_images, mm_token_type_ids and the rest, as TRL's _compute_loss receives them)."""
-    rows = list(image_dataset(n))
+    rows = list(image_dataset(n, multi))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         batch = ref._generate_and_score_completions(rows)
     return batch
 
 
-def test_vlm_compute_loss_and_scoring_match_trl(vlm):
+@pytest.mark.parametrize("multi", [False, True], ids=["one-image", "one-or-two-images"])
+def test_vlm_compute_loss_and_scoring_match_trl(vlm, multi):
     model_dir, processor = vlm
     cfg = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05)
-    ref = build_trainer(trl.GRPOTrainer, model_dir, copy.deepcopy(processor), image_dataset(),
-                        **cfg)
-    ours = build_trainer(GRPOTrainer, model_dir, copy.deepcopy(processor), image_dataset(),
-                         **cfg)
+    ref, ours = (build_trainer(cls, model_dir, copy.deepcopy(processor),
+                               image_dataset(multi=multi), **cfg)
+                 for cls in (trl.GRPOTrainer, GRPOTrainer))
     assert ours._model_fallback is None
     torch.manual_seed(0)
-    inputs = vlm_batch(ref)
+    inputs = vlm_batch(ref, multi)
     assert inputs["pixel_values"].shape[0] == inputs["image_grid_thw"].prod(-1).sum()
+    assert len(set(inputs["num_images"])) == (2 if multi else 1)
     for tr in (ref, ours):
         tr.model.train()
         tr.current_gradient_accumulation_steps = 2
