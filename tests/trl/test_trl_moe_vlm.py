@@ -240,6 +240,15 @@ def test_moe_compute_loss_matches_trl(moe_dir, cfg):
     assert_same(*run_both(moe_dir, mode="eval", **cfg), mode="eval")
 
 
+def test_moe_with_trl_loss_math_matches_trl(moe_dir):
+    """A configuration GRPOParams refuses runs TRL's loss math on our scoring: the scoring then
+    returns the aux loss TRL's _compute_loss adds."""
+    with pytest.warns(UserWarning, match="rejects this configuration"):
+        ref, ours, loss_ref, loss = run_both(moe_dir, loss_type="vespo", vespo_lambda_pos=0.0)
+    assert "aux_loss" in ours._metrics["train"]
+    assert_same(ref, ours, loss_ref, loss)
+
+
 def test_moe_scoring_returns_the_aux_loss_of_trl(moe_dir):
     ref, ours = (build_trainer(c, moe_dir) for c in (trl.GRPOTrainer, GRPOTrainer))
     g = torch.Generator().manual_seed(0)
