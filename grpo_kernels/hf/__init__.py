@@ -1,12 +1,14 @@
 """Hugging Face integration: GRPO loss and log-probs of any `AutoModelForCausalLM` from hidden
 states (`causal_lm.py`), PEFT adapters on the output head (`head_adapters.py`), packed
-(padding-free) rows (`packed_rows.py`), and FSDP2-sharded models (`fsdp.py`)."""
+(padding-free) rows (`packed_rows.py`), FSDP2-sharded models (`fsdp.py`) and the
+Mixture-of-Experts auxiliary loss (`moe.py`)."""
 
 from . import causal_lm
 from .causal_lm import *  # noqa: F403  (the names of causal_lm.__all__)
 from .fsdp import fsdp2_root, run_as_forward
 from .head_adapters import add_lora, has_tuner_adapter
+from .moe import load_balancing_loss
 from .packed_rows import PackedBatch, check_packed_attention, pack_sequences
 
 __all__ = [*causal_lm.__all__, "add_lora", "fsdp2_root", "has_tuner_adapter", "PackedBatch",
-           "check_packed_attention", "pack_sequences", "run_as_forward"]
+           "check_packed_attention", "load_balancing_loss", "pack_sequences", "run_as_forward"]

@@ -46,8 +46,8 @@ from .head_adapters import ResolvedHead, fold_lora, resolve_head
 from .packed_rows import check_packed_positions, completion_targets, keep_positions
 
 __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
-           "completion_hidden_states", "completion_logprobs", "head_for", "output_head",
-           "resolved_head", "unwrap_model"]
+           "completion_hidden_states", "completion_logprobs", "head_for", "hidden_logprobs",
+           "output_head", "resolved_head", "unwrap_model"]
 
 # Config attributes that change logits after lm_head; a plain linear head would ignore them.
 _UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
@@ -216,8 +216,10 @@ def completion_hidden_states(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     logits_to_keep: int | torch.Tensor,
+    *,
+    return_router_logits: bool = False,
     **model_kwargs,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Final hidden states that predict the last `logits_to_keep` tokens: [B, T, D]; for a
     packed rows (`logits_to_keep` = positions [N]), those positions' states [1, N, D].
 
@@ -225,22 +227,29 @@ def completion_hidden_states(
     torch.compile, PEFT) must be called through its wrapper (gradient synchronization, adapters),
     so it is called with logits_to_keep=1 (a [B, 1, V] projection, discarded) while a hook
     captures the body's output.
+
+    `model_kwargs` go to the body as they are, e.g. a vision-language model's pixel_values and
+    image_grid_thw (the body merges the image features into the sequence and computes its own
+    positions). return_router_logits=True (Mixture-of-Experts models) runs the body with
+    output_router_logits=True and returns (hidden, the body output's router_logits), from which
+    `load_balancing_loss` computes the auxiliary loss.
     """
     _check_batch(input_ids, attention_mask, logits_to_keep)
     inner = unwrap_model(model)
     body = _body(inner)
-    _check_head_input(inner, body, input_ids, attention_mask)
+    if model_kwargs:  # extra inputs (images, positions) need not slice to one row: text dummy
+        _check_head_input(inner, body, input_ids.new_zeros(1, 2), None)
+    else:
+        _check_head_input(inner, body, input_ids, attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                   **model_kwargs)
+    if return_router_logits:
+        kwargs["output_router_logits"] = True
     if inner is model:
-        hidden = _last_hidden(body(**kwargs))
+        out = body(**kwargs)
     else:
         captured = []
-
-        def grab(_module, _args, out):
-            captured.append(_last_hidden(out))
-
-        handle = body.register_forward_hook(grab)
+        handle = body.register_forward_hook(lambda _m, _a, body_out: captured.append(body_out))
         try:
             model(logits_to_keep=1, **kwargs)
         finally:
@@ -248,8 +257,15 @@ def completion_hidden_states(
         if not captured:
             raise RuntimeError(f"calling {type(model).__name__} never ran its body "
                                f"{type(body).__name__}; cannot capture the hidden states")
-        hidden = captured[-1]
-    return keep_positions(hidden, logits_to_keep)
+        out = captured[-1]
+    hidden = keep_positions(_last_hidden(out), logits_to_keep)
+    if not return_router_logits:
+        return hidden
+    router_logits = getattr(out, "router_logits", None)
+    if router_logits is None:
+        raise ValueError(f"{type(body).__name__} returned no router_logits: "
+                         f"{type(inner).__name__} is not a Mixture-of-Experts model")
+    return hidden, router_logits
 
 
 def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):
@@ -361,11 +377,9 @@ def completion_logprobs(
                   else v for k, v in model_kwargs.items()}
         hidden = completion_hidden_states(model, input_ids[i:i + step], am, logits_to_keep,
                                           **kwargs)
-        hidden, weight, bias = head_for(hidden, model, head_dtype)
-        ids = completion_targets(input_ids[i:i + step], logits_to_keep).to(hidden.device)
-        with _no_autocast(hidden):
-            out = selective_logprobs(hidden, weight, ids, bias, temperature=temperature,
-                                     return_entropy=return_entropy)
+        ids = completion_targets(input_ids[i:i + step], logits_to_keep)
+        out = hidden_logprobs(hidden, model, ids, temperature=temperature,
+                              return_entropy=return_entropy, head_dtype=head_dtype)
         logps.append(out[0] if return_entropy else out)
         if return_entropy:
             ents.append(out[1])
@@ -374,6 +388,18 @@ def completion_logprobs(
     if packed:  # [1, N] -> [N]
         logp, ent = logp[0], None if ent is None else ent[0]
     return (logp, ent) if return_entropy else logp
+
+
+def hidden_logprobs(hidden: torch.Tensor, model: nn.Module, completion_ids: torch.Tensor, *,
+                    temperature: float = 1.0, return_entropy: bool = False,
+                    head_dtype: torch.dtype | None = None):
+    """Log-probs [B, T] float32 of `completion_ids` [B, T] (and entropies [B, T] if
+    `return_entropy`) under `model`'s output embedding on the body's hidden states [B, T, D]
+    (`completion_hidden_states`), without logits."""
+    hidden, weight, bias = head_for(hidden, model, head_dtype)
+    with _no_autocast(hidden):
+        return selective_logprobs(hidden, weight, completion_ids.to(hidden.device), bias,
+                                  temperature=temperature, return_entropy=return_entropy)
 
 
 def causal_lm_logprobs(model: nn.Module, input_ids: torch.Tensor,

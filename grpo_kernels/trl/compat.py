@@ -34,7 +34,7 @@ METHODS = {
     "_get_per_token_logps_and_entropies": (
         "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
         "compute_entropy", "compute_aux_loss",
-        # the multimodal keywords: trainer.MULTIMODAL_KEYS routes batches with them to TRL
+        # the multimodal keywords: model_inputs.MULTIMODAL_KEYS, passed to the model body
         "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
         "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
         "image_position_ids"),

@@ -21,6 +21,12 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
   (`head_adapters`); other adapter types on the head raise, naming the module.
 - cast_lm_head_to_fp32: the float32 head takes the bf16/fp16 hidden states as they are (mixed
   head precision in the kernels), giving the float32 head's logits as TRL's cast does.
+- Vision-language models: the batch's pixel_values, image_grid_thw, ... go to the model body,
+  cut per micro-batch as TRL cuts them; the body places the image features and computes its
+  positions, and only the completion positions' hidden states reach the fused head.
+- Mixture-of-Experts models (TRL's aux_loss_enabled): the body returns its router logits and
+  the model's own load-balancing loss is added as TRL adds it, and logged as `aux_loss`
+  (`model_inputs.py`).
 
 The numbers are TRL 1.16's, and the same as the standalone loss's: both follow docs/semantics.md,
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
@@ -40,9 +46,17 @@ in TRL's attributes entropy_coef and _last_world_entropy, which TRL's checkpoint
 Fallbacks (a one-time warning at the caller's line names the reason and what runs instead):
 - TRL's loss math on our log-probs (still no logits): a loss_type grpo-kernels lacks (none in
   TRL 1.16), or a configuration GRPOParams rejects.
-- TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
-  logit soft-capping/scaling models, output heads with their own transform (BERT-style),
-  heads sharded by DeepSpeed ZeRO-3 or FSDP1.
+- TRL's own implementation entirely, where a plain `hidden @ W.T` of the body's output is not
+  the model's logits or the full head weight is not there:
+  - logit soft-capping or scaling in the config (Gemma-2, Granite, ...): the fused head
+    computes plain logits;
+  - an output head with its own transform before the output embedding (BERT-style heads):
+    the body's output is not the head's input;
+  - a head sharded by DeepSpeed ZeRO-3 or FSDP1: the fused backward needs the full weight
+    after the forward;
+  - an MoE model with the aux loss on whose modeling module has no Mixtral-style
+    `load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)` (Doge's takes
+    other arguments): its aux loss is not known to `grpo_kernels.hf.load_balancing_loss`.
 Under FSDP2 (`fully_shard`) the fused path stays on: it runs as a registered FSDP forward method
 of the root (`run_as_forward`), so FSDP itself unshards the head for the forward and the backward
 and reduce-scatters its gradient.
@@ -74,7 +88,6 @@ from ..functional import fused_linear_grpo_loss
 from ..grpo_options import EntropyController
 from ..hf import (
     check_output_head,
-    completion_hidden_states,
     completion_logprobs,
     fsdp2_root,
     has_tuner_adapter,
@@ -86,6 +99,7 @@ from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
+from .model_inputs import MULTIMODAL_KEYS, ModelInputs
 from .padding_free import packable, packed_completion_hidden, packed_scores, packing_off_reason
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
@@ -128,11 +142,6 @@ def _warn_at_user_frame(message: str) -> None:
 # What runs instead, as the fallback warnings say it (the module docstring's Fallbacks)
 _TRL_ENTIRELY = "TRL's own implementation runs instead, its model forward and lm_head included"
 _TRL_LOSS = "TRL's loss math runs instead, on log-probs from grpo-kernels' fused kernels"
-
-# Batch keys that only vision-language models produce; the hidden-state path does not take them.
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
-                   "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
-                   "mm_token_type_ids", "image_position_ids")
 
 
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
@@ -189,7 +198,7 @@ def _adapter_on_head_allowed(enabled: bool = True):
         module.BaseTunerLayer = original
 
 
-class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
+class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
     Same constructor and config as TRL's; see the module docstring for what changes. Two
@@ -236,9 +245,13 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
 
     def _packing_decision(self, requested: bool) -> str | None:
         """None when forwards run packed rows, else why not; says which in one log line."""
-        reason = (f"the model runs TRL's own implementation ({self._model_fallback})"
-                  if self._model_fallback is not None else
-                  packing_off_reason(self.model, requested))
+        if self._model_fallback is not None:
+            reason = f"the model runs TRL's own implementation ({self._model_fallback})"
+        elif self.aux_loss_enabled and requested:
+            # the router statistics of packed rows would count their filler positions
+            reason = "the MoE auxiliary loss is computed on TRL's padded micro-batches"
+        else:
+            reason = packing_off_reason(self.model, requested)
         if reason is None:
             logger.info("grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run packed "
                         "rows (padding_free=True)")
@@ -247,10 +260,10 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
             log("grpo_kernels.trl.GRPOTrainer: padded batches, not packed rows: %s", reason)
         return reason
 
-    def _packs(self, attention_mask, completion_mask, batch) -> bool:
-        """Whether this batch runs as packed rows (a text batch whose masks pack exactly)."""
-        return (self._packing_off is None and not any(batch.get(k) is not None
-                                                      for k in MULTIMODAL_KEYS)
+    def _packs(self, attention_mask, completion_mask, multimodal: dict) -> bool:
+        """Whether this batch runs as packed rows: a text batch (no image inputs) whose masks
+        pack exactly."""
+        return (self._packing_off is None and not multimodal
                 and packable(attention_mask, completion_mask))
 
     def _equal_chunk_count(self, model):
@@ -279,8 +292,8 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
 
     def _model_unsupported(self) -> str | None:
         """Why the hidden-state path cannot run this model at all (None if it can)."""
-        if self.aux_loss_enabled:
-            return "the MoE auxiliary loss needs the model's own forward"
+        if (reason := self._moe_unsupported()) is not None:
+            return reason
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
@@ -300,30 +313,31 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
             self._warned.add(reason)
             _warn_at_user_frame(f"grpo_kernels.trl.GRPOTrainer: {reason}; {instead}")
 
-    def _batch_unsupported(self, batch: dict, compute_aux_loss: bool = False,
-                           model=None) -> str | None:
+    def _batch_unsupported(self, model) -> str | None:
         if self._model_fallback is not None:
             return self._model_fallback
-        if self.is_fsdp_enabled and model is not None and fsdp2_root(model) is None:
+        if self.is_fsdp_enabled and fsdp2_root(model) is None:
             return ("FSDP1 (FullyShardedDataParallel) shards the lm_head weight; use FSDP2 "
                     "(fsdp_version: 2), whose unshard the fused path uses")
-        if compute_aux_loss:
-            return "the MoE auxiliary loss needs the model's own forward"
-        present = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None]
-        return f"multimodal inputs ({', '.join(present)})" if present else None
+        return None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False,
                                            compute_aux_loss=False, **multimodal):
         """TRL's old/ref scoring (and the policy's, on loss fallbacks) from hidden states:
-        (logps [B, T], entropies [B, T] or None, None), zero at padded completion positions as
-        TRL returns them. Differentiable when grad is enabled."""
-        reason = self._batch_unsupported(multimodal, compute_aux_loss, model)
+        (logps [B, T], entropies [B, T] or None, MoE aux loss or None), zero at padded
+        completion positions as TRL returns them. Differentiable when grad is enabled."""
+        reason = self._batch_unsupported(model)
         if reason is not None:
             self._fallback(reason, _TRL_ENTIRELY)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        multimodal = {k: v for k, v in multimodal.items() if v is not None}
+        if multimodal or compute_aux_loss:  # images / router logits: model_inputs.py
+            return run_as_forward(model, lambda m: self._score_model_inputs(
+                m, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, multimodal))
         T = logits_to_keep
         if self._packs(attention_mask, attention_mask[:, -T:], multimodal):
             def packed(model):
@@ -350,7 +364,7 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         return logps * valid, None if ents is None else ents * valid, None
 
     def _compute_loss(self, model, inputs):
-        reason = self._batch_unsupported(inputs, model=model)
+        reason = self._batch_unsupported(model)
         if reason is not None:
             self._fallback(reason, _TRL_ENTIRELY)
             return super()._compute_loss(model, inputs)
@@ -375,15 +389,19 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         elif self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
         gather = self._gather_entropies if self.top_entropy_quantile < 1.0 else None
-        packs = self._packs(attention_mask, completion_mask, inputs)
+        multimodal = {k: inputs[k] for k in MULTIMODAL_KEYS if inputs.get(k) is not None}
+        packs = self._packs(attention_mask, completion_mask, multimodal)
+        aux = []  # the MoE auxiliary loss, when TRL adds one
 
         def terms(model):
             with self.accelerator.autocast():
                 if packs:  # the body on packed rows; hidden back on TRL's [B, T] grid
-                    hidden = packed_completion_hidden(model, input_ids, attention_mask,
-                                                      completion_mask)
+                    hidden, aux_loss = packed_completion_hidden(
+                        model, input_ids, attention_mask, completion_mask), None
                 else:
-                    hidden = completion_hidden_states(model, input_ids, attention_mask, T)
+                    hidden, aux_loss = self._body_hidden(model, input_ids, attention_mask, T,
+                                                         multimodal, self.aux_loss_enabled)
+                aux.append(aux_loss)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
             with torch.autocast(hidden.device.type, enabled=False):
                 return _grpo_terms(
@@ -398,6 +416,8 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         maskf = mask.to(t.entropy.dtype)
         if self._entropy_bonus_enabled:
             loss = loss + self._entropy_bonus(mode, t, maskf, scale, accumulation)
+        if self.aux_loss_enabled:
+            loss = self._add_aux_loss(loss, aux[-1], mode)
         self._log_metrics(mode, maskf, t.entropy.detach(), t.ratio, t.kl, advantages,
                           t.seq_weight)
         return loss

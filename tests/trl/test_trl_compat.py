@@ -152,7 +152,7 @@ def test_installed_trl_has_the_tested_methods():
     from grpo_kernels.trl import trainer
 
     compat.check_methods(trainer._TRLGRPOTrainer)
-    # the multimodal keywords of the scoring method are the ones the trainer routes to TRL
+    # the multimodal keywords of the scoring method are the ones the trainer passes on
     scoring = compat.METHODS["_get_per_token_logps_and_entropies"]
     assert set(scoring[7:]) == set(trainer.MULTIMODAL_KEYS)
 
