@@ -56,11 +56,19 @@ class PackedBatch:
     token_index: torch.Tensor
     shape: tuple[int, int]  # (S, T) of the padded completion grid
     real_tokens: int  # prompt + kept completion tokens (the rest of R·W is filler)
+    row_lengths: tuple[int, ...] = ()  # real tokens at the head of each row (the rest: filler)
 
     @property
     def num_tokens(self) -> int:
         """Positions a forward computes, R·W (real tokens plus the rows' filler)."""
         return self.input_ids.numel()
+
+    def real_mask(self) -> torch.Tensor:
+        """[R, W] int64: 1 at real tokens, 0 at the rows' filler tails (e.g. the attention_mask
+        for statistics over real tokens only, such as an MoE router's load balance)."""
+        R, W = self.input_ids.shape
+        used = torch.tensor(self.row_lengths, device=self.input_ids.device).unsqueeze(1)
+        return (torch.arange(W, device=self.input_ids.device) < used).long()
 
     def pack(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """Per-token [S, T] -> [N] (the kept tokens, in sequence order); None stays None."""
@@ -143,7 +151,7 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
         input_ids=ids.view(R, W), position_ids=pos.view(R, W),
         logits_to_keep=comp_dest - 1,  # the position before each kept token
         cu_seqlens=cu, token_index=comp.reshape(-1).nonzero().squeeze(1), shape=(S, T),
-        real_tokens=sum(lengths))
+        real_tokens=sum(lengths), row_lengths=tuple(used))
 
 
 _PACKING_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -23,17 +23,22 @@ cannot be packed without changing what the kept tokens attend to: it runs padded
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..hf import (
     check_packed_attention,
     completion_hidden_states,
     completion_logprobs,
+    fsdp2_root,
     pack_sequences,
     unwrap_model,
 )
 
-__all__ = ["packable", "packed_completion_hidden", "packed_scores", "packing_off_reason"]
+__all__ = ["PaddingFree", "packable", "packed_completion_hidden", "packed_scores",
+           "packing_off_reason"]
+logger = logging.getLogger("grpo_kernels.trl.trainer")  # the trainer's one log line
 
 
 def packing_off_reason(model, requested: bool) -> str | None:
@@ -56,17 +61,24 @@ def packable(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> boo
 
 
 def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             completion_mask: torch.Tensor) -> torch.Tensor:
-    """The body's hidden states of the positions that predict the completion tokens, [S, T, D],
-    from one forward of the batch's packed rows; zero where completion_mask is 0 (those tokens
-    are in no row; the loss masks them). Differentiable (a scatter of the [N, D] states).
+                             completion_mask: torch.Tensor, aux_loss=None):
+    """(hidden, aux): the body's hidden states of the positions that predict the completion
+    tokens, [S, T, D], from one forward of the batch's packed rows, zero where completion_mask is
+    0 (those tokens are in no row; the loss masks them); differentiable (a scatter of the [N, D]
+    states). aux: None, or with `aux_loss` (fn(router_logits, attention_mask), e.g.
+    `grpo_kernels.hf.load_balancing_loss(model)`) the MoE auxiliary loss over the rows' real
+    tokens, which are the padded batch's unmasked ones: the same statistics.
     input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T columns)."""
     S, T = completion_mask.shape
     packed = pack_sequences(input_ids, attention_mask, T, completion_mask)
-    hidden = completion_hidden_states(model, packed.input_ids, None, packed.logits_to_keep,
-                                      position_ids=packed.position_ids)[0]  # [N, D]
+    out = completion_hidden_states(model, packed.input_ids, None, packed.logits_to_keep,
+                                   return_router_logits=aux_loss is not None,
+                                   position_ids=packed.position_ids)
+    hidden, aux = (out[0], aux_loss(out[1], packed.real_mask())) if aux_loss else (out, None)
+    hidden = hidden[0]  # [N, D]
     grid = hidden.new_zeros(S * T, hidden.shape[-1])
-    return grid.index_copy(0, packed.token_index.to(hidden.device), hidden).view(S, T, -1)
+    grid = grid.index_copy(0, packed.token_index.to(hidden.device), hidden)
+    return grid.view(S, T, -1), aux
 
 
 def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[range]:
@@ -114,3 +126,38 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         if return_entropy:
             ent = ent.index_copy(0, sel, en.to(ent.device, torch.float32))
     return packed.unpack(logp), None if ent is None else packed.unpack(ent)
+
+
+class PaddingFree:
+    """The trainer's packing decisions (mixed into the TRL subclass); reads TRL's attributes
+    model, aux_loss_enabled, accelerator and the subclass's _model_fallback."""
+
+    _packing_off: str | None = None  # why forwards run padded (None: packed rows)
+
+    def _packing_decision(self, requested: bool) -> str | None:
+        """None when forwards run packed rows, else why not; says which in one log line."""
+        if self._model_fallback is not None:
+            reason = f"the model runs TRL's own implementation ({self._model_fallback})"
+        else:
+            reason = packing_off_reason(self.model, requested)
+        if reason is None:
+            logger.info("grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run packed "
+                        "rows (padding_free=True)")
+        else:
+            log = logger.info if reason == "padding_free=False" else logger.warning
+            log("grpo_kernels.trl.GRPOTrainer: padded batches, not packed rows: %s", reason)
+        return reason
+
+    def _packs(self, attention_mask, completion_mask, multimodal: dict) -> bool:
+        """Whether this batch runs as packed rows: a text batch (no image inputs) whose masks
+        pack exactly."""
+        return (self._packing_off is None and not multimodal
+                and packable(attention_mask, completion_mask))
+
+    def _equal_chunk_count(self, model):
+        """For packed scoring of a sharded model (FSDP2), whose every forward is a collective:
+        a function giving the largest chunk count over the processes; None otherwise."""
+        if self.accelerator.num_processes == 1 or fsdp2_root(model) is None:
+            return None
+        device = self.accelerator.device
+        return lambda n: int(self.accelerator.gather(torch.tensor([n], device=device)).max())

@@ -67,7 +67,6 @@ body runs as usual.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 import warnings
@@ -100,7 +99,7 @@ from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
 from .model_inputs import MULTIMODAL_KEYS, ModelInputs
-from .padding_free import packable, packed_completion_hidden, packed_scores, packing_off_reason
+from .padding_free import PaddingFree, packed_completion_hidden, packed_scores
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -113,7 +112,6 @@ if _trl_version > TESTED_TRL:
                   "normalize or log differently (tests/trl/test_trl.py checks it)", stacklevel=2)
 
 __all__ = ["GRPOTrainer", "policy_terms"]
-logger = logging.getLogger(__name__)
 
 # TRL's trainer module and its GRPOTrainer, bound once here. Training frameworks patch TRL with
 # `trl.GRPOTrainer = grpo_kernels.trl.GRPOTrainer` (and trl.trainer.GRPOTrainer): a lookup through
@@ -198,7 +196,7 @@ def _adapter_on_head_allowed(enabled: bool = True):
         module.BaseTunerLayer = original
 
 
-class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
+class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
     Same constructor and config as TRL's; see the module docstring for what changes. Two
@@ -242,37 +240,6 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
             raise ValueError(f"the output embedding carries a PEFT adapter ({type(head).__name__})"
                              f" and {self._model_fallback}: that case would run TRL's own lm_head "
                              "code, which ignores the adapter. Remove the head from target_modules")
-
-    def _packing_decision(self, requested: bool) -> str | None:
-        """None when forwards run packed rows, else why not; says which in one log line."""
-        if self._model_fallback is not None:
-            reason = f"the model runs TRL's own implementation ({self._model_fallback})"
-        elif self.aux_loss_enabled and requested:
-            # the router statistics of packed rows would count their filler positions
-            reason = "the MoE auxiliary loss is computed on TRL's padded micro-batches"
-        else:
-            reason = packing_off_reason(self.model, requested)
-        if reason is None:
-            logger.info("grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run packed "
-                        "rows (padding_free=True)")
-        else:
-            log = logger.info if reason == "padding_free=False" else logger.warning
-            log("grpo_kernels.trl.GRPOTrainer: padded batches, not packed rows: %s", reason)
-        return reason
-
-    def _packs(self, attention_mask, completion_mask, multimodal: dict) -> bool:
-        """Whether this batch runs as packed rows: a text batch (no image inputs) whose masks
-        pack exactly."""
-        return (self._packing_off is None and not multimodal
-                and packable(attention_mask, completion_mask))
-
-    def _equal_chunk_count(self, model):
-        """For packed scoring of a sharded model (FSDP2), whose every forward is a collective:
-        a function giving the largest chunk count over the processes; None otherwise."""
-        if self.accelerator.num_processes == 1 or fsdp2_root(model) is None:
-            return None
-        device = self.accelerator.device
-        return lambda n: int(self.accelerator.gather(torch.tensor([n], device=device)).max())
 
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
         """Our hyperparameters from TRL's, or (None, why the loss must be TRL's); sets the
@@ -397,7 +364,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
             with self.accelerator.autocast():
                 if packs:  # the body on packed rows; hidden back on TRL's [B, T] grid
                     hidden, aux_loss = packed_completion_hidden(
-                        model, input_ids, attention_mask, completion_mask), None
+                        model, input_ids, attention_mask, completion_mask,
+                        self._aux_loss if self.aux_loss_enabled else None)
                 else:
                     hidden, aux_loss = self._body_hidden(model, input_ids, attention_mask, T,
                                                          multimodal, self.aux_loss_enabled)

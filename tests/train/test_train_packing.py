@@ -65,6 +65,11 @@ def test_pack_sequences_layout():
             assert flat_pos[start:start + len(real)].tolist() == list(range(len(real)))
     x = torch.randn(ids.shape[0], T)
     assert torch.equal(pk.unpack(pk.pack(x)), x * mask)
+    # the real-token mask: every real token, in each row's head, and no filler
+    real = pk.real_mask()
+    assert real.shape == (R, W) and int(real.sum()) == pk.real_tokens
+    assert torch.equal(real, real.cummin(dim=1).values)  # 1s then 0s per row
+    assert sorted(flat_ids[real.reshape(-1).bool()].tolist()) == sorted(ids[attn.bool()].tolist())
 
 
 @pytest.mark.parametrize("bad, match", [

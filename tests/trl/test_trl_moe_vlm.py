@@ -20,8 +20,8 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 from datasets import Dataset  # noqa: E402
-from test_trl import DATASET, EOS, B, T, assert_same, digits_reward, run_both  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
+from trl_harness import DATASET, EOS, B, T, assert_same, digits_reward, run_both  # noqa: E402
 
 from grpo_kernels import force_backend  # noqa: E402
 from grpo_kernels.trl import GRPOTrainer  # noqa: E402
@@ -128,7 +128,7 @@ def image_dataset(n=8, multi=False):
 
 
 def build_trainer(cls, model_dir, processing_class=None, dataset=DATASET, **overrides):
-    """test_trl.make_trainer's configuration, with a processor and dataset of choice."""
+    """trl_harness.make_trainer's configuration, with a processor and dataset of choice."""
     cfg = dict(
         output_dir=os.path.join(model_dir, "out"), report_to=[], use_cpu=True, bf16=False,
         seed=0, per_device_train_batch_size=B, num_generations=4, max_completion_length=T,
@@ -232,10 +232,12 @@ def test_hf_router_logits_give_the_models_own_aux_loss(moe_dir):
 @pytest.mark.parametrize("cfg", [dict(loss_type="dapo", beta=0.04),
                                  dict(loss_type="grpo", entropy_coef=0.05)], ids=["dapo", "grpo"])
 def test_moe_compute_loss_matches_trl(moe_dir, cfg):
+    """Packed rows (the default; the aux loss over their real tokens) and padded batches."""
     ref, ours, loss_ref, loss = run_both(moe_dir, **cfg)
-    assert ref.aux_loss_enabled and ours._model_fallback is None
+    assert ref.aux_loss_enabled and ours._model_fallback is None and ours._packing_off is None
     assert "aux_loss" in ours._metrics["train"]
     assert_same(ref, ours, loss_ref, loss)
+    assert_same(*run_both(moe_dir, padding_free=False, **cfg))
     # eval mode: the aux loss is not divided by the accumulation steps there
     assert_same(*run_both(moe_dir, mode="eval", **cfg), mode="eval")
 
