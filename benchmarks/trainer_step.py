@@ -77,7 +77,9 @@ def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
 
     from grpo_train.tiny import build_tokenizer
 
-    shape = TINY if args.tiny else QWEN25_05B
+    shape = dict(TINY if args.tiny else QWEN25_05B)
+    if args.num_layers is not None:
+        shape.update(num_hidden_layers=args.num_layers, max_window_layers=args.num_layers)
     tokenizer = build_tokenizer(vocab_size=shape["vocab_size"])
     config = Qwen2Config(**shape, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
@@ -198,9 +200,11 @@ def parse_args(argv):
     parser.add_argument("--beta", type=float, default=0.0,
                         help="KL coefficient (> 0: a reference model is scored every step)")
     parser.add_argument("--synthetic", action="store_true",
-                        help="TRL-based providers: completions are random tokens of the drawn "
-                             "lengths, made without running the model (the loss phase and "
-                             "scoring are measured as usual; generation time is not)")
+                        help="completions are random tokens of the drawn lengths, made without "
+                             "running the model (scoring, loss and optimizer are measured as "
+                             "usual; generation is not); grpo_train takes its padded path")
+    parser.add_argument("--num_layers", type=int, default=None,
+                        help="decoder layers (default: the shape's, 24 for Qwen2.5-0.5B)")
     parser.add_argument("--generation", default="auto", choices=("auto", "continuous", "padded"),
                         help="grpo_train providers' generation path (auto: padded on CPU); "
                              "TRL uses model.generate")
@@ -233,7 +237,12 @@ def parse_args(argv):
         if getattr(args, name) < low:
             parser.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if args.synthetic and not args.provider.startswith("trl"):
-        parser.error("--synthetic is for the TRL-based providers (trl, trl-kernels)")
+        if args.generation == "continuous":
+            parser.error("--synthetic replaces model.generate, grpo_train's padded path: it "
+                         "cannot take --generation continuous")
+        args.generation = "padded"
+    if args.num_layers is not None and args.num_layers < 1:
+        parser.error(f"--num_layers must be >= 1, got {args.num_layers}")
     if args.beta < 0:
         parser.error(f"--beta must be >= 0, got {args.beta}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -272,6 +281,10 @@ def measure(args, argv) -> dict:
             with forcing.installed(synthetic=args.synthetic):
                 steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device,
                                           recorder, forcing, length_reward)
+        elif args.synthetic:  # grpo_train's padded generation path calls model.generate
+            with forcing.installed(synthetic=True):
+                steps, recorder = run_grpo_train(args, model_dir, data, workdir, device,
+                                                 recorder)
         else:
             from grpo_train.generation import forced_lengths
 
@@ -318,12 +331,13 @@ def describe(args, cuda: bool) -> dict:
         "provider": {"fused": "grpo_train+fused", "reference": "grpo_train+reference",
                      "trl": "trl GRPOTrainer",
                      "trl-kernels": "grpo_kernels.trl GRPOTrainer"}[args.provider],
-        "model": "tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random",
+        "model": ("tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random")
+        + ("" if args.num_layers is None else f", {args.num_layers} layers"),
         "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "length_profile": args.length_profile,
         "padding_free": "off" if args.provider == "trl" else args.padding_free,
-        "generation": ("synthetic" if args.synthetic else "generate (padded)")
-        if args.provider.startswith("trl") else args.generation,
+        "generation": "synthetic" if args.synthetic else
+        "generate (padded)" if args.provider.startswith("trl") else args.generation,
         "beta": args.beta,
         "warmup": args.warmup,
         "bf16_autocast": cuda and not args.no_bf16,

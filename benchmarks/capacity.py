@@ -1,0 +1,142 @@
+"""Capacity: the longest completion whose loss phase (scoring + forward + backward) fits a memory
+budget, for each provider, as TRL 1.15's release notes measure their fused LM head.
+
+    python -m benchmarks.capacity --providers trl trl-kernels fused --budget_gib 6 \\
+        --num_layers 2 --out benchmarks/results
+
+Every probe is one `benchmarks.trainer_step` run in its own process: one step, no warm-up,
+G = --num_generations completions all --completion_tokens long (`--length_profile fixed`),
+synthetic completions (random tokens made without the model, so generation does not dominate),
+beta and the rest as trainer_step. A probe fits when it finishes and the higher of its scoring
+and loss phase peaks is within the budget: on CUDA `max_memory_allocated`, on CPU the process'
+RSS (trainer_step's --max_rss_gib stops a probe that passes it). The length doubles from --start
+while it fits, then bisects between the last fit and the first miss until they are within
+--resolution of each other (rounded to 64 tokens). One row per provider is appended to
+<out>/<device>-capacity.csv: the longest length that fit, every probe's length and peak, the
+machine, versions, commit and command.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo_train.flags import Parser, run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+PROVIDERS = ("fused", "trl", "trl-kernels")
+
+
+def probe(args, provider: str, length: int) -> dict:
+    """One trainer_step run at `length`: {length, fits, peak_gib, status}."""
+    cmd = [sys.executable, "-m", "benchmarks.trainer_step", "--provider", provider,
+           "--synthetic", "--length_profile", "fixed", "--completion_tokens", str(length),
+           "--num_generations", str(args.num_generations), "--prompt_tokens",
+           str(args.prompt_tokens), "--warmup", "0", "--steps", "1", "--no_record",
+           "--device", args.device, "--beta", str(args.beta), "--seed", str(args.seed)]
+    if args.num_layers is not None:
+        cmd += ["--num_layers", str(args.num_layers)]
+    if args.tiny:
+        cmd += ["--tiny", "--backend", "chunked"]
+    if args.device == "cpu":
+        cmd += ["--max_rss_gib", str(args.budget_gib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    out = proc.stdout
+    start, end = out.rfind("\n{\n"), out.rfind("\n}")
+    row = json.loads(out[start:end + 2]) if 0 <= start < end else {}
+    peaks = [row.get(f"{p}_peak_gib") for p in ("scoring", "loss")]
+    peak = max((x for x in peaks if isinstance(x, (int, float))), default=None)
+    status = row.get("status") or f"failed (exit {proc.returncode}): {proc.stderr[-300:]!r}"
+    fits = status == "ok" and peak is not None and peak <= args.budget_gib
+    result = dict(length=length, fits=fits, peak_gib=peak, status=status)
+    print(json.dumps({"provider": provider, **result}), flush=True)
+    return result
+
+
+def search(args, provider: str) -> tuple[int | None, list[dict]]:
+    """(longest fitting length or None, every probe) for one provider."""
+    probes = [probe(args, provider, args.start)]
+    if not probes[-1]["fits"]:
+        return None, probes
+    lo = hi = args.start
+    while probes[-1]["fits"] and hi < args.max_length:
+        lo, hi = hi, min(2 * hi, args.max_length)
+        probes.append(probe(args, provider, hi))
+    if probes[-1]["fits"]:  # fits up to --max_length
+        return hi, probes
+    while hi > lo * (1 + args.resolution):
+        mid = max(lo + 64, (lo + hi) // 2 // 64 * 64)
+        if mid >= hi:
+            break
+        probes.append(probe(args, provider, mid))
+        lo, hi = (mid, hi) if probes[-1]["fits"] else (lo, mid)
+    return lo, probes
+
+
+def main(argv=None) -> int:
+    parser = Parser("python -m benchmarks.capacity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--budget_gib", type=float, required=True,
+                        help="memory budget of the loss phase (CPU: RSS; CUDA: allocated)")
+    parser.add_argument("--start", type=int, default=1024, help="first completion length")
+    parser.add_argument("--max_length", type=int, default=131072)
+    parser.add_argument("--resolution", type=float, default=0.125,
+                        help="stop bisecting when the miss is within this fraction of the fit")
+    parser.add_argument("--num_generations", type=int, default=2)
+    parser.add_argument("--prompt_tokens", type=int, default=64)
+    parser.add_argument("--num_layers", type=int, default=None,
+                        help="decoder layers of the Qwen2.5-0.5B shape (default 24)")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--tiny", action="store_true", help="tiny model (a smoke test)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results", metavar="DIR")
+    parser.add_argument("--no_record", action="store_true")
+
+    def run() -> int:
+        args = parser.parse_args(argv)
+        if args.budget_gib <= 0 or args.start < 64 or args.max_length < args.start:
+            parser.error("need --budget_gib > 0, --start >= 64 and --max_length >= --start")
+        for provider in args.providers:
+            length, probes = search(args, provider)
+            record(args, argv, provider, length, probes)
+        return 0
+
+    return run_cli("python -m benchmarks.capacity", run, argv)
+
+
+def record(args, argv, provider: str, length: int | None, probes: list[dict]) -> None:
+    import torch
+
+    from benchmarks import device_label, device_slug, git_commit
+    from benchmarks.trainer_step import append_row, versions
+
+    device = torch.device(args.device)
+    row = {
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "provider": provider, "budget_gib": args.budget_gib,
+        "memory_kind": "max_memory_allocated" if args.device == "cuda" else "RSS",
+        "capacity_tokens": length if length is not None else "",
+        "model": ("tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random") + (
+            "" if args.num_layers is None else f", {args.num_layers} layers"),
+        "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
+        "beta": args.beta,
+        "probes": " ".join(f"{p['length']}:{p['peak_gib']}:{'fit' if p['fits'] else 'miss'}"
+                           for p in probes),
+        "device": device_label(device), **versions(provider), "commit": git_commit(),
+        "command": "python -m benchmarks.capacity " + shlex.join(
+            sys.argv[1:] if argv is None else argv),
+    }
+    print(json.dumps(row, indent=1), flush=True)
+    if not args.no_record:
+        path = Path(args.out) / f"{device_slug(device)}-capacity.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_row(path, row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
