@@ -42,7 +42,12 @@ Fallbacks (a one-time warning at the caller's line names the reason and what run
   TRL 1.16), or a configuration GRPOParams rejects.
 - TRL's own implementation entirely: MoE auxiliary loss, multimodal inputs (pixel_values, ...),
   logit soft-capping/scaling models, output heads with their own transform (BERT-style),
-  heads sharded by DeepSpeed ZeRO-3 or FSDP1.
+  heads sharded by FSDP1, a PEFT adapter on a head sharded by DeepSpeed ZeRO-3.
+Under DeepSpeed ZeRO-3 the fused path stays on: `hf/zero3.py` gathers the head's weight (and bias)
+for the fused call and hands its full gradient to DeepSpeed's gradient hook, which reduce-scatters
+it; a model loaded under deepspeed.zero.Init gets its one-forward head check on the first batch
+(`_batch_unsupported`), inside DeepSpeed's engine. Tested against TRL's own trainer under ZeRO-3
+with two CPU processes (tests/trl/test_trl_zero3.py).
 Under FSDP2 (`fully_shard`) the fused path stays on: it runs as a registered FSDP forward method
 of the root (`run_as_forward`), so FSDP itself unshards the head for the forward and the backward
 and reduce-scatters its gradient.
@@ -78,9 +83,11 @@ from ..hf import (
     fsdp2_root,
     has_tuner_adapter,
     head_for,
+    resolved_head,
     run_as_forward,
     unwrap_model,
 )
+from ..hf.zero3 import zero3_head
 from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
@@ -195,6 +202,7 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "grpo-kernels"]
+    _zero3_check_pending = False  # DeepSpeed ZeRO-3: the head's forward check waits for a batch
 
     def __init__(self, *args, grad_filter: float | str | None = None, **kwargs):
         check_grad_filter(grad_filter, torch.bfloat16)  # fail before TRL loads the model
@@ -245,15 +253,18 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
         """Why the hidden-state path cannot run this model at all (None if it can)."""
         if self.aux_loss_enabled:
             return "the MoE auxiliary loss needs the model's own forward"
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-        if is_deepspeed_zero3_enabled():
-            # a GatheredParameters gather ends with the forward, but our backward recomputes
-            # the logits from the full head weight and its gradient needs ZeRO's reduce hooks
-            return ("DeepSpeed ZeRO-3 shards the lm_head weight, and the fused loss's backward "
-                    "needs the full weight after the forward")
-        try:  # one short forward: the head must take the body's output as is
-            check_output_head(self.model)
+        try:
+            # --- DeepSpeed ZeRO-3 (hf/zero3.py) ---
+            if zero3_head(self.model):
+                # loaded under deepspeed.zero.Init: no forward can run before DeepSpeed's engine
+                # wraps the model; the config checks run now (the head is gathered for them),
+                # the short forward on the first batch (`_batch_unsupported`)
+                with torch.no_grad():
+                    resolved_head(self.model)
+                self._zero3_check_pending = True
+                return None
+            # --- end DeepSpeed ZeRO-3 ---
+            check_output_head(self.model)  # one short forward: the head takes the body's output
         except (ValueError, NotImplementedError) as exc:
             return str(exc)
         return None
@@ -266,6 +277,12 @@ class GRPOTrainer(LossBookkeeping, _TRLGRPOTrainer):
 
     def _batch_unsupported(self, batch: dict, compute_aux_loss: bool = False,
                            model=None) -> str | None:
+        if self._zero3_check_pending and model is not None:  # --- DeepSpeed ZeRO-3 ---
+            self._zero3_check_pending = False  # the forward check, deferred from __init__
+            try:
+                check_output_head(model)
+            except (ValueError, NotImplementedError) as exc:
+                self._model_fallback = str(exc)
         if self._model_fallback is not None:
             return self._model_fallback
         if self.is_fsdp_enabled and model is not None and fsdp2_root(model) is None:
