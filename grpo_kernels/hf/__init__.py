@@ -1,7 +1,8 @@
 """Hugging Face integration: GRPO loss and log-probs of any `AutoModelForCausalLM` from hidden
 states (`causal_lm.py`), PEFT adapters on the output head (`head_adapters.py`), packed
-(padding-free) rows (`packed_rows.py`), FSDP2-sharded models (`fsdp.py`) and the
-Mixture-of-Experts auxiliary loss (`moe.py`)."""
+(padding-free) rows (`packed_rows.py`), FSDP2-sharded models (`fsdp.py`), the
+Mixture-of-Experts auxiliary loss (`moe.py`) and heads sharded by DeepSpeed ZeRO-3 (`zero3.py`,
+used by `resolved_head`)."""
 
 from . import causal_lm
 from .causal_lm import *  # noqa: F403  (the names of causal_lm.__all__)

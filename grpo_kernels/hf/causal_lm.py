@@ -44,6 +44,7 @@ from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from .head_adapters import ResolvedHead, fold_lora, resolve_head
 from .packed_rows import check_packed_positions, completion_targets, keep_positions
+from .zero3 import gathered_head
 
 __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
            "completion_hidden_states", "completion_logprobs", "head_for", "hidden_logprobs",
@@ -79,10 +80,12 @@ def resolved_head(model: nn.Module) -> ResolvedHead:
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() "
                          "returned None): it is not a causal language model")
-    resolved = resolve_head(head, f"{type(inner).__name__}.{_module_name(inner, head)}")
+    where = f"{type(inner).__name__}.{_module_name(inner, head)}"
+    # DeepSpeed ZeRO-3: full differentiable copies of the sharded weight and bias (zero3.py)
+    resolved = gathered_head(resolve_head(head, where), where)
     weight = resolved.weight
     if weight.dim() != 2 or weight.numel() == 0:
-        # DeepSpeed ZeRO-3 and some FSDP set-ups leave an empty local shard outside the forward
+        # some FSDP set-ups leave an empty local shard outside the forward (ZeRO-3's is gathered)
         raise ValueError(f"the output embedding of {type(inner).__name__} has weight shape "
                          f"{tuple(weight.shape)}, not a full [V, D] matrix (sharded "
                          "parameters are not supported)")

@@ -136,6 +136,10 @@ class PaddingFree:
 
     def _packing_decision(self, requested: bool) -> str | None:
         """None when forwards run packed rows, else why not; says which in one log line."""
+        if getattr(self, "_zero3_check_pending", False):
+            # a model sharded by deepspeed.zero.Init runs no forward before DeepSpeed's engine
+            # wraps it: `_batch_unsupported` decides on the first batch, on every process
+            return "not decided before the first batch (DeepSpeed ZeRO-3)"
         if self._model_fallback is not None:
             reason = f"the model runs TRL's own implementation ({self._model_fallback})"
         else:
@@ -155,9 +159,13 @@ class PaddingFree:
                 and packable(attention_mask, completion_mask))
 
     def _equal_chunk_count(self, model):
-        """For packed scoring of a sharded model (FSDP2), whose every forward is a collective:
+        """For packed scoring of a sharded model (FSDP2, DeepSpeed ZeRO-3), whose every forward
+        is a collective:
         a function giving the largest chunk count over the processes; None otherwise."""
-        if self.accelerator.num_processes == 1 or fsdp2_root(model) is None:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        sharded = fsdp2_root(model) is not None or is_deepspeed_zero3_enabled()
+        if self.accelerator.num_processes == 1 or not sharded:
             return None
         device = self.accelerator.device
         return lambda n: int(self.accelerator.gather(torch.tensor([n], device=device)).max())

@@ -52,11 +52,16 @@ Fallbacks (a one-time warning at the caller's line names the reason and what run
     computes plain logits;
   - an output head with its own transform before the output embedding (BERT-style heads):
     the body's output is not the head's input;
-  - a head sharded by DeepSpeed ZeRO-3 or FSDP1: the fused backward needs the full weight
-    after the forward;
+  - a head sharded by FSDP1: the fused backward needs the full weight after the forward;
+  - a PEFT adapter on a head sharded by DeepSpeed ZeRO-3 (its factors are sharded too);
   - an MoE model with the aux loss on whose modeling module has no Mixtral-style
     `load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)` (Doge's takes
     other arguments): its aux loss is not known to `grpo_kernels.hf.load_balancing_loss`.
+Under DeepSpeed ZeRO-3 the fused path stays on: `hf/zero3.py` gathers the head's weight (and bias)
+for the fused call and hands its full gradient to DeepSpeed's gradient hook, which reduce-scatters
+it; a model loaded under deepspeed.zero.Init gets its one-forward head and packing checks on the
+first batch (`_batch_unsupported`), inside DeepSpeed's engine. Tested against TRL's own trainer
+under ZeRO-3 with two CPU processes (tests/trl/test_trl_zero3.py).
 Under FSDP2 (`fully_shard`) the fused path stays on: it runs as a registered FSDP forward method
 of the root (`run_as_forward`), so FSDP itself unshards the head for the forward and the backward
 and reduce-scatters its gradient.
@@ -91,9 +96,11 @@ from ..hf import (
     fsdp2_root,
     has_tuner_adapter,
     head_for,
+    resolved_head,
     run_as_forward,
     unwrap_model,
 )
+from ..hf.zero3 import zero3_head
 from ..params import ALL_LOSS_TYPES, GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
@@ -207,6 +214,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "grpo-kernels"]
+    _zero3_check_pending = False  # DeepSpeed ZeRO-3: the head's forward check waits for a batch
 
     def __init__(self, *args, padding_free: bool = True, grad_filter: float | str | None = None,
                  **kwargs):
@@ -233,6 +241,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         self._entropy_control: EntropyController | None = None
         self._grpo_params, self._loss_fallback = self._build_params()
         self._model_fallback = self._model_unsupported()
+        self._packing_requested = padding_free
         self._packing_off = self._packing_decision(padding_free)
         head = unwrap_model(self.model).get_output_embeddings()
         if has_tuner_adapter(head) and self._model_fallback is not None:
@@ -261,15 +270,18 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         """Why the hidden-state path cannot run this model at all (None if it can)."""
         if (reason := self._moe_unsupported()) is not None:
             return reason
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-        if is_deepspeed_zero3_enabled():
-            # a GatheredParameters gather ends with the forward, but our backward recomputes
-            # the logits from the full head weight and its gradient needs ZeRO's reduce hooks
-            return ("DeepSpeed ZeRO-3 shards the lm_head weight, and the fused loss's backward "
-                    "needs the full weight after the forward")
-        try:  # one short forward: the head must take the body's output as is
-            check_output_head(self.model)
+        try:
+            # --- DeepSpeed ZeRO-3 (hf/zero3.py) ---
+            if zero3_head(self.model):
+                # loaded under deepspeed.zero.Init: no forward can run before DeepSpeed's engine
+                # wraps the model; the config checks run now (the head is gathered for them),
+                # the short forward on the first batch (`_batch_unsupported`)
+                with torch.no_grad():
+                    resolved_head(self.model)
+                self._zero3_check_pending = True
+                return None
+            # --- end DeepSpeed ZeRO-3 ---
+            check_output_head(self.model)  # one short forward: the head takes the body's output
         except (ValueError, NotImplementedError) as exc:
             return str(exc)
         return None
@@ -281,6 +293,13 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
             _warn_at_user_frame(f"grpo_kernels.trl.GRPOTrainer: {reason}; {instead}")
 
     def _batch_unsupported(self, model) -> str | None:
+        if self._zero3_check_pending and model is not None:  # --- DeepSpeed ZeRO-3 ---
+            self._zero3_check_pending = False  # the forward checks, deferred from __init__
+            try:
+                check_output_head(model)
+            except (ValueError, NotImplementedError) as exc:
+                self._model_fallback = str(exc)
+            self._packing_off = self._packing_decision(self._packing_requested)
         if self._model_fallback is not None:
             return self._model_fallback
         if self.is_fsdp_enabled and fsdp2_root(model) is None:
