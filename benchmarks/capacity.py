@@ -10,8 +10,8 @@ synthetic completions (random tokens made without the model, so generation does 
 beta and the rest as trainer_step. A probe fits when it finishes and the higher of its scoring
 and loss phase peaks is within the budget: on CUDA `max_memory_allocated`, on CPU the process'
 RSS (trainer_step's --max_rss_gib stops a probe that passes it). The length doubles from --start
-while it fits, then bisects between the last fit and the first miss until they are within
---resolution of each other (rounded to 64 tokens). One row per provider is appended to
+while it fits (or halves while it does not, down to 64), then bisects between the last fit and
+the first miss until they are within --resolution of each other (rounded to 64 tokens). One row per provider is appended to
 <out>/<device>-capacity.csv: the longest length that fit, every probe's length and peak, the
 machine, versions, commit and command.
 """
@@ -58,16 +58,23 @@ def probe(args, provider: str, length: int) -> dict:
 
 
 def search(args, provider: str) -> tuple[int | None, list[dict]]:
-    """(longest fitting length or None, every probe) for one provider."""
+    """(longest fitting length or None, every probe) for one provider: from --start, doubling
+    while it fits (or halving, down to 64 tokens, while it does not), then bisecting."""
     probes = [probe(args, provider, args.start)]
-    if not probes[-1]["fits"]:
-        return None, probes
-    lo = hi = args.start
-    while probes[-1]["fits"] and hi < args.max_length:
-        lo, hi = hi, min(2 * hi, args.max_length)
-        probes.append(probe(args, provider, hi))
-    if probes[-1]["fits"]:  # fits up to --max_length
-        return hi, probes
+    if probes[-1]["fits"]:
+        lo = hi = args.start
+        while probes[-1]["fits"] and hi < args.max_length:
+            lo, hi = hi, min(2 * hi, args.max_length)
+            probes.append(probe(args, provider, hi))
+        if probes[-1]["fits"]:  # fits up to --max_length
+            return hi, probes
+    else:
+        lo = hi = args.start
+        while not probes[-1]["fits"]:
+            if lo // 2 < 64:
+                return None, probes
+            lo, hi = lo // 2, lo
+            probes.append(probe(args, provider, lo))
     while hi > lo * (1 + args.resolution):
         mid = max(lo + 64, (lo + hi) // 2 // 64 * 64)
         if mid >= hi:

@@ -28,7 +28,11 @@ def digits_reward(completions, **kwargs):
             for c in completions]
 
 
-def make_trainer(cls, model_dir, peft_config=None, padding_free=True, **overrides):
+def make_trainer(cls, model_dir, peft_config=None, padding_free=True, processing_class=None,
+                 dataset=None, **overrides):
+    """A tiny trainer of class `cls` (TRL's or ours; padding_free goes to ours only): micro-batch
+    B, 4 generations, completions up to T tokens, gradient accumulation 2, 4 micro-batches per
+    generation; `overrides` are GRPOConfig fields."""
     cfg = dict(
         output_dir=os.path.join(model_dir, "out"), report_to=[], use_cpu=True, bf16=False,
         seed=0, per_device_train_batch_size=B, num_generations=4, max_completion_length=T,
@@ -42,7 +46,8 @@ def make_trainer(cls, model_dir, peft_config=None, padding_free=True, **override
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
-                   train_dataset=DATASET, peft_config=peft_config, **ours)
+                   train_dataset=DATASET if dataset is None else dataset,
+                   peft_config=peft_config, processing_class=processing_class, **ours)
 
 
 def make_batch(trainer, seed=0, noise=0.3, lengths=(7, 3, 5, 1)):

@@ -21,11 +21,21 @@ def test_search_doubles_then_bisects_to_the_resolution(monkeypatch):
     assert seen == [1024, 2048, 4096, 3072, 2560, 2816] and length == 2816
     assert 3072 <= length * (1 + args.resolution) and all(n % 64 == 0 for n in seen)
     assert [p["length"] for p in probes] == seen
-    # nothing fits / everything fits up to --max_length
+    # everything fits up to --max_length
     args.max_length = 2048
     assert capacity.search(args, "trl")[0] == 2048
-    args.start = args.max_length = 4096
-    assert capacity.search(args, "trl") == (None, [fake_probe(args, "trl", 4096)])
+    # the start misses: halve to a fit (4096 -> 2048), then bisect up to the miss
+    seen.clear()
+    args.max_length = 131072
+    args.start = 8192
+    assert capacity.search(args, "trl")[0] == 2816
+    assert seen == [8192, 4096, 2048, 3072, 2560, 2816]
+    # nothing fits, down to 64 tokens
+    seen.clear()
+    monkeypatch.setattr(capacity, "probe", lambda a, p, n: dict(length=n, fits=False,
+                                                                 peak_gib=9.0, status="ok"))
+    length, probes = capacity.search(args, "trl")
+    assert length is None and [p["length"] for p in probes][-1] == 64
 
 
 @pytest.mark.slow

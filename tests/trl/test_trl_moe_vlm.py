@@ -10,7 +10,6 @@ both tiny and randomly initialized from a config, float32 on the CPU:
 """
 
 import copy
-import os
 import warnings
 
 import numpy as np
@@ -20,8 +19,7 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
-from trl_harness import DATASET, EOS, B, T, assert_same, digits_reward, run_both  # noqa: E402
+from trl_harness import DATASET, B, T, assert_same, make_trainer, run_both  # noqa: E402
 
 from grpo_kernels import force_backend  # noqa: E402
 from grpo_kernels.trl import GRPOTrainer  # noqa: E402
@@ -128,19 +126,9 @@ def image_dataset(n=8, multi=False):
 
 
 def build_trainer(cls, model_dir, processing_class=None, dataset=DATASET, **overrides):
-    """trl_harness.make_trainer's configuration, with a processor and dataset of choice."""
-    cfg = dict(
-        output_dir=os.path.join(model_dir, "out"), report_to=[], use_cpu=True, bf16=False,
-        seed=0, per_device_train_batch_size=B, num_generations=4, max_completion_length=T,
-        gradient_accumulation_steps=2, generation_batch_size=4 * B, logging_steps=1,
-        max_steps=2, save_strategy="no", disable_tqdm=True,
-        generation_kwargs={"sequence_bias": [[[EOS], 3.5]]},
-    )
-    cfg.update(overrides)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
-                   train_dataset=dataset, processing_class=processing_class)
+    """trl_harness.make_trainer with a processor and dataset of choice."""
+    return make_trainer(cls, model_dir, processing_class=processing_class, dataset=dataset,
+                        **overrides)
 
 
 def train_both(model_dir, **kwargs):
