@@ -110,5 +110,8 @@ def test_synthetic_completions_end_as_drawn_without_special_tokens_inside():
     for row, n in zip(out[:, 3:].tolist(), forcing.history[-1]):
         body = row[:n - 1] if n < 12 else row
         assert 7 not in body and 0 not in body and len(set(body)) > 1
+    # grpo_train takes synthetic completions on its padded path only
+    assert trainer_step.parse_args(["--provider", "fused", "--synthetic"]).generation == "padded"
     with pytest.raises(SystemExit):
-        trainer_step.parse_args(["--provider", "fused", "--synthetic"])
+        trainer_step.parse_args(["--provider", "fused", "--synthetic", "--generation",
+                                 "continuous"])
