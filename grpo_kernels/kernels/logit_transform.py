@@ -26,9 +26,11 @@ def _tanh_and_sech2(a):
     (e underflows to 0 for large |a|: tanh = ±1, 1 - tanh² = 0, no inf/inf). Triton has no
     tanh of its own that its interpreter also runs; 1 - e loses relative precision only where
     |a| is tiny, an absolute error of a few float32 ulps of 1, i.e. of c·ulp(1) in the capped
-    logit c·tanh, the size of the rounding of a logit near the cap itself."""
+    logit c·tanh, the size of the rounding of a logit near the cap itself. The one division is
+    the approximate one (2 ulp; its denominator 1 + e lies in [1, 2]): IEEE division adds a
+    slow-path call whose registers made the fused forward and d-logits kernels spill."""
     e = tl.exp2(tl.abs(a) * (-2.0 * LOG2E))
-    r = 1.0 / (1.0 + e)
+    r = tl.fdiv(1.0, 1.0 + e, approx=True)  # 1 + e in [1, 2]: 2 ulp, no slow-path call
     t = (1.0 - e) * r
     return tl.where(a < 0, -t, t), 4.0 * e * r * r
 
