@@ -20,6 +20,12 @@ losses, the modules, the Hugging Face helpers and the TRL trainer all reach:
 
 The semantics are in docs/semantics.md.
 
+Every function that computes logits takes `softcap` and `logit_scale` (keywords, None = off): the
+logit transform some models apply inside their forward (Gemma 2's final-logit soft-capping,
+Cohere's logit scale), from the raw logits y = hidden @ weight.T + bias (or the logits given):
+z = softcap·tanh(logit_scale·y / softcap), then the temperature, z / τ, then the softmax
+(docs/semantics.md, "Logit soft-capping and scale").
+
 A packed batch (`cu_seqlens`, hidden [N, D] or logits [N, V]) takes the same routes: the kernels
 see its N tokens, and `grpo_math` works on [N] with the segment sums of `layouts.py`.
 """
@@ -41,6 +47,7 @@ from .validation import (
     check_grad_filter,
     check_linear_head,
     check_linear_loss_inputs,
+    check_logit_transform,
     check_logits,
     check_logits_loss_inputs,
     check_temperature,
@@ -135,10 +142,14 @@ def selective_logprobs(
     bias: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
     return_entropy: bool = False,
     grad_filter: float | str | None = None,
 ):
-    """Log-probability of `targets` under softmax((hidden @ weight.T + bias) / temperature).
+    """Log-probability of `targets` under softmax(cap(s·(hidden @ weight.T + bias)) / temperature),
+    cap(v) = softcap·tanh(v / softcap) (the identity when softcap is None), s = logit_scale (1
+    when None).
 
     Never materializes the [..., V] logits. Differentiable w.r.t. hidden, weight and bias, through
     both outputs. Under torch.no_grad() it is the cheap scoring path for old/reference policies.
@@ -148,7 +159,11 @@ def selective_logprobs(
         weight: [V, D] output-embedding (lm_head) weight, same dtype and device as hidden.
         targets: [...] integer token ids in [0, V).
         bias: optional [V] lm_head bias.
-        temperature: logits are divided by it before the softmax.
+        temperature: logits are divided by it before the softmax (after the transform below).
+        softcap: final-logit soft cap c > 0 (Gemma 2's `final_logit_softcapping`): the raw
+            logits y become c·tanh(y / c) before the temperature. None: no cap.
+        logit_scale: s != 0 (Cohere's `logit_scale`): y becomes s·y, before the cap if both are
+            given (z = c·tanh(s·y / c)). None: no scale.
         return_entropy: also return the entropy of the full distribution (nats).
         grad_filter: None (default) for the exact backward. "auto" or an eps >= 0 turns on
             gradient filtering in the Triton backward: a [tokens × vocabulary] tile whose
@@ -160,26 +175,30 @@ def selective_logprobs(
     """
     check_linear_head(hidden, weight, bias)
     temperature = check_temperature(temperature)
+    transform = check_logit_transform(softcap, logit_scale)
     lead = hidden.shape[:-1]
     ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device,
                           check_values=False)  # the op checks the range (torch.compile)
     eps = check_grad_filter(grad_filter, hidden.dtype)
     logp, ent, _ = OPS.linear_logprobs(
         *_linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias), ids.reshape(-1),
-        temperature, eps, backend_for(hidden), "targets")
+        temperature, eps, backend_for(hidden), "targets", *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
 
 
-def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=False,
-                         inplace=False):
-    """Log-probability of `targets` under softmax(logits / temperature), without a float32
-    [..., V] log-softmax.
+def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logit_scale=None,
+                         return_entropy=False, inplace=False):
+    """Log-probability of `targets` under softmax(cap(s·logits) / temperature), without a
+    float32 [..., V] log-softmax (cap and s as in `selective_logprobs`; both off by default).
 
     Args:
         logits: [..., V] float16/bfloat16/float32 (read in its own dtype).
         targets: [...] integer ids in [0, V).
-        temperature: logits are divided by it first.
+        temperature: logits are divided by it (after softcap and logit_scale).
+        softcap, logit_scale: the logit transform z = softcap·tanh(logit_scale·logits /
+            softcap) of `selective_logprobs`, for raw logits. A Hugging Face model's output
+            logits are already capped and scaled: leave both None for those.
         return_entropy: also return the entropy (nats) of each distribution.
         inplace: backward writes d logits over `logits` (saves one [..., V] buffer; `logits`
             holds its gradient afterwards and must not be used again).
@@ -189,12 +208,13 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=Fal
     """
     check_logits(logits)
     temperature = check_temperature(temperature)
+    transform = check_logit_transform(softcap, logit_scale)
     lead = logits.shape[:-1]
     ids = check_token_ids("targets", targets, logits.shape[-1], lead, logits.device,
                           "logits.shape[-1]", check_values=False)  # the op checks the range
     x = _as_btv(logits)
     logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), temperature, backend_for(x),
-                                       "targets", _eager(inplace))
+                                       "targets", _eager(inplace), *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
 
@@ -204,10 +224,11 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, return_entropy=Fal
 
 def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                   ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                  grad_filter, params: GRPOParams, sampling_logps=None, entropy_gather=None
-                  ) -> tuple[GRPOTerms, LossInputs]:
+                  grad_filter, params: GRPOParams, sampling_logps=None, entropy_gather=None,
+                  softcap=None, logit_scale=None) -> tuple[GRPOTerms, LossInputs]:
     """The route of every linear-head GRPO loss: checks, then the token-terms op or the
     selective log-prob op with grpo_math. Returns the terms and the validated inputs."""
+    transform = check_logit_transform(softcap, logit_scale)
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
@@ -218,10 +239,10 @@ def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, o
     head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
     if _fused(backend, params):
         outputs = OPS.linear_grpo_terms(*head, ids.reshape(-1), eps, backend,
-                                        *_terms_args(inputs, params))
+                                        *_terms_args(inputs, params), *transform)
         return _fused_terms(outputs, inputs, params), inputs
     logp, ent, _ = OPS.linear_logprobs(*head, ids.reshape(-1), params.temperature, eps, backend,
-                                       "completion_ids")
+                                       "completion_ids", *transform)
     return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
 
 
@@ -240,6 +261,8 @@ def fused_linear_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     grad_filter: float | str | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
     sampling_logps: torch.Tensor | None = None,
     return_terms: bool = False,
     entropy_gather=None,
@@ -265,6 +288,12 @@ def fused_linear_grpo_loss(
             advantages and importance_sampling_ratio [S], [S, 1] or [N]. Equals the padded call.
         grad_filter: None (exact, default), "auto" or eps >= 0: gradient filtering in the
             Triton backward (approximate; see `selective_logprobs`).
+        softcap: the model's final-logit soft cap c > 0 (Gemma 2), or None. The policy's
+            logits are z = c·tanh(s·y / c) of the raw y = hidden @ weight.T + bias, then
+            divided by the temperature (as the model's forward, then TRL, compute them).
+        logit_scale: the model's logit scale s != 0 (Cohere: z = s·y), or None; applied
+            before the cap when both are given. Both are properties of the model, not GRPO
+            hyperparameters: old_logps / ref_logps must come from the same transform.
         sampling_logps: [B, T] log-probs under the sampling engine, for the off-policy mask
             (off_policy_mask_threshold; default: old_logps); NaN marks an unscored token.
         return_terms: return the per-token terms (`GRPOTerms`: the policy loss Σ weight·ℓ
@@ -283,15 +312,16 @@ def fused_linear_grpo_loss(
     terms, inputs = _linear_route(hidden, weight, completion_ids, advantages, completion_mask,
                                   old_logps, ref_logps, bias, num_items_in_batch,
                                   importance_sampling_ratio, cu_seqlens, grad_filter, params,
-                                  sampling_logps, entropy_gather)
+                                  sampling_logps, entropy_gather, softcap, logit_scale)
     return terms if return_terms else _loss_and_metrics(terms, inputs, params)
 
 
 def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
                   num_items_in_batch, importance_sampling_ratio, cu_seqlens, inplace,
-                  params: GRPOParams, sampling_logps=None, entropy_gather=None
-                  ) -> tuple[GRPOTerms, LossInputs]:
+                  params: GRPOParams, sampling_logps=None, entropy_gather=None,
+                  softcap=None, logit_scale=None) -> tuple[GRPOTerms, LossInputs]:
     """The route of every logits-input GRPO loss (see `_linear_route`)."""
+    transform = check_logit_transform(softcap, logit_scale)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
@@ -301,10 +331,10 @@ def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps
     backend = backend_for(x)
     if _fused(backend, params):
         outputs = OPS.logits_grpo_terms(x, ids.reshape(-1), backend, _eager(inplace),
-                                        *_terms_args(inputs, params))
+                                        *_terms_args(inputs, params), *transform)
         return _fused_terms(outputs, inputs, params), inputs
     logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
-                                       "completion_ids", _eager(inplace))
+                                       "completion_ids", _eager(inplace), *transform)
     return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
 
 
@@ -321,6 +351,8 @@ def grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     inplace: bool = False,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
     sampling_logps: torch.Tensor | None = None,
     return_terms: bool = False,
     entropy_gather=None,
@@ -333,7 +365,9 @@ def grpo_loss(
 
     Arguments as `fused_linear_grpo_loss` (a packed batch: logits [N, V] with `cu_seqlens`);
     `inplace=True` writes d logits over the logits buffer in backward (the logits are garbage
-    afterwards).
+    afterwards). `softcap` / `logit_scale` transform the logits given, as in
+    `fused_linear_grpo_loss`: for raw logits only (a Hugging Face model's output logits are
+    already capped and scaled).
 
     Returns:
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors), or GRPOTerms
@@ -341,5 +375,6 @@ def grpo_loss(
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
                                   ref_logps, num_items_in_batch, importance_sampling_ratio,
-                                  cu_seqlens, inplace, params, sampling_logps, entropy_gather)
+                                  cu_seqlens, inplace, params, sampling_logps, entropy_gather,
+                                  softcap, logit_scale)
     return terms if return_terms else _loss_and_metrics(terms, inputs, params)

@@ -11,7 +11,7 @@ from torch import nn
 
 from .functional import fused_linear_grpo_loss, grpo_loss
 from .params import GRPOParams, signature_with_params
-from .validation import check_grad_filter
+from .validation import check_grad_filter, check_logit_transform
 
 
 class _GRPOModule(nn.Module):
@@ -31,13 +31,17 @@ class _GRPOModule(nn.Module):
 
 class FusedLinearGRPOLoss(_GRPOModule):
     """GRPO loss from hidden states and the lm_head weight; see `fused_linear_grpo_loss`.
-    Keywords: the GRPOParams fields (or params=), and grad_filter."""
+    Keywords: the GRPOParams fields (or params=), grad_filter, and the model's logit transform
+    softcap / logit_scale."""
 
     @signature_with_params
-    def __init__(self, *, grad_filter: float | str | None = None,
-                 params: GRPOParams | None = None, **hyperparameters):
+    def __init__(self, *, grad_filter: float | str | None = None, softcap: float | None = None,
+                 logit_scale: float | None = None, params: GRPOParams | None = None,
+                 **hyperparameters):
         check_grad_filter(grad_filter, torch.bfloat16)  # fail here, not at the first step
-        super().__init__(params, hyperparameters, grad_filter=grad_filter)
+        softcap, logit_scale = check_logit_transform(softcap, logit_scale)
+        super().__init__(params, hyperparameters, grad_filter=grad_filter, softcap=softcap,
+                         logit_scale=logit_scale)
 
     @property
     def grad_filter(self) -> float | str | None:
@@ -50,17 +54,22 @@ class FusedLinearGRPOLoss(_GRPOModule):
             hidden, weight, completion_ids, advantages, completion_mask, old_logps, ref_logps,
             bias, num_items_in_batch=num_items_in_batch,
             importance_sampling_ratio=importance_sampling_ratio, cu_seqlens=cu_seqlens,
-            sampling_logps=sampling_logps, grad_filter=self.grad_filter, params=self.params)
+            sampling_logps=sampling_logps, grad_filter=self.grad_filter,
+            softcap=self.options["softcap"], logit_scale=self.options["logit_scale"],
+            params=self.params)
 
 
 class GRPOLoss(_GRPOModule):
     """GRPO loss from logits; see `grpo_loss`. Keywords: the GRPOParams fields (or params=),
-    and inplace."""
+    inplace, and softcap / logit_scale (for raw logits)."""
 
     @signature_with_params
-    def __init__(self, *, inplace: bool = False, params: GRPOParams | None = None,
+    def __init__(self, *, inplace: bool = False, softcap: float | None = None,
+                 logit_scale: float | None = None, params: GRPOParams | None = None,
                  **hyperparameters):
-        super().__init__(params, hyperparameters, inplace=inplace)
+        softcap, logit_scale = check_logit_transform(softcap, logit_scale)
+        super().__init__(params, hyperparameters, inplace=inplace, softcap=softcap,
+                         logit_scale=logit_scale)
 
     @property
     def inplace(self) -> bool:
@@ -73,4 +82,5 @@ class GRPOLoss(_GRPOModule):
                          ref_logps, num_items_in_batch=num_items_in_batch,
                          importance_sampling_ratio=importance_sampling_ratio,
                          cu_seqlens=cu_seqlens, sampling_logps=sampling_logps,
-                         inplace=self.inplace, params=self.params)
+                         inplace=self.inplace, softcap=self.options["softcap"],
+                         logit_scale=self.options["logit_scale"], params=self.params)

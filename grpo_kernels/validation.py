@@ -137,6 +137,30 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
+def _number_or_none(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_logit_transform(softcap, logit_scale) -> tuple[float | None, float | None]:
+    """(softcap, logit_scale) as floats or None: the logit transform z = c·tanh(s·y / c) (s = 1
+    without a scale; z = s·y without a cap) applied to the raw logits y before the temperature.
+    softcap must be finite and > 0 (Gemma 2's final_logit_softcapping); logit_scale finite and
+    non-zero (Cohere's logit_scale)."""
+    softcap = _number_or_none("softcap", softcap)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (z = softcap·tanh(y / softcap)), got {softcap}")
+    logit_scale = _number_or_none("logit_scale", logit_scale)
+    if logit_scale == 0:
+        raise ValueError("logit_scale must be non-zero (z = logit_scale·y), got 0.0")
+    return softcap, logit_scale
+
+
 def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
     """None (exact), "auto" (finfo(dtype).eps / 32: 2^-12 for bfloat16, as Cut Cross-Entropy's
     default) or a number >= 0 -> the eps the backward kernel takes, or None."""

@@ -87,3 +87,24 @@ def scaled_err(a, b) -> float:
     if not a.numel():
         return 0.0
     return max_err(a, b) / max(b.double().abs().max().item(), 1e-30)
+
+
+def transformed_head(inputs, targets, temperature, softcap, logit_scale, g_logp, g_ent,
+                     dtype=torch.float64, raw=None):
+    """PyTorch autograd in `dtype` (float64: the truth) of the log-probs of raw logits
+    y = raw(*inputs) (default: hidden @ weight.T + bias) with the logit transform
+    z = cap(s·y) / τ: (logp, entropy, lse, gradients of Σ g·logp + Σ g_H·H w.r.t. the inputs
+    that are not None)."""
+    leaves = [None if x is None else leaf(x, dtype) for x in inputs]
+    if raw is None:
+        def raw(h, w, b):
+            return h @ w.T if b is None else h @ w.T + b
+    z = reference.transform_logits(raw(*leaves), softcap, logit_scale) / temperature
+    log_p = torch.log_softmax(z, -1)
+    logp = log_p.gather(-1, targets[..., None]).squeeze(-1)
+    ent = -(log_p.exp() * log_p).sum(-1)
+    loss = (g_logp.to(z.dtype) * logp).sum()
+    if g_ent is not None:
+        loss = loss + (g_ent.to(z.dtype) * ent).sum()
+    grads = torch.autograd.grad(loss, [x for x in leaves if x is not None])
+    return logp.detach(), ent.detach(), torch.logsumexp(z, -1).detach(), list(grads)

@@ -41,12 +41,14 @@ from .tiles import (
     LN2,
     LOG2E,
     BackwardMode,
+    cap_tile_,
     compute_dtype,
     empty_stats,
     exp_sums,
     fast_mode,
     finish_stats,
     general_mode,
+    head_transform,
     in_tile,
     kept_mode,
     log2_head,
@@ -103,27 +105,34 @@ def _row_parts(n: int, rows: int):
 
 
 def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None,
-                           keep=None):
+                           keep=None, softcap=None, logit_scale=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]
     -> float32 (logp, entropy, lse), each [N].
 
     keep: None, or a dict that receives, when the [N, V] logits fit one tile of at most
     KEEP_ELEMENTS, "tile" = z - m (log2 units, [N, V], compute dtype) and "max" = m [N], for
-    `linear_logprob_backward(kept=...)`; it stays empty otherwise."""
+    `linear_logprob_backward(kept=...)`; it stays empty otherwise (and with a soft cap).
+    softcap / logit_scale: z = cap(s·y) / τ of the raw logits y (`softcap.py`)."""
     N, V = hidden.shape[0], weight.shape[0]
     out = empty_stats(N, hidden.device)
     if N == 0:
         return out
+    temperature, cap = head_transform(temperature, softcap, logit_scale)
+    keep = keep if cap is None else None
     dtype = compute_dtype(hidden, weight, bias)
     rows, cols = _tile_shape(N, V, chunk_elements, buffers=2)
     with torch.no_grad():
-        h, b, alpha = log2_head(hidden, bias, dtype, temperature)  # z = α·h @ W^T + b, log2 units
+        # z = α·h @ W^T + b, log2 units; with a cap, α = s/c and the tile is capped after
+        h, b, alpha = log2_head(hidden, bias, dtype, temperature,
+                                alpha=None if cap is None else cap.pre)
         z_buf, e_buf = (torch.empty(rows * cols, dtype=dtype, device=h.device) for _ in range(2))
         w_buf = tile_buffer(weight, dtype, cols)
         if cols == V:  # whole rows: each row block's statistics directly, nothing carried over
             w = weight_tile(weight, 0, V, dtype, w_buf)
             for _, r, part in _row_parts(N, rows):
                 z = logits_tile(part(h), w, b, view(z_buf, r, V), alpha)  # [r, V]
+                if cap is not None:
+                    cap_tile_(z, cap)
                 m = z.amax(dim=1)
                 picked = z.gather(1, part(targets)[:, None]).squeeze_(1).sub_(m)  # z_target - m
                 z.sub_(m[:, None])
@@ -140,6 +149,8 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
             col, inside = in_tile(targets, v0, c)
             for _, r, part in _row_parts(N, rows):
                 z = logits_tile(part(h), w, bt, view(z_buf, r, c), alpha)
+                if cap is not None:
+                    cap_tile_(z, cap)
                 pk = part(picked)
                 pk.copy_(torch.where(part(inside), z.gather(1, part(col)).squeeze(1), pk))
                 tile_update(z, view(e_buf, r, c), part(m), part(s), part(t), first=v0 == 0)
@@ -164,6 +175,7 @@ def _active_rows(g, gh):
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
     needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
+    softcap=None, logit_scale=None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward).
 
@@ -175,7 +187,15 @@ def linear_logprob_backward(
 
     Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes:
     `fast_mode` (no bias, no entropy gradient) or `general_mode`; `kept_mode` starts either
-    of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles."""
+    of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles.
+    A logit scale alone is a temperature here (`softcap.head_transform`); a soft cap runs
+    `softcap.linear_backward`."""
+    temperature, cap = head_transform(temperature, softcap, logit_scale)
+    if cap is not None:
+        from .softcap import linear_backward
+
+        return linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
+                               temperature, softcap, logit_scale, needs, chunk_elements)
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
     idx = _active_rows(g_logp, g_ent)
@@ -304,8 +324,14 @@ def _block(buf, shape):
     return buf.view(shape) if buf.numel() == n else buf[:n].view(shape)
 
 
-def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
-    """logits [B, T, V], targets [B·T] -> float32 (logp, entropy, lse), each [B·T]."""
+def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, softcap=None,
+                           logit_scale=None):
+    """logits [B, T, V], targets [B·T] -> float32 (logp, entropy, lse), each [B·T].
+    softcap / logit_scale: the logits are raw, z = cap(s·logits) / τ (`softcap.py`)."""
+    if softcap is not None or logit_scale is not None:
+        from .softcap import logits_forward
+
+        return logits_forward(logits, targets, temperature, softcap, logit_scale, chunk_elements)
     B, T, V = logits.shape
     out = empty_stats(B * T, logits.device)
     dtype, scale = compute_dtype(logits), LOG2E / temperature
@@ -325,8 +351,13 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None):
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
-                            chunk_elements=None):
+                            chunk_elements=None, softcap=None, logit_scale=None):
     """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself)."""
+    if softcap is not None or logit_scale is not None:
+        from .softcap import logits_backward
+
+        return logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, softcap,
+                               logit_scale, out, chunk_elements)
     B, T, V = logits.shape
     dx3 = torch.empty_like(logits) if out is None else out
     dtype, inv_t = compute_dtype(logits), 1.0 / temperature

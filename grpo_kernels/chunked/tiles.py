@@ -92,12 +92,34 @@ def neg_dz_tile(logp, scratch, ent, g, gh):
     return torch.addcmul(g, gh, logp.add_(ent), out=logp).mul_(p)
 
 
-def log2_head(hidden, bias, dtype, temperature):
+def log2_head(hidden, bias, dtype, temperature, alpha=None):
     """(hidden [N, D] and bias [V] | None in the compute dtype, alpha = log2(e)/τ), so that
     z = alpha·(h @ W^T) + b is the logits in log2 units: the GEMM applies alpha, so hidden is
-    never scaled (the bias is, [V])."""
-    alpha = LOG2E / temperature
+    never scaled (the bias is, [V]). A given alpha replaces log2(e)/τ (a soft cap's s/c)."""
+    alpha = LOG2E / temperature if alpha is None else alpha
     return hidden.to(dtype), None if bias is None else bias.to(dtype) * alpha, alpha
+
+
+class Cap(NamedTuple):
+    """A linear-head forward tile with a cap: z/τ in log2 units = post·tanh(pre·y)."""
+
+    pre: float  # s/c
+    post: float  # c·log2(e)/τ
+
+
+def head_transform(temperature: float, softcap, logit_scale) -> tuple[float, Cap | None]:
+    """(temperature for the linear-head launchers, Cap or None). A scale alone is a temperature:
+    s·y / τ = y / (τ/s) (also for s < 0: every step of the linear head's launchers takes the sign
+    of 1/τ through, and its maxima are taken after the scaling); a cap needs the tanh."""
+    s = 1.0 if logit_scale is None else float(logit_scale)
+    if softcap is None:
+        return temperature / s, None
+    return temperature, Cap(pre=s / softcap, post=softcap * LOG2E / temperature)
+
+
+def cap_tile_(y, cap: Cap):
+    """In place: a tile of pre·y (the GEMM applied pre) -> post·tanh(pre·y), log2 units."""
+    return y.tanh_().mul_(cap.post)
 
 
 def logits_tile(h, w, b, out, alpha):

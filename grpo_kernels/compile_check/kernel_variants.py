@@ -42,6 +42,15 @@ EPILOGUES = (
     (True, 1, True, False, True, False, False),  # cispo
     (True, 2, True, False, False, False, True),  # sapo
 )
+# The logit transform (kernels/logit_transform.py) as (HAS_SCALE, HAS_SOFTCAP): off, a logit scale
+# alone (Cohere), a soft cap (Gemma 2; with a scale too, the same code: the scale rides in
+# logit_mul). Its variants are compiled for a subset of the other flags (TRANSFORM_FWD/BWD),
+# every dtype, head and tile configuration; they come from the model, so they count as default.
+TRANSFORMS = ((True, False), (False, True))
+TRANSFORM_FWD = ((False, False, 0), (False, True, 1), (True, False, 0), (True, True, 1))
+TRANSFORM_BWD = (((True, True), False, False, False), ((True, True), True, True, False),
+                 ((True, False), False, True, False), ((False, True), True, False, False),
+                 ((True, True), False, True, True))
 # --quick: (split, bias, epilogue) of the forward and (needs, bias, gent, filter) of the backwards
 QUICK_FWD = ((False, False, EPILOGUES[0]), (False, True, EPILOGUES[1]),
              (True, False, EPILOGUES[0]), (True, True, EPILOGUES[1]))
@@ -155,6 +164,24 @@ def _epilogue_args(epi: tuple) -> dict:
     return {**ptrs, **scalars, **dict(zip(EPI_NAMES, epi))}
 
 
+def _transform_args(flags: tuple) -> dict:
+    return dict(logit_mul=0.5, softcap=30.0, HAS_SCALE=flags[0], HAS_SOFTCAP=flags[1])
+
+
+def _transform_tag(flags: tuple) -> str:
+    return "" if not any(flags) else ",logit=softcap" if flags[1] else ",logit=scale"
+
+
+def _with_transforms(plain, subset, quick: bool):
+    """(flags, transform) pairs: every flag combination untransformed, then `subset` of them
+    (its first with --quick) with each transform."""
+    for flags in plain:
+        yield flags, (False, False)
+    for tr in TRANSFORMS:
+        for flags in subset[:1] if quick else subset:
+            yield flags, tr
+
+
 def _tag(epi: tuple) -> str:
     if not epi[0]:
         return "none"
@@ -186,28 +213,32 @@ def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
     heads = dict(h_ptr=Ptr(h), w_ptr=Ptr(w), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"),
                  ent_ptr=Ptr("fp32"), V=V, D=D, stride_hn=D, stride_wv=D, inv_temp=1.0)
     combos = itertools.product((False, True), (False, True), EPILOGUES)
-    for split, bias, epi in QUICK_FWD if quick else combos:
+    subset = tuple((split, bias, EPILOGUES[e]) for split, bias, e in TRANSFORM_FWD)
+    for (split, bias, epi), tr in _with_transforms(QUICK_FWD if quick else combos, subset,
+                                                   quick):
         args = dict(heads, b_ptr=Ptr(w if bias else h), part_ptr=Ptr("fp32"),
                     logp_ptr=Ptr("fp32"), N=N, n_blocks=n_blocks, n_splits=S if split else 1,
                     tiles_per_split=per_split if split else n_tiles, HAS_BIAS=bias,
-                    SPLIT=split, DOT_PREC=prec, **_epilogue_args(epi), **fcfg)
+                    SPLIT=split, DOT_PREC=prec, **_epilogue_args(epi), **fcfg,
+                    **_transform_args(tr))
         yield Variant(f"linear_fwd[{dt},{prec},split={split},bias={bias},epi={_tag(epi)},"
-                      f"{vtag}]", lin._linear_logprob_fwd_kernel, args, fopts, "linear_fwd",
-                      "fwd" in defaults and split == (S > 1))
+                      f"{vtag}{_transform_tag(tr)}]", lin._linear_logprob_fwd_kernel, args,
+                      fopts, "linear_fwd", "fwd" in defaults and split == (S > 1))
     grads = dict(glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"), filter_eps=0.0)
     # atomic backward (the default only with gradient filtering)
     bcfg, bopts = _split_cfg(
         tile_configs.linear_bwd_atomic(hdt, None, arch=arch, weight_dtype=wdt))
-    for (dh, dw), bias, gent, filt in QUICK_BWD[-2:] if quick else _backward_flags(False):
+    plain = QUICK_BWD[-2:] if quick else _backward_flags(False)
+    for ((dh, dw), bias, gent, filt), tr in _with_transforms(plain, TRANSFORM_BWD[::-1], quick):
         args = dict(heads, **grads, b_ptr=Ptr(w if bias else h), dh_ptr=Ptr("fp32"),
                     dw_ptr=Ptr("fp32"), db_ptr=Ptr("fp32"), N=N, v_begin=0, v_count=V,
                     stride_dh=D, stride_dw=D, n_blocks=triton.cdiv(N, bcfg["BLOCK_N"]),
                     v_blocks=triton.cdiv(V, bcfg["BLOCK_V"]), HAS_BIAS=bias, HAS_GENT=gent,
                     FILTER=filt, COMPUTE_DH=dh, COMPUTE_DW=dw, COMPUTE_DB=bias and dw,
-                    DOT_PREC=prec, **bcfg)
+                    DOT_PREC=prec, **bcfg, **_transform_args(tr))
         yield Variant(f"linear_bwd[{dt},{prec},dh={dh},dw={dw},bias={bias},gent={gent},"
-                      f"filter={filt},{vtag}]", lin._linear_logprob_bwd_kernel, args, bopts,
-                      "linear_bwd", "linear_bwd" in defaults and not filt)
+                      f"filter={filt},{vtag}{_transform_tag(tr)}]", lin._linear_logprob_bwd_kernel,
+                      args, bopts, "linear_bwd", "linear_bwd" in defaults and not filt)
     yield from _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
                               vtag, dt)
 
@@ -226,7 +257,8 @@ def _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
     common = torch.promote_types(hdt, wdt)
     c = ELEM[common]
     budget = gemm.dz_budget_bytes(N, V)
-    for (dh, dw), bias, gent, filt in _backward_flags(quick):
+    flags = _with_transforms(_backward_flags(quick), TRANSFORM_BWD, quick)
+    for ((dh, dw), bias, gent, filt), tr in flags:
         zcfg, zopts = _split_cfg(tile_configs.linear_dz(common, None, arch=arch,
                                                         entropy_grad=gent))
         BN, BV = zcfg["BLOCK_N"], zcfg["BLOCK_V"]
@@ -242,10 +274,11 @@ def _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
                     stride_dz=dz_cols, stride_dbp=dz_cols if need_db else 1,
                     n_blocks=triton.cdiv(n_count, BN), v_blocks=triton.cdiv(dz_cols, BV),
                     HAS_BIAS=bias, HAS_GENT=gent, FILTER=filt, COMPUTE_DB=need_db,
-                    DOT_PREC=prec, **zcfg)
+                    DOT_PREC=prec, **zcfg, **_transform_args(tr))
         yield Variant(f"linear_dz[{dt},{prec},{orientation},dh={dh},dw={dw},bias={bias},"
-                      f"gent={gent},filter={filt},{vtag}]", gemm._linear_dz_kernel, args, zopts,
-                      "linear_dz", "linear_dz" in defaults and not filt)
+                      f"gent={gent},filter={filt},{vtag}{_transform_tag(tr)}]",
+                      gemm._linear_dz_kernel, args, zopts, "linear_dz",
+                      "linear_dz" in defaults and not filt)
         summed = (dw if by_tokens else dh) and (rows < N if by_tokens else cols < V)
         if not summed or common == torch.float32:
             continue  # one chunk: library GEMMs only; float32: acc.addmm_
@@ -291,15 +324,16 @@ def _logits(arch: int, V: int, dtype, quick: bool):
     T = COMPLETION if V % 16 == 0 else COMPLETION - 1  # an odd T too: stride T·V not /16
     rows = dict(x_ptr=Ptr(e), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
                 N=8 * T, V=V, T=T, stride_xb=T * V, stride_xt=V, inv_temp=1.0)
-    for epi in EPILOGUES[:2] if quick else EPILOGUES:
-        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg)
-        yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}]", lgt._logits_logprob_fwd_kernel,
-                      args, opts, "logits_fwd", True)
-    for gent in (False, True):
+    for epi, tr in _with_transforms(EPILOGUES[:2] if quick else EPILOGUES, EPILOGUES[:2], quick):
+        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg,
+                    **_transform_args(tr))
+        yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
+                      lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
+    for gent, tr in _with_transforms((False, True), (False, True), quick):
         args = dict(rows, dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, **cfg)
-        yield Variant(f"logits_bwd[{e},V={V},gent={gent}]", lgt._logits_logprob_bwd_kernel,
-                      args, opts, "logits_bwd", True)
+                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, **cfg, **_transform_args(tr))
+        yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
+                      lgt._logits_logprob_bwd_kernel, args, opts, "logits_bwd", True)
 
 
 def default_linear_backward() -> str:

@@ -2,6 +2,9 @@
 
 Gradients of Σ g·logp + Σ g_H·H for z = (hidden [N, D] @ weight [V, D]^T + bias) / τ:
     d hidden = dz @ weight,   d weight = dz^T @ hidden,   d bias = Σ_n dz      (dz: d logits)
+With a logit transform (`logit_transform.py`: z = cap(s·y) / τ, y the raw logits) dz is the
+gradient w.r.t. y: the kernel multiplies each element by dz/dy = s·(1 - (cap/c)²) (s with a scale
+only) before anything is stored; the GEMMs and d bias are unchanged.
 
 dz [N, V] is never materialized whole. A Triton kernel (`_linear_dz_kernel`) recomputes the
 logit tiles of one chunk and writes that chunk's dz, in the inputs' dtype for 16-bit inputs and
@@ -38,7 +41,8 @@ import triton.language as tl
 
 from . import tile_configs
 from .accumulate_mm import accumulate_mm
-from .linear_logprobs import dz_tile, grouped_program, logit_tile
+from .linear_logprobs import grouped_program, transformed_dz
+from .logit_transform import grad_filter_scale, logit_transform_args
 from .precision import dot_precision
 
 # cap of the d-logits chunk (bf16: 256 MiB holds 883 tokens of a 152k vocabulary)
@@ -54,11 +58,12 @@ def _linear_dz_kernel(
     dbp_ptr,  # [n_blocks, v_count] float32 (row stride stride_dbp): per token block,
               # the column sums of the float32 d logits (d bias partials)
     n0, n_count, v0, v_count, V, D, stride_hn, stride_wv, stride_dz, stride_dbp, inv_temp,
-    n_blocks, v_blocks, filter_eps,
+    n_blocks, v_blocks, filter_eps, logit_mul, softcap,
     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, FILTER: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # grouped order: GROUP_N token blocks sweep the chunk's vocabulary together (L2 reuse)
     pid_n, pid_v = grouped_program(tl.program_id(0), n_blocks, v_blocks, GROUP_N)
@@ -78,11 +83,13 @@ def _linear_dz_kernel(
     # token blocks with no gradient (masked tokens) write zeros without the recompute (a sum,
     # so a NaN gradient still takes the recompute and flows into the result)
     if tl.sum(scale, axis=0) != 0.0:
-        z = logit_tile(h_ptr, w_ptr, b_ptr, offs_n.to(tl.int64) * stride_hn,
-                       offs_v.to(tl.int64) * stride_wv, offs_v, n_mask, v_mask, D, inv_temp,
-                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
-        dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
-                     inv_temp, HAS_GENT)
+        # d logits of the raw logits y; with a transform z = cap(s·y) the chain rule
+        # d/dy = d/dz · s·(1 - (z/c)²) (or · s) is applied inside (`transformed_dz`)
+        dz = transformed_dz(h_ptr, w_ptr, b_ptr, offs_n.to(tl.int64) * stride_hn,
+                            offs_v.to(tl.int64) * stride_wv, offs_n, offs_v, n_mask, v_mask, D,
+                            g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
+                            HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC, HAS_SCALE,
+                            HAS_SOFTCAP)
         if FILTER:
             # gradient filtering, as the atomic backward defines it: a tile whose |d logits|
             # are all <= filter_eps × its token's scale / τ contributes nothing
@@ -138,6 +145,8 @@ def linear_logprob_backward_gemm(
     buffer_bytes: int | None = None,
     orientation: str | None = None,
     config: dict | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
@@ -147,6 +156,7 @@ def linear_logprob_backward_gemm(
     drops a [BLOCK_N, BLOCK_V] tile's d logits as the atomic backward does (same numbers, no
     work saved: the GEMMs stay dense). buffer_bytes (default `dz_budget_bytes`) and
     orientation ("tokens" / "vocab", default from `pick_orientation`) exist for tests.
+    softcap, logit_scale: the forward's logit transform (`logit_transform_args`).
     """
     N, D = hidden.shape
     V = weight.shape[0]
@@ -199,10 +209,11 @@ def linear_logprob_backward_gemm(
             n0, nc, v0, vc, V, D, hidden.stride(0), weight.stride(0), dz.stride(0),
             dbp.stride(0),
             1.0 / temperature, n_blocks, v_blocks,
-            0.0 if grad_filter is None else float(grad_filter),
+            0.0 if grad_filter is None else float(grad_filter) * grad_filter_scale(logit_scale),
             HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
             FILTER=grad_filter is not None, COMPUTE_DB=need_db,
             DOT_PREC=dot_precision(hidden.dtype), **cfg,
+            **logit_transform_args(softcap, logit_scale),
         )
         if by_tokens:
             if need_dh:  # complete for these rows: one GEMM, rounded once

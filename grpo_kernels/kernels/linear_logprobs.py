@@ -1,7 +1,13 @@
 """Triton kernels: selective log-prob (and entropy) of a linear head with temperature.
 
-    z = (hidden @ weight.T + bias) / τ       [N, V], never materialized
+    y = hidden @ weight.T + bias             [N, V] raw logits, never materialized
+    z = cap(s·y) / τ                         the model's logits (see below), then temperature
     lse = logsumexp(z), logp = z[target] - lse, H = lse - Σ softmax(z)·z
+
+The logit transform (`logit_transform.py`) is what some models apply inside their forward: a
+logit scale s (Cohere, z = s·y) and final-logit soft-capping (Gemma 2, cap(v) = c·tanh(v / c));
+the scale comes first, then the cap, then the temperature (TRL divides the model's logits by τ).
+Without either (HAS_SCALE = HAS_SOFTCAP = False, the default) the kernels are the plain ones.
 
 Forward streams vocabulary tiles through an online log-sum-exp; an optional GRPO epilogue turns
 logp into the per-token loss and its gradient coefficient in the same kernel. Backward recomputes
@@ -19,12 +25,20 @@ import triton.language as tl
 
 from . import tile_configs
 from .epilogue import grpo_token_outputs
+from .logit_transform import (
+    grad_filter_scale,
+    logit_transform_args,
+    softcap_logits,
+    softcap_logits_grad,
+)
 from .precision import dot_precision, head_dot, split_dot, tile_dot
 from .tile_configs import INTERPRET
 
 # finite "-inf" for running maxima, so (m_old - m_new)·s stays 0·finite (constexpr: jit globals)
 NEG_BIG = tl.constexpr(-1.0e38)
 _INTERPRETED = tl.constexpr(INTERPRET)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -104,6 +118,31 @@ def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
 
 
 @triton.jit
+def transformed_dz(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_n, offs_v, n_mask, v_mask, D,
+                   g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
+                   HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The backward's d loss / dy tile of the raw logits y = hidden @ weight.T + bias.
+    Without a transform: the logit tile at 1/τ and `dz_tile`, as always. With one
+    (z = cap(s·y), logits z / τ):
+        d loss / dy = dz_tile(z / τ)·dz/dy,   dz_tile = [g·(onehot - p) - g_H·p·(log p + H)] / τ
+        dz/dy = s·(1 - (z / c)²) with a cap, s without (`softcap_logits_grad`)."""
+    if HAS_SCALE or HAS_SOFTCAP:
+        y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, 1.0,
+                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
+        z, dzdy = softcap_logits_grad(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
+        dz = dz_tile(z * inv_temp, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr,
+                     ent_ptr, inv_temp, HAS_GENT) * dzdy
+    else:
+        z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
+                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
+        dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
+                     inv_temp, HAS_GENT)
+    return dz
+
+
+@triton.jit
 def grouped_program(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
     """Program id -> (token block, column) in grouped order: programs that run at the same time
     cover GROUP_N token blocks × all n_cols columns (vocabulary splits or tiles), so hidden
@@ -116,9 +155,7 @@ def grouped_program(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
 
 # The forward works in base-2 units, z2 = z·log2(e), so that each element's exponential is one
 # exp2 (the hardware's ex2) with no extra multiply, and 1/τ is folded into the same FMA; lse and
-# entropy are turned back into nats once per token.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+# entropy are turned back into nats once per token (LOG2E, LN2 above).
 
 
 @triton.jit
@@ -147,8 +184,11 @@ def _online_softmax_tile(y, scale2, m, s, t, v_mask, MASK_V: tl.constexpr):
 
 @triton.jit
 def _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_temp,
-                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """z[n, target_n] = (hidden[n] · weight[target_n] + bias[target_n]) / τ  [BLOCK_N] float32,
+                  logit_mul, softcap,
+                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """z[n, target_n] = cap(s·(hidden[n] · weight[target_n] + bias[target_n])) / τ  [BLOCK_N]
+    float32 (cap(s·y) = y without a transform),
     once per token instead of a compare and select on every logit of every tile. Products and
     sums are float32 (the tile's dot sums in another order: the two agree to float32 rounding,
     and with TF32 tiles this value is the more accurate one)."""
@@ -162,7 +202,7 @@ def _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_te
         acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + tgt, mask=n_mask, other=0.0).to(tl.float32)
-    return acc * inv_temp
+    return softcap_logits(acc, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
 
 
 @triton.jit(do_not_specialize=["N", "n_blocks", "n_splits", "tiles_per_split"])
@@ -173,11 +213,13 @@ def _linear_logprob_fwd_kernel(
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
     eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
     N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, n_splits, tiles_per_split,
+    logit_mul, softcap,  # the logit transform (`softcap_logits`), read only with its flag on
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # Programs that run at the same time cover GROUP_N token blocks × all vocabulary splits:
     # each step reads GROUP_N hidden blocks and n_splits weight tiles from DRAM for
@@ -187,7 +229,10 @@ def _linear_logprob_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows_h = offs_n.to(tl.int64) * stride_hn
-    scale2 = inv_temp * LOG2E  # base-2 logits z2 = y·scale2 (logit_tile gets τ = 1: y unscaled)
+    # base-2 logits z2 = y·scale2 (logit_tile gets τ = 1: y unscaled). With a logit transform,
+    # y is the transformed (model) logit cap(s·y) before the temperature: scale2 > 0 stays, so
+    # the online softmax below is the same (a negative s is inside the transform, not in scale2)
+    scale2 = inv_temp * LOG2E
 
     m = tl.full([BLOCK_N], NEG_BIG, tl.float32)  # running max of z2
     s = tl.zeros([BLOCK_N], tl.float32)  # Σ 2^(z2 - m)
@@ -202,6 +247,7 @@ def _linear_logprob_fwd_kernel(
         y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
                        n_mask, every_v, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
                        DOT_PREC)  # [BLOCK_N, BLOCK_V]
+        y = softcap_logits(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
         m, s, t = _online_softmax_tile(y, scale2, m, s, t, every_v, False)
     # the last, partial tile (0 or 1)
     for tile in range(loop_bound(tl.maximum(full_hi, tile_lo)), loop_bound(tile_hi)):
@@ -209,6 +255,8 @@ def _linear_logprob_fwd_kernel(
         v_mask = offs_v < V
         y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, offs_v.to(tl.int64) * stride_wv, offs_v,
                        n_mask, v_mask, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
+        # columns past V: y = 0 (masked loads), so cap(s·0) = 0; the mask below drops them
+        y = softcap_logits(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
         m, s, t = _online_softmax_tile(y, scale2, m, s, t, v_mask, True)
 
     if SPLIT:
@@ -220,12 +268,14 @@ def _linear_logprob_fwd_kernel(
         if pid_s == 0:  # one split per token block computes the target logit
             tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
             z_tgt = _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv,
-                                  inv_temp, HAS_BIAS, BLOCK_N, BLOCK_D)
+                                  inv_temp, logit_mul, softcap, HAS_BIAS, BLOCK_N, BLOCK_D,
+                                  HAS_SCALE, HAS_SOFTCAP)
             tl.store(logp_ptr + offs_n, z_tgt, mask=n_mask)  # the combine kernel reads it
     else:
         tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
         z_tgt = _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_temp,
-                              HAS_BIAS, BLOCK_N, BLOCK_D)
+                              logit_mul, softcap, HAS_BIAS, BLOCK_N, BLOCK_D, HAS_SCALE,
+                              HAS_SOFTCAP)
         log2_s = tl.log2(s)
         _store_token_results(
             offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
@@ -282,11 +332,15 @@ def linear_logprob_forward(
     epilogue: dict | None = None,
     splits: int | None = None,
     config: dict | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (all contiguous).
 
     Returns float32 [N] tensors (logp, entropy, lse); with `epilogue` (see
     `fused_linear_grpo.epilogue_args`) it also fills the epilogue's output tensors in place.
+    softcap (c > 0) / logit_scale (s != 0): the logits are c·tanh(s·y / c) / τ (see the module
+    docstring); None leaves that step out.
     """
     N, D = hidden.shape
     V = weight.shape[0]
@@ -316,7 +370,7 @@ def linear_logprob_forward(
         N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_blocks, S,
         tiles_per_split,
         HAS_BIAS=bias is not None, SPLIT=S > 1, DOT_PREC=dot_precision(hidden.dtype),
-        **flags, **cfg,
+        **flags, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     if S > 1:
         ccfg = tile_configs.combine(S, dev)
@@ -373,14 +427,16 @@ def _linear_logprob_bwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
     dh_ptr, dw_ptr, db_ptr,  # float32 accumulators: dh [N, D], dw [v_count, D], db [V]
     N, V, D, v_begin, v_count, stride_hn, stride_wv, stride_dh, stride_dw, inv_temp,
-    n_blocks, v_blocks, filter_eps,
+    n_blocks, v_blocks, filter_eps, logit_mul, softcap,
     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, FILTER: tl.constexpr,
     COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # d hidden = d logits @ weight, d weight = d logits^T @ hidden, d bias = Σ_n d logits, with
-    # d logits from dz_tile; each [BLOCK_N, BLOCK_V] tile adds its products with atomics
+    # d logits from dz_tile; each [BLOCK_N, BLOCK_V] tile adds its products with atomics.
+    # With a logit transform z = cap(s·y), "d logits" is d/dy = (d/dz)·dz/dy (transformed_dz)
     # grouped order: GROUP_N token blocks sweep the vocabulary together (weight tiles hit in L2)
     pid_n, pid_v = grouped_program(tl.program_id(0), n_blocks, v_blocks, GROUP_N)
 
@@ -401,13 +457,14 @@ def _linear_logprob_bwd_kernel(
         rows_w = offs_v.to(tl.int64) * stride_wv
         rows_dh = offs_n.to(tl.int64) * stride_dh
         rows_dw = offs_vl.to(tl.int64) * stride_dw
-        z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
-                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
-        dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
-                     inv_temp, HAS_GENT)
+        dz = transformed_dz(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_n, offs_v, n_mask, v_mask,
+                            D, g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
+                            HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC, HAS_SCALE,
+                            HAS_SOFTCAP)
         if FILTER:
             # gradient filtering (opt-in, approximate): the tile's products are skipped when
-            # every |d logit| in it is <= filter_eps × its token's scale / τ. Only the
+            # every |d logit| in it is <= filter_eps × its token's scale / τ (the launcher
+            # scales filter_eps by |s| with a logit scale). Only the
             # recompute above is paid for such tiles: 2 of the 6 N·V·D FLOPs, no atomics.
             thr = filter_eps * scale * inv_temp
             over = tl.where(tl.abs(dz) <= thr[:, None], 0, 1)  # NaN counts as over
@@ -440,6 +497,8 @@ def linear_logprob_backward(
     config: dict | None = None,
     scratch_bytes: int = WEIGHT_SCRATCH_BYTES,
     grad_filter: float | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
@@ -447,6 +506,7 @@ def linear_logprob_backward(
     grad_filter: None (exact) or eps >= 0: skip the products of tiles whose d logits are all
     <= eps × (|g_logp| + |g_ent|) / τ of their token (gradient filtering; eps = 0 only skips
     all-zero tiles, which is exact).
+    softcap, logit_scale: the logit transform of `linear_logprob_forward` (gradients through it).
     Returns (d hidden, d weight, d bias), None where not needed, in the inputs' dtypes;
     accumulation is float32 (atomics into float32 buffers).
     """
@@ -480,11 +540,13 @@ def linear_logprob_backward(
                 g_logp, g_ent if g_ent is not None else g_logp, dh32, acc, db32,
                 N, V, D, v0, vc, hidden.stride(0), weight.stride(0), D, D,
                 1.0 / temperature, n_blocks, v_blocks,
-                0.0 if grad_filter is None else float(grad_filter),
+                0.0 if grad_filter is None else float(grad_filter) * grad_filter_scale(
+                    logit_scale),
                 HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
                 FILTER=grad_filter is not None,
                 COMPUTE_DH=need_dh, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
                 DOT_PREC=dot_precision(hidden.dtype), **cfg,
+                **logit_transform_args(softcap, logit_scale),
             )
         if not direct:
             dw[v0:v0 + vc].copy_(acc)

@@ -1,6 +1,7 @@
 """Triton kernels: selective log-prob (and entropy) from logits that the caller already holds.
 
-    z = logits / τ  [N, V] (any float dtype, read as float32)
+    z = cap(s·logits) / τ  [N, V] (any float dtype, read as float32; cap(s·x) = x unless a soft
+                                   cap or logit scale is given, see `logit_transform.py`)
     lse = logsumexp(z), logp = z[target] - lse, H = lse - Σ softmax(z)·z
 
 Memory-bound: forward reads each row once (online log-sum-exp, target pick, entropy, optional
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from . import tile_configs
 from .linear_logprobs import _NO_EPILOGUE, NEG_BIG, _store_token_results, loop_bound
+from .logit_transform import logit_transform_args, softcap_logits, softcap_logits_grad
 
 
 @triton.jit
@@ -33,25 +35,34 @@ def _logits_logprob_fwd_kernel(
     x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
     eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
-    N, V, T, stride_xb, stride_xt, inv_temp,
+    N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
     EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
     HAS_ISR: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_mask = offs_n < N
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
     # the target logit is one load per row, not a search through the tiles
-    z_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32) * inv_temp
+    x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
+    z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
     m = tl.full([ROWS], NEG_BIG, tl.float32)  # running max
     s = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)
     t = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)·(z - m)
     for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         msk = n_mask[:, None] & (offs_v[None, :] < V)
-        z = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
-                    other=float("-inf")).to(tl.float32) * inv_temp
+        x = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
+                    other=float("-inf")).to(tl.float32)
+        if HAS_SCALE or HAS_SOFTCAP:
+            # a masked -inf does not stay -inf through the transform (the cap makes it ±c, a
+            # negative scale +inf): the mask is applied after it
+            z = tl.where(msk, softcap_logits(x, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
+                         * inv_temp, float("-inf"))
+        else:
+            z = x * inv_temp
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(z - m_new[:, None])
@@ -69,9 +80,11 @@ def _logits_logprob_fwd_kernel(
     )
 
 
-def logits_logprob_forward(logits, targets, temperature, epilogue=None):
+def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
+                           logit_scale=None):
     """logits [B, T, V] (last dim contiguous), targets [B·T] int64
-    -> float32 (logp, entropy, lse), each [B·T]."""
+    -> float32 (logp, entropy, lse), each [B·T]. softcap / logit_scale: the logits given are
+    raw, and z = cap(s·logits) / τ (`logit_transform.py`)."""
     B, T, V = logits.shape
     N = B * T
     f32 = dict(device=logits.device, dtype=torch.float32)
@@ -85,7 +98,7 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None):
         N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
         EPILOGUE=epilogue is not None, LOSS_KIND=ep["LOSS_KIND"], HAS_OLD=ep["HAS_OLD"],
         HAS_DELTA=ep["HAS_DELTA"], HAS_KL=ep["HAS_KL"], BIAS_CORRECT_KL=ep["BIAS_CORRECT_KL"],
-        HAS_ISR=ep["HAS_ISR"], **cfg,
+        HAS_ISR=ep["HAS_ISR"], **cfg, **logit_transform_args(softcap, logit_scale),
     )
     return logp, ent, lse
 
@@ -93,10 +106,13 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None):
 @triton.jit(do_not_specialize=["N", "T"])
 def _logits_logprob_bwd_kernel(
     x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
-    N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp,
+    N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
     HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    # d logits_j = [g·(onehot_j - p_j) - g_H·p_j·(log p_j + H)] / τ  (see linear_logprobs.py)
+    # d logits_j = [g·(onehot_j - p_j) - g_H·p_j·(log p_j + H)] / τ  (see linear_logprobs.py);
+    # with a transform z = cap(s·x) of the logits x given: d x_j = d logits_j · dz_j/dx_j,
+    # dz/dx = s·(1 - (z/c)²) with a cap, s without (`softcap_logits_grad`)
     offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_mask = offs_n < N
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
@@ -115,23 +131,31 @@ def _logits_logprob_bwd_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V)
         msk = n_mask[:, None] & (offs_v[None, :] < V)
         if busy != 0.0:
-            log_p = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
-                            other=0.0).to(tl.float32) * inv_temp - lse[:, None]
+            x = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
+                        other=0.0).to(tl.float32)
+            dzdx = 1.0
+            if HAS_SCALE or HAS_SOFTCAP:
+                x, dzdx = softcap_logits_grad(x, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
+            log_p = x * inv_temp - lse[:, None]
             p = tl.exp(log_p)
             onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
             dz = g[:, None] * (onehot - p)
             if HAS_GENT:
                 dz -= gh[:, None] * p * (log_p + ent[:, None])
             dz = dz * inv_temp
+            if HAS_SCALE or HAS_SOFTCAP:
+                dz = dz * dzdx
         else:
             dz = tl.zeros([ROWS, BLOCK_V], tl.float32)  # rows without gradient: no read
         tl.store(dx_ptr + drows[:, None] + offs_v[None, :],
                  dz.to(dx_ptr.dtype.element_ty), mask=msk)
 
 
-def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None):
+def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
+                            softcap=None, logit_scale=None):
     """d logits [B, T, V] in logits' dtype for Σ g_logp·logp + Σ g_ent·H; written into `out`
-    (which may be `logits` itself: each element is read before it is overwritten)."""
+    (which may be `logits` itself: each element is read before it is overwritten).
+    softcap / logit_scale: as in `logits_logprob_forward` (d of the raw logits)."""
     B, T, V = logits.shape
     N = B * T
     dx = torch.empty_like(logits) if out is None else out
@@ -142,6 +166,6 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
         logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
         1.0 / temperature,
-        HAS_GENT=g_ent is not None, **cfg,
+        HAS_GENT=g_ent is not None, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     return dx

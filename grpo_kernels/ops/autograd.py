@@ -8,6 +8,10 @@ epilogue's, or grpo_math's); t of token n depends on logp[n] alone, so by the ch
 
     g_logp_total = g_logp + g_t · c,   g_entropy as given
     then the op's backward turns (g_logp_total, g_entropy) into input gradients.
+
+Every op takes the logit transform (softcap, logit_scale: kernels/logit_transform.py) as its last
+two arguments, defaulting to None; setup_context sees them filled in, and ctx.config keeps them
+for the backward op.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import torch
 
 from ..params import FIELD_NAMES
 
-_TEMPERATURE_AT = FIELD_NAMES.index("temperature") - len(FIELD_NAMES)  # from the args' end
+# A token-terms op's GRPO arguments: weights, advantages, old/ref log-probs, the rollout ratios,
+# then GRPOParams' fields; the logit transform (softcap, logit_scale) follows them.
+N_GRPO_ARGS = 5 + len(FIELD_NAMES)
+_TEMPERATURE_AT = 5 + FIELD_NAMES.index("temperature")
 
 # ---- autograd formulas of the custom ops (custom_ops.py registers them) ----------------------
 # Forward saves the inputs and per-token statistics (lse, entropy [N]); backward turns the
@@ -29,6 +36,17 @@ def _per_token(g, like):
     return torch.zeros_like(like) if g is None else g.float().contiguous()
 
 
+def _transform(rest) -> tuple:
+    """(softcap, logit_scale) from an op's trailing arguments (None where left out)."""
+    rest = tuple(rest) + (None, None)
+    return rest[0], rest[1]
+
+
+def _grads_for(ctx, grads):
+    """Input gradients padded with None to the op's number of inputs."""
+    return (*grads, *[None] * (ctx.n_inputs - len(grads)))
+
+
 def linear_grads(ctx, g_logp, g_ent, backward=None):
     """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent).
     backward: linear_logprobs_backward's eager body, called directly (default: the operator)."""
@@ -36,11 +54,11 @@ def linear_grads(ctx, g_logp, g_ent, backward=None):
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if (g_logp is None and g_ent is None) or not any(needs):
         return None, None, None
-    temperature, grad_filter, backend = ctx.config
+    temperature, grad_filter, backend, softcap, logit_scale = ctx.config
     g_ent = None if g_ent is None else g_ent.float().contiguous()
     backward = backward or torch.ops.grpo_kernels.linear_logprobs_backward
     grads = backward(hidden, weight, bias, targets, lse, ent, _per_token(g_logp, lse), g_ent,
-                     temperature, grad_filter, backend, needs)
+                     temperature, grad_filter, backend, needs, softcap, logit_scale)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -51,9 +69,10 @@ def logits_grads(ctx, g_logp, g_ent, backward=None):
     logits, targets, lse, ent = ctx.saved_tensors[:4]
     if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
         return None
-    temperature, backend, inplace = ctx.config
+    temperature, backend, inplace, softcap, logit_scale = ctx.config
     args = (targets, lse, ent, _per_token(g_logp, lse),
-            None if g_ent is None else g_ent.float().contiguous(), temperature, backend)
+            None if g_ent is None else g_ent.float().contiguous(), temperature, backend, softcap,
+            logit_scale)
     ops = torch.ops.grpo_kernels
     out_of_place, in_place = backward or (ops.logits_logprobs_backward,
                                           ops.logits_logprobs_backward_)
@@ -64,29 +83,31 @@ def logits_grads(ctx, g_logp, g_ent, backward=None):
 
 
 def setup_linear(ctx, inputs, output):
-    hidden, weight, bias, targets, temperature, grad_filter, backend, _ = inputs
+    hidden, weight, bias, targets, temperature, grad_filter, backend, _, *rest = inputs
     _, ent, lse = output
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-    ctx.config = (temperature, grad_filter, backend)
+    ctx.n_inputs = len(inputs)
+    ctx.config = (temperature, grad_filter, backend, *_transform(rest))
 
 
 def linear_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
-    return (*linear_grads(ctx, g_logp, g_ent, backward), None, None, None, None, None)
+    return _grads_for(ctx, linear_grads(ctx, g_logp, g_ent, backward))
 
 
 def setup_logits(ctx, inputs, output):
-    logits, targets, temperature, backend, _, inplace = inputs
+    logits, targets, temperature, backend, _, inplace, *rest = inputs
     _, ent, lse = output
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(logits, targets, lse, ent)
-    ctx.config = (temperature, backend, inplace)
+    ctx.n_inputs = len(inputs)
+    ctx.config = (temperature, backend, inplace, *_transform(rest))
 
 
 def logits_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
-    return logits_grads(ctx, g_logp, g_ent, backward), None, None, None, None, None
+    return _grads_for(ctx, (logits_grads(ctx, g_logp, g_ent, backward),))
 
 
 # ---- the token-terms ops: inputs (kernel tensors, targets, options, GRPO tensors, hyperparameters)
@@ -94,9 +115,15 @@ def logits_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
 # are differentiable.
 
 
-def temperature_of(args) -> float:
-    """The temperature among a token-terms op's arguments (GRPOParams' fields come last)."""
-    return args[_TEMPERATURE_AT]
+def split_terms_args(args) -> tuple:
+    """A token-terms op's arguments after its backend (and inplace) flag -> (GRPO arguments,
+    softcap, logit_scale)."""
+    return (tuple(args[:N_GRPO_ARGS]), *_transform(args[N_GRPO_ARGS:]))
+
+
+def temperature_of(grpo_args) -> float:
+    """The temperature among a token-terms op's GRPO arguments (`split_terms_args`)."""
+    return grpo_args[_TEMPERATURE_AT]
 
 
 def _save_terms(ctx, tensors, output, n_inputs: int):
@@ -117,9 +144,10 @@ def _token_grads(ctx, g_logp, g_token_loss):
 
 
 def setup_linear_terms(ctx, inputs, output):
-    hidden, weight, bias, targets, grad_filter, backend, *_ = inputs
+    hidden, weight, bias, targets, grad_filter, backend, *rest = inputs
+    grpo, softcap, logit_scale = split_terms_args(rest)
     _save_terms(ctx, (hidden, weight, bias, targets), output, len(inputs))
-    ctx.config = (temperature_of(inputs), grad_filter, backend)
+    ctx.config = (temperature_of(grpo), grad_filter, backend, softcap, logit_scale)
 
 
 def linear_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
@@ -128,9 +156,10 @@ def linear_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
 
 
 def setup_logits_terms(ctx, inputs, output):
-    logits, targets, backend, inplace, *_ = inputs
+    logits, targets, backend, inplace, *rest = inputs
+    grpo, softcap, logit_scale = split_terms_args(rest)
     _save_terms(ctx, (logits, targets), output, len(inputs))
-    ctx.config = (temperature_of(inputs), backend, inplace)
+    ctx.config = (temperature_of(grpo), backend, inplace, softcap, logit_scale)
 
 
 def logits_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):

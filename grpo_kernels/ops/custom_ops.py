@@ -12,6 +12,10 @@ A token-terms op is the selective log-prob op plus, per token, the GRPO epilogue
 Sequence-level ratios and the chunked backend call the selective log-prob op and run
 `grpo_math` around it as ordinary (traceable) PyTorch.
 
+Every op ends with the logit transform, `float? softcap=None, float? logit_scale=None`
+(z = cap(s·y) before the temperature, kernels/logit_transform.py): defaults, so that a call
+without them is the call it was before they existed.
+
 The public functions keep the checks that need only shapes and dtypes in Python (traceable);
 value checks (token ids in range, finite advantages) run inside the ops' eager implementations
 (or, for code traced around them, as in-graph assertions), so nothing reads a tensor's value
@@ -39,6 +43,7 @@ from .backends import IMPLS
 from .launch import LinearHeadOp, LogitsOp, grpo_token_terms
 
 F32 = torch.float32
+TRANSFORM_ARGS = "float? softcap=None, float? logit_scale=None"  # every op's last arguments
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -50,20 +55,21 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 torch.library.define(
     "grpo_kernels::linear_logprobs",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float temperature, "
-    "float? grad_filter, str backend, str ids_name) -> (Tensor logp, Tensor entropy, Tensor lse)")
+    f"float? grad_filter, str backend, str ids_name, {TRANSFORM_ARGS}) "
+    "-> (Tensor logp, Tensor entropy, Tensor lse)")
 torch.library.define(
     "grpo_kernels::linear_logprobs_backward",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, Tensor entropy, "
     "Tensor g_logp, Tensor? g_entropy, float temperature, float? grad_filter, str backend, "
-    "bool[] needs) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
+    f"bool[] needs, {TRANSFORM_ARGS}) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
 
 def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name,
-                     keep=None):
+                     softcap=None, logit_scale=None, keep=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)
     -> float32 (logp, entropy, lse), each [N]. keep: see `_LinearLogprobs`."""
     check_token_id_values(ids_name, targets, weight.shape[0], "weight.shape[0]")
-    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
+    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter, softcap, logit_scale)
     return op.forward(targets, None, hidden, weight, bias, keep=keep)
 
 
@@ -76,9 +82,10 @@ def _linear_logprobs_fake(hidden, weight, bias, targets, *args):
 
 
 def _linear_logprobs_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
-                              temperature, grad_filter, backend, needs, kept=None):
+                              temperature, grad_filter, backend, needs, softcap=None,
+                              logit_scale=None, kept=None):
     """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed."""
-    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter)
+    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter, softcap, logit_scale)
     grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs,
                         kept=kept)
     return tuple(_empty(hidden) if g is None else g for g in grads)
@@ -89,7 +96,7 @@ torch.library.impl("grpo_kernels::linear_logprobs_backward", "default", _linear_
 
 @torch.library.register_fake("grpo_kernels::linear_logprobs_backward")
 def _linear_logprobs_backward_fake(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
-                                   temperature, grad_filter, backend, needs):
+                                   temperature, grad_filter, backend, needs, *transform):
     wanted = (needs[0], needs[1], bias is not None and needs[2])
     return tuple(torch.empty_like(x) if want else _empty(hidden)
                  for x, want in zip((hidden, weight, bias), wanted))
@@ -100,9 +107,9 @@ def _linear_logprobs_backward_fake(hidden, weight, bias, targets, lse, ent, g_lo
 torch.library.define(
     "grpo_kernels::logits_logprobs",
     "(Tensor logits, Tensor targets, float temperature, str backend, str ids_name, "
-    "bool inplace) -> (Tensor logp, Tensor entropy, Tensor lse)")
+    f"bool inplace, {TRANSFORM_ARGS}) -> (Tensor logp, Tensor entropy, Tensor lse)")
 LOGITS_BWD_ARGS = ("Tensor targets, Tensor lse, Tensor entropy, Tensor g_logp, "
-                   "Tensor? g_entropy, float temperature, str backend")
+                   f"Tensor? g_entropy, float temperature, str backend, {TRANSFORM_ARGS}")
 torch.library.define("grpo_kernels::logits_logprobs_backward",
                      f"(Tensor logits, {LOGITS_BWD_ARGS}) -> Tensor")
 # in place: d logits overwrites the logits (inplace=True of the public functions, eager only)
@@ -110,10 +117,12 @@ torch.library.define("grpo_kernels::logits_logprobs_backward_",
                      f"(Tensor(a!) logits, {LOGITS_BWD_ARGS}) -> ()")
 
 
-def _logits_logprobs(logits, targets, temperature, backend, ids_name, inplace):
+def _logits_logprobs(logits, targets, temperature, backend, ids_name, inplace, softcap=None,
+                     logit_scale=None):
     """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse)."""
     check_token_id_values(ids_name, targets, logits.shape[-1], "logits.shape[-1]")
-    return LogitsOp(IMPLS[backend], temperature).forward(targets, None, logits)
+    op = LogitsOp(IMPLS[backend], temperature, softcap=softcap, logit_scale=logit_scale)
+    return op.forward(targets, None, logits)
 
 
 torch.library.impl("grpo_kernels::logits_logprobs", "default", _logits_logprobs)
@@ -124,8 +133,9 @@ def _logits_logprobs_fake(logits, targets, *args):
     return tuple(logits.new_empty(targets.shape[0], dtype=F32) for _ in range(3))
 
 
-def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, backend, inplace):
-    op = LogitsOp(IMPLS[backend], temperature, inplace)
+def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, backend,
+                     softcap=None, logit_scale=None, *, inplace):
+    op = LogitsOp(IMPLS[backend], temperature, inplace, softcap, logit_scale)
     return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,))[0]
 
 
@@ -164,10 +174,11 @@ TERMS_OUT = ("(Tensor logp, Tensor entropy, Tensor lse, Tensor token_loss, Tenso
 torch.library.define(
     "grpo_kernels::linear_grpo_terms",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float? grad_filter, "
-    f"str backend, {TERMS_ARGS}) -> {TERMS_OUT}")
+    f"str backend, {TERMS_ARGS}, {TRANSFORM_ARGS}) -> {TERMS_OUT}")
 torch.library.define(
     "grpo_kernels::logits_grpo_terms",
-    f"(Tensor logits, Tensor targets, str backend, bool inplace, {TERMS_ARGS}) -> {TERMS_OUT}")
+    f"(Tensor logits, Tensor targets, str backend, bool inplace, {TERMS_ARGS}, "
+    f"{TRANSFORM_ARGS}) -> {TERMS_OUT}")
 
 
 def _terms(op, targets, tensors, grpo_args):
@@ -178,18 +189,22 @@ def _terms(op, targets, tensors, grpo_args):
 
 
 @torch.library.impl("grpo_kernels::linear_grpo_terms", "default")
-def _linear_grpo_terms(hidden, weight, bias, targets, grad_filter, backend, *grpo_args):
+def _linear_grpo_terms(hidden, weight, bias, targets, grad_filter, backend, *args):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)."""
     check_token_id_values("completion_ids", targets, weight.shape[0], "weight.shape[0]")
-    op = LinearHeadOp(IMPLS[backend], autograd.temperature_of(grpo_args), grad_filter)
+    grpo_args, softcap, logit_scale = autograd.split_terms_args(args)
+    op = LinearHeadOp(IMPLS[backend], autograd.temperature_of(grpo_args), grad_filter, softcap,
+                      logit_scale)
     return _terms(op, targets, (hidden, weight, bias), grpo_args)
 
 
 @torch.library.impl("grpo_kernels::logits_grpo_terms", "default")
-def _logits_grpo_terms(logits, targets, backend, inplace, *grpo_args):
+def _logits_grpo_terms(logits, targets, backend, inplace, *args):
     """logits [B, T, V] (unit last stride), targets [B·T]."""
     check_token_id_values("completion_ids", targets, logits.shape[-1], "logits.shape[-1]")
-    op = LogitsOp(IMPLS[backend], autograd.temperature_of(grpo_args), inplace)
+    grpo_args, softcap, logit_scale = autograd.split_terms_args(args)
+    op = LogitsOp(IMPLS[backend], autograd.temperature_of(grpo_args), inplace, softcap,
+                  logit_scale)
     return _terms(op, targets, (logits,), grpo_args)
 
 

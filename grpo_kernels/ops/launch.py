@@ -31,8 +31,13 @@ class BoundOp:
 
     family = ""
 
-    def __init__(self, impl, temperature: float):
+    def __init__(self, impl, temperature: float, softcap: float | None = None,
+                 logit_scale: float | None = None):
         self.impl, self.temperature = impl, temperature
+        # the logit transform z = cap(s·y) before the temperature (kernels/logit_transform.py);
+        # given to the launchers only when set, so that they keep their plain calls otherwise
+        self.transform = {k: v for k, v in (("softcap", softcap), ("logit_scale", logit_scale))
+                          if v is not None}
 
     @property
     def on_triton(self) -> bool:
@@ -61,47 +66,53 @@ class BoundOp:
 
 
 class LinearHeadOp(BoundOp):
-    """z = (hidden [N, D] @ weight [V, D]^T + bias [V]) / τ, on one backend's launchers.
-    grad_filter: None (exact backward) or the resolved gradient-filtering eps."""
+    """z = cap(s·(hidden [N, D] @ weight [V, D]^T + bias [V])) / τ, on one backend's launchers
+    (cap(s·y) = y without softcap and logit_scale). grad_filter: None (exact backward) or the
+    resolved gradient-filtering eps."""
 
     family = "linear-head"
 
-    def __init__(self, impl, temperature: float, grad_filter: float | None = None):
-        super().__init__(impl, temperature)
+    def __init__(self, impl, temperature: float, grad_filter: float | None = None,
+                 softcap: float | None = None, logit_scale: float | None = None):
+        super().__init__(impl, temperature, softcap, logit_scale)
         self.grad_filter = grad_filter
 
     def forward(self, targets, epilogue, hidden, weight, bias, keep=None):
         """keep: a dict for the chunked launcher's kept logits tile (chunked backend only)."""
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
             return self.impl.linear_logprob_forward(hidden, weight, bias, targets,
-                                                    self.temperature, epilogue=epilogue)
+                                                    self.temperature, epilogue=epilogue,
+                                                    **self.transform)
         extra = {} if keep is None or self.on_triton else {"keep": keep}
         return self._launch(hidden, "linear-head forward", "linear_logprob_forward", hidden,
-                            weight, bias, targets, self.temperature, **extra)
+                            weight, bias, targets, self.temperature, **extra, **self.transform)
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
         return self._launch(hidden, "linear-head backward", "linear_logprob_backward", hidden,
                             weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
-                            needs=tuple(needs), grad_filter=self.grad_filter, **extra)
+                            needs=tuple(needs), grad_filter=self.grad_filter, **extra,
+                            **self.transform)
 
 
 class LogitsOp(BoundOp):
-    """z = logits [B, T, V] / τ. With `inplace`, d logits overwrites the logits buffer."""
+    """z = cap(s·logits [B, T, V]) / τ (the logits as given without softcap and logit_scale).
+    With `inplace`, d logits overwrites the logits buffer."""
 
     family = "logits"
 
-    def __init__(self, impl, temperature: float, inplace: bool = False):
-        super().__init__(impl, temperature)
+    def __init__(self, impl, temperature: float, inplace: bool = False,
+                 softcap: float | None = None, logit_scale: float | None = None):
+        super().__init__(impl, temperature, softcap, logit_scale)
         self.inplace = inplace
 
     def forward(self, targets, epilogue, logits):
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
             return self.impl.logits_logprob_forward(logits, targets, self.temperature,
-                                                    epilogue=epilogue)
+                                                    epilogue=epilogue, **self.transform)
         return self._launch(logits, "logits forward", "logits_logprob_forward", logits, targets,
-                            self.temperature)
+                            self.temperature, **self.transform)
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
         (logits,) = inputs
@@ -109,7 +120,7 @@ class LogitsOp(BoundOp):
             return (None,)
         dx = self._launch(logits, "logits backward", "logits_logprob_backward", logits, targets,
                           lse, ent, g_logp, g_ent, self.temperature,
-                          out=logits if self.inplace else None)
+                          out=logits if self.inplace else None, **self.transform)
         if self.inplace:
             # the kernel wrote through a raw pointer: bump the version so that any other
             # autograd node that saved these logits fails loudly instead of using gradients
