@@ -11,9 +11,9 @@ beta and the rest as trainer_step. A probe fits when it finishes and the higher 
 and loss phase peaks is within the budget: on CUDA `max_memory_allocated`, on CPU the process'
 RSS (trainer_step's --max_rss_gib stops a probe that passes it). The length doubles from --start
 while it fits (or halves while it does not, down to 64), then bisects between the last fit and
-the first miss until they are within --resolution of each other (rounded to 64 tokens). One row per provider is appended to
-<out>/<device>-capacity.csv: the longest length that fit, every probe's length and peak, the
-machine, versions, commit and command.
+the first miss until they are within --resolution of each other (rounded to 64 tokens). One row
+per provider is appended to <out>/<device>-capacity.csv: the longest length that fit, every
+probe's length and peak, the machine, versions, commit and command.
 """
 
 from __future__ import annotations

@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from grpo_kernels import selective_logprobs
-from grpo_kernels.hf import check_packed_attention, completion_hidden_states, output_head
+from grpo_kernels.hf import (
+    check_packed_attention,
+    completion_hidden_states,
+    logit_transform,
+    output_head,
+)
 
 from . import sharding
 from .checks import check_model_source
@@ -272,7 +277,8 @@ def format_warmup(model, tokenizer, examples: list[dict], cfg, device, batch_siz
         hidden = completion_hidden_states(model, ids, attn, T, position_ids=position_ids(attn))
         weight, bias = output_head(model)
         logp = selective_logprobs(hidden, weight.to(hidden.dtype), comp_ids,
-                                  None if bias is None else bias.to(hidden.dtype))  # [b, T]
+                                  None if bias is None else bias.to(hidden.dtype),
+                                  **logit_transform(model))  # [b, T]
         loss = -(logp * comp_mask).sum() / comp_mask.sum()
         loss.backward()
         opt.step()

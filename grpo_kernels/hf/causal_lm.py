@@ -9,9 +9,11 @@ states, without projecting prompt positions (or anything) to full-vocabulary log
 at position L-T-1+t predicts completion token t, so the loss uses hidden[:, -T-1:-1].
 Works with tied embeddings (the output embedding is found with `get_output_embeddings()`, whatever
 it is called, e.g. BioGPT's `output_projection`), lm_head biases, PEFT-wrapped models,
-torch.compile and DDP/accelerate wrappers. Models the hidden-state path would get wrong raise
-instead (checked once per model, `check_output_head`): logit soft-capping or scaling in the config,
-or a head that transforms the body's output before its output embedding (BERT-style heads).
+torch.compile and DDP/accelerate wrappers. A model's final-logit soft-capping or logit scale
+(`logit_transform`) goes into the fused calls. Models the hidden-state path would get wrong raise
+instead (checked once per model, `check_output_head` in output_head.py): logits that are not the
+head's output under the transform its config names, or a head that transforms the body's output
+before its output embedding (BERT-style heads).
 
 Old/reference scoring: `causal_lm_logprobs` (no grad); `completion_logprobs` is the same with grad.
 
@@ -35,103 +37,28 @@ trains; `modules_to_save` heads use the copy in use; other adapter types raise.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
-from .head_adapters import ResolvedHead, fold_lora, resolve_head
+from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
+    _HEAD_CHECKED,
+    _body,
+    _check_head_input,
+    _last_hidden,
+    check_output_head,
+    head_for,
+    logit_transform,
+    output_head,
+    resolved_head,
+    unwrap_model,
+)
 from .packed_rows import check_packed_positions, completion_targets, keep_positions
-from .zero3 import gathered_head
 
 __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
            "completion_hidden_states", "completion_logprobs", "head_for", "hidden_logprobs",
-           "output_head", "resolved_head", "unwrap_model"]
-
-# Config attributes that change logits after lm_head; a plain linear head would ignore them.
-_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                                 "output_multiplier", "lm_head_multiplier")
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/FSDP-style `.module` wrappers, torch.compile's `_orig_mod` and PEFT wrappers:
-    the `PreTrainedModel` inside."""
-    while True:
-        if hasattr(model, "get_base_model"):  # peft.PeftModel
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        else:
-            return model
-
-
-def resolved_head(model: nn.Module) -> ResolvedHead:
-    """What the model's output embedding computes: base weight [V, D], bias [V] | None and any
-    active PEFT LoRA terms (`head_adapters`). Raises for heads the fused path cannot reproduce:
-    none at all, a sharded (empty) weight, logit soft-capping/scaling in the config, or an
-    adapter other than plain LoRA (the error names the module)."""
-    inner = unwrap_model(model)
-    get = getattr(inner, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    if head is None:
-        raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() "
-                         "returned None): it is not a causal language model")
-    where = f"{type(inner).__name__}.{_module_name(inner, head)}"
-    # DeepSpeed ZeRO-3: full differentiable copies of the sharded weight and bias (zero3.py)
-    resolved = gathered_head(resolve_head(head, where), where)
-    weight = resolved.weight
-    if weight.dim() != 2 or weight.numel() == 0:
-        # some FSDP set-ups leave an empty local shard outside the forward (ZeRO-3's is gathered)
-        raise ValueError(f"the output embedding of {type(inner).__name__} has weight shape "
-                         f"{tuple(weight.shape)}, not a full [V, D] matrix (sharded "
-                         "parameters are not supported)")
-    config = getattr(inner, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in _UNSUPPORTED_LOGIT_TRANSFORMS:
-        value = getattr(text_config, name, None)
-        if value not in (None, 1, 1.0):
-            raise NotImplementedError(
-                f"{type(inner).__name__} transforms its logits ({name}={value}); the fused linear "
-                "loss computes plain hidden @ lm_head.weight.T and would be wrong for it"
-            )
-    return resolved
-
-
-_HEAD_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _module_name(root: nn.Module, module: nn.Module) -> str:
-    """Qualified name of `module` inside `root` (for error messages), else its class name;
-    cached per module (the walk over named_modules would otherwise run every step)."""
-    if module not in _HEAD_NAMES:
-        _HEAD_NAMES[module] = next((name for name, m in root.named_modules() if m is module),
-                                   type(module).__name__)
-    return _HEAD_NAMES[module]
-
-
-def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight [V, D], bias [V] | None) of the model's output embedding (for a PEFT
-    `modules_to_save` head, the copy in use). A head with an active LoRA adapter is not one
-    weight: this raises then, and `head_for` folds the adapter in."""
-    resolved = resolved_head(model)
-    if resolved.lora:
-        names = ", ".join(t.adapter for t in resolved.lora)
-        raise ValueError(f"the output embedding of {type(unwrap_model(model)).__name__} carries "
-                         f"active LoRA adapters ({names}): its logits are not hidden @ weight.T; "
-                         "use grpo_kernels.hf.head_for(hidden, model), which folds them in")
-    return resolved.weight, resolved.bias
-
-
-def _body(inner: nn.Module) -> nn.Module:
-    body = getattr(inner, "base_model", None)
-    if body is None or body is inner:
-        raise ValueError(f"cannot find the transformer body of {type(inner).__name__} "
-                         "(model.base_model)")
-    return body
+           "logit_transform", "output_head", "resolved_head", "unwrap_model"]
 
 
 def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
@@ -155,63 +82,6 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
             f"logits_to_keep must be in [1, L-1] = [1, {L - 1}] (the completion length; at "
             f"least one prompt token must precede it), got {logits_to_keep}"
         )
-
-
-def _last_hidden(out) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out.last_hidden_state
-
-
-# Models whose output embedding was seen to take the body's output unchanged (checked once each).
-_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _check_head_input(inner: nn.Module, body: nn.Module, input_ids, attention_mask) -> None:
-    """Once per model: run its own forward on one sequence and check that the output embedding
-    is applied to the body's output as is. BERT-style heads (a dense+norm transform first, e.g.
-    RobertaForCausalLM) or a rescaled hidden state would otherwise give silently wrong losses."""
-    if inner in _HEAD_CHECKED:
-        return
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if head is None:
-        return  # output_head() raises the error
-    seen = {}
-    hooks = [body.register_forward_hook(lambda _m, _a, out: seen.setdefault("body", out)),
-             head.register_forward_pre_hook(lambda _m, args: seen.setdefault("head", args[0]))]
-    devices = [input_ids.device] if input_ids.is_cuda else []
-    try:  # no grad, and no RNG draws visible outside (dropout)
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            am = None if attention_mask is None else attention_mask[:1]
-            inner(input_ids=input_ids[:1], attention_mask=am, logits_to_keep=1, use_cache=False)
-    except Exception:
-        # the head itself may fail on its own (e.g. a float32 head on a bf16 body, which we cast
-        # and the model does not); its input was captured before it ran, which is all we need
-        if "head" not in seen:
-            raise
-    finally:
-        for h in hooks:
-            h.remove()
-    body_out = _last_hidden(seen["body"])[:, -1:] if "body" in seen else None
-    head_in = seen.get("head")
-    if (body_out is None or head_in is None or head_in.shape != body_out.shape
-            or not torch.equal(head_in, body_out.to(head_in.device))):
-        raise NotImplementedError(
-            f"{type(inner).__name__} does not apply its output embedding "
-            f"({type(head).__name__}) directly to the output of its body "
-            f"({type(body).__name__}); a head with its own transform is not supported")
-    _HEAD_CHECKED[inner] = True
-
-
-def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -> None:
-    """Raise (ValueError / NotImplementedError) unless the hidden-state path reproduces `model`'s
-    own logits: an output embedding exists, no logit soft-capping/scaling, and the head takes the
-    body's output as is (checked with one short forward of `input_ids` [B, L], default a
-    2-token dummy). Cached per model; `completion_hidden_states` runs the same check."""
-    inner = unwrap_model(model)
-    resolved_head(inner)
-    if input_ids is None:
-        device = next(inner.parameters()).device
-        input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    _check_head_input(inner, _body(inner), input_ids, None)
 
 
 def completion_hidden_states(
@@ -271,30 +141,6 @@ def completion_hidden_states(
     return hidden, router_logits
 
 
-def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):
-    """(hidden', weight, bias) for one fused linear call that reproduces `model`'s output
-    embedding on `hidden` [B, T, D] (the body's output).
-
-    weight [V, D'] and bias [V] | None are in the head dtype (see the module docstring). hidden'
-    [B, T, D'] is cast to the head dtype too, except 16-bit hidden states with a float32 head
-    (e.g. TRL's `cast_lm_head_to_fp32`), which stay as they are: the kernels take that pair
-    (mixed head precision) and keep the matmul on tensor cores. A PEFT LoRA adapter on the head
-    adds its rank as extra columns (D' = D + r, `head_adapters.fold_lora`)."""
-    resolved = resolved_head(model)
-    weight = resolved.weight
-    if head_dtype is None:
-        device = hidden.device.type
-        if torch.is_autocast_enabled(device):  # the model's own lm_head would run in this dtype
-            head_dtype = torch.get_autocast_dtype(device)
-        else:
-            head_dtype = weight.dtype
-    if weight.device != hidden.device:  # device_map: the body may end on another device
-        hidden = hidden.to(weight.device)
-    mixed = head_dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
-    kernel_hidden = hidden if mixed or hidden.dtype == head_dtype else hidden.to(head_dtype)
-    return fold_lora(resolved, hidden, kernel_hidden, head_dtype)
-
-
 def _no_autocast(x: torch.Tensor):
     """Autocast off for the head: `head_for` already chose its dtype, and autocast would recast
     the PyTorch path's matmuls (e.g. undo an explicit float32 head)."""
@@ -331,6 +177,7 @@ def causal_lm_grpo_loss(
     if not isinstance(loss_fn, FusedLinearGRPOLoss):
         raise TypeError(f"loss_fn must be a grpo_kernels.FusedLinearGRPOLoss, got "
                         f"{type(loss_fn).__name__}")
+    loss_fn = _with_model_transform(loss_fn, model)
     packed = isinstance(logits_to_keep, torch.Tensor)
     if packed and (cu_seqlens is None or completion_mask is not None):
         raise ValueError("packed rows (logits_to_keep = positions) need cu_seqlens [S + 1] "
@@ -348,6 +195,21 @@ def causal_lm_grpo_loss(
         return loss_fn(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                        ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
                        cu_seqlens=cu_seqlens)
+
+
+def _with_model_transform(loss_fn: FusedLinearGRPOLoss, model: nn.Module):
+    """`loss_fn`, or a copy of it taking `model`'s logit transform (`logit_transform`) where it
+    was built without one; a loss built with another transform is refused."""
+    transform = logit_transform(model)
+    mine = {k: loss_fn.options[k] for k in transform}
+    if mine == transform:
+        return loss_fn
+    if any(v is not None for v in mine.values()):
+        raise ValueError(f"loss_fn was built with {mine}, but {type(unwrap_model(model)).__name__}"
+                         f" transforms its logits with {transform}: build it without softcap "
+                         "and logit_scale (the model's are used) or with the model's")
+    return FusedLinearGRPOLoss(grad_filter=loss_fn.grad_filter, params=loss_fn.params,
+                               **transform)
 
 
 def completion_logprobs(
@@ -402,7 +264,8 @@ def hidden_logprobs(hidden: torch.Tensor, model: nn.Module, completion_ids: torc
     hidden, weight, bias = head_for(hidden, model, head_dtype)
     with _no_autocast(hidden):
         return selective_logprobs(hidden, weight, completion_ids.to(hidden.device), bias,
-                                  temperature=temperature, return_entropy=return_entropy)
+                                  temperature=temperature, return_entropy=return_entropy,
+                                  **logit_transform(model))
 
 
 def causal_lm_logprobs(model: nn.Module, input_ids: torch.Tensor,

@@ -19,7 +19,7 @@ import types
 import torch
 from torch import nn
 
-from .causal_lm import unwrap_model
+from .unwrap import unwrap_model
 
 __all__ = ["fsdp2_root", "run_as_forward"]
 

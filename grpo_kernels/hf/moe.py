@@ -21,7 +21,7 @@ import sys
 
 from torch import nn
 
-from .causal_lm import unwrap_model
+from .unwrap import unwrap_model
 
 __all__ = ["load_balancing_loss"]
 

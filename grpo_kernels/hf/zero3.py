@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from .head_adapters import ResolvedHead
+from .unwrap import unwrap_model
 
 __all__ = ["gathered_head", "is_zero3_param", "zero3_head"]
 
@@ -52,7 +53,6 @@ def is_zero3_param(tensor) -> bool:
 
 def zero3_head(model: torch.nn.Module) -> bool:
     """Whether the output embedding of `model` (inside its wrappers) has ZeRO-3 parameters."""
-    from .causal_lm import unwrap_model
 
     inner = unwrap_model(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None

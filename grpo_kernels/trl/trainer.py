@@ -46,10 +46,12 @@ in TRL's attributes entropy_coef and _last_world_entropy, which TRL's checkpoint
 Fallbacks (a one-time warning at the caller's line names the reason and what runs instead):
 - TRL's loss math on our log-probs (still no logits): a loss_type grpo-kernels lacks (none in
   TRL 1.16), or a configuration GRPOParams rejects.
-- TRL's own implementation entirely, where a plain `hidden @ W.T` of the body's output is not
-  the model's logits or the full head weight is not there:
-  - logit soft-capping or scaling in the config (Gemma-2, Granite, ...): the fused head
-    computes plain logits;
+- TRL's own implementation entirely, where the body's output under the head and the logit
+  transform its config names (`hf.logit_transform`: Gemma-2's soft-capping, Cohere's or
+  Granite's scale, which the kernels apply) is not the model's logits, or the full head weight
+  is not there:
+  - logits that are not the head's output under that transform (checked on one short forward;
+    a config naming a transform its model does not apply, or another transform);
   - an output head with its own transform before the output embedding (BERT-style heads):
     the body's output is not the head's input;
   - a head sharded by FSDP1: the fused backward needs the full weight after the forward;
@@ -96,6 +98,7 @@ from ..hf import (
     fsdp2_root,
     has_tuner_adapter,
     head_for,
+    logit_transform,
     resolved_head,
     run_as_forward,
     unwrap_model,
@@ -151,7 +154,7 @@ _TRL_LOSS = "TRL's loss math runs instead, on log-probs from grpo-kernels' fused
 
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
                  params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-                 grad_filter=None, sampling_logps=None):
+                 grad_filter=None, sampling_logps=None, softcap=None, logit_scale=None):
     """The GRPO policy loss with the per-token values TRL's metrics need, by the route every
     loss takes (`fused_linear_grpo_loss(..., return_terms=True)`: the token-terms op with the
     in-kernel GRPO epilogue on Triton at token level, else the selective log-prob op and
@@ -159,17 +162,19 @@ def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_log
     params.entropy_coef is ignored (the trainer adds TRL's bonus).
     hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
-    (detached), kl [B, T] (detached) or None). grad_filter: see `selective_logprobs`.
+    (detached), kl [B, T] (detached) or None). grad_filter, softcap, logit_scale: see
+    `selective_logprobs` (`grpo_kernels.hf.logit_transform(model)` gives a model's).
     """
     terms = _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps,
                         ref_logps, params, num_items_in_batch, importance_sampling_ratio,
-                        grad_filter, sampling_logps)
+                        grad_filter, sampling_logps, softcap=softcap, logit_scale=logit_scale)
     return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
 
 
 def _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
                 params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-                grad_filter=None, sampling_logps=None, entropy_gather=None):
+                grad_filter=None, sampling_logps=None, entropy_gather=None, softcap=None,
+                logit_scale=None):
     """`policy_terms`' route, returning all of GRPOTerms (vespo's φ, the entropy mask)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
@@ -178,7 +183,7 @@ def _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logp
                                   importance_sampling_ratio=importance_sampling_ratio,
                                   grad_filter=grad_filter, sampling_logps=sampling_logps,
                                   return_terms=True, entropy_gather=entropy_gather,
-                                  params=params)
+                                  softcap=softcap, logit_scale=logit_scale, params=params)
 
 
 @contextlib.contextmanager
@@ -395,7 +400,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                     hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
                     inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
                     self._grpo_params, num_items, isr, self._grad_filter,
-                    inputs.get("sampling_per_token_logps"), gather,
+                    inputs.get("sampling_per_token_logps"), gather, **logit_transform(model),
                 )
 
         t = run_as_forward(model, terms)

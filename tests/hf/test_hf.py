@@ -293,13 +293,59 @@ def test_clear_errors(qwen):
         causal_lm_grpo_loss(qwen, ids, am, T, batch["adv"][:2])
     with pytest.raises(ValueError, match="output embedding"):
         output_head(qwen.model)  # the bare body has no lm_head
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    # a config that names a logit transform its model does not apply: the logits check refuses
+    qwen.config.logits_scaling = 4.0
+    try:
+        from grpo_kernels.hf.output_head import _HEAD_CHECKED
 
-    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=40, hidden_size=16, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1,
-                                           intermediate_size=32, head_dim=8))
-    with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
-        causal_lm_logprobs(gemma, ids.clamp(max=39), am, T)
+        _HEAD_CHECKED.pop(qwen, None)
+        with pytest.raises(NotImplementedError, match="logits are not those"):
+            causal_lm_logprobs(qwen, ids, am, T)
+    finally:
+        del qwen.config.logits_scaling
+        _HEAD_CHECKED.pop(qwen, None)
+
+
+@pytest.mark.parametrize("family", ["gemma2-softcap", "cohere-scale"])
+def test_logit_transform_models_match_their_own_logits(family):
+    """Gemma 2 soft-caps its logits, Cohere scales them: the fused log-probs and the GRPO loss
+    equal those of the model's own logits (and differ from the untransformed head's)."""
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    from grpo_kernels import fused_linear_grpo_loss
+    from grpo_kernels.hf import completion_hidden_states, head_for, logit_transform
+    from grpo_kernels.reference import logprobs_from_logits
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, intermediate_size=32)
+    if family == "gemma2-softcap":  # a cap below the logits' spread, so that tanh bends them
+        model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.5))
+        want_transform = {"softcap": 0.5, "logit_scale": None}
+    else:
+        model = CohereForCausalLM(CohereConfig(**common, logit_scale=0.25))
+        want_transform = {"softcap": None, "logit_scale": 0.25}
+    assert logit_transform(model) == want_transform
+    with torch.no_grad():  # logits of a few units (random weights give tenths)
+        model.get_output_embeddings().weight.mul_(40.0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (3, 9), generator=g)
+    am = torch.ones_like(ids)
+    am[0, :2] = 0
+    T = 4
+    logits = model(input_ids=ids, attention_mask=am).logits[:, -T - 1:-1]
+    want = logprobs_from_logits(logits.double(), ids[:, -T:])
+    got = causal_lm_logprobs(model, ids, am, T)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    hidden, weight, bias = head_for(completion_hidden_states(model, ids, am, T), model)
+    plain = logprobs_from_logits((hidden @ weight.T).double(), ids[:, -T:])
+    assert (plain - want).abs().max() > 1e-2  # the transform matters here
+    # the loss through causal_lm_grpo_loss takes the model's transform
+    adv = torch.randn(3, generator=g)
+    loss, _ = causal_lm_grpo_loss(model, ids, am, T, adv)
+    ref, _ = fused_linear_grpo_loss(hidden.detach(), weight.detach(), ids[:, -T:], adv,
+                                    **want_transform)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_head_with_its_own_transform_is_rejected():

@@ -26,7 +26,7 @@ from trl_harness import CASES, REPO, B, P, T, assert_same, make_batch, make_trai
 from grpo_kernels import force_backend  # noqa: E402
 from grpo_kernels.trl import GRPOTrainer  # noqa: E402
 from grpo_kernels.trl.trainer import _adapter_on_head_allowed  # noqa: E402
-from grpo_train.tiny import build_tokenizer  # noqa: E402
+from grpo_train.tiny import build_tokenizer, save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -156,27 +156,56 @@ def test_unsupported_features_fall_back_to_trl_with_one_warning(model_dir):
                                    atol=1e-7)
 
 
-def save_softcap_model(path) -> None:
-    """A tiny Gemma-2 (it soft-caps its logits) and its tokenizer, written to `path`."""
+def save_softcap_model(path, softcap: float = 0.5) -> None:
+    """A tiny Gemma-2 that soft-caps its logits (a cap that bends them: head weights scaled up
+    to logits of a few units) and its tokenizer, written to `path`."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    Gemma2ForCausalLM(Gemma2Config(
+    model = Gemma2ForCausalLM(Gemma2Config(
         vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, intermediate_size=64, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-    )).save_pretrained(path)
+        final_logit_softcapping=softcap))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
 
 
+def save_unknown_transform_model(path) -> None:
+    """A tiny Qwen2 whose config names a logit divisor (logits_scaling) that Qwen2's forward does
+    not apply: the head check finds the logits are not the transform's, so TRL's own
+    implementation must run."""
+    import json
+    from pathlib import Path
+
+    save_tiny_model(str(path), hidden_size=32, num_layers=1)
+    config = json.loads((Path(path) / "config.json").read_text())
+    (Path(path) / "config.json").write_text(json.dumps({**config, "logits_scaling": 4.0}))
+
+
 def test_unsupported_model_falls_back_to_trl_entirely(tmp_path):
-    """Gemma-2 soft-caps its logits, which a plain linear head cannot reproduce: TRL's own
+    """A model whose logits are not its head's output under a known transform: TRL's own
     forward is used for the loss and for the log-probs, with one warning."""
-    save_softcap_model(tmp_path)
-    with pytest.warns(UserWarning, match="final_logit_softcapping"):
+    save_unknown_transform_model(tmp_path)
+    with pytest.warns(UserWarning, match="logits are not those"):
         result = run_both(str(tmp_path), loss_type="dapo", beta=0.04)
     assert_same(*result)
+
+
+@pytest.mark.parametrize("cfg", [dict(loss_type="dapo", beta=0.04),
+                                 dict(loss_type="grpo", entropy_coef=0.1)], ids=["dapo", "grpo"])
+def test_softcapped_model_runs_the_fused_path_and_matches_trl(tmp_path, cfg):
+    """Gemma-2's final-logit soft-capping runs in the fused kernels (softcap=): TRL's own
+    trainer (its fused head caps too) gives the same loss, gradients and metrics."""
+    save_softcap_model(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning from ours
+        ref, ours, loss_ref, loss = run_both(str(tmp_path), **cfg)
+    assert ours._model_fallback is None and ours._packing_off is None
+    assert_same(ref, ours, loss_ref, loss)
 
 
 @pytest.mark.parametrize("cfg", [dict(loss_type="dapo", beta=0.04),

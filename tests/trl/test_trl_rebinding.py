@@ -14,7 +14,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
-from test_trl import make_batch, make_trainer, save_softcap_model  # noqa: E402  (tiny offline models, TRL batches)
+from test_trl import make_batch, make_trainer, save_unknown_transform_model  # noqa: E402  (tiny offline models, TRL batches)
 
 from grpo_kernels import force_backend  # noqa: E402
 from grpo_kernels.trl import GRPOTrainer  # noqa: E402
@@ -34,10 +34,11 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def softcap_model_dir(tmp_path_factory):
-    """Gemma-2 soft-caps its logits: TRL's implementation runs for it (with a warning)."""
-    path = tmp_path_factory.mktemp("tiny_gemma2")
-    save_softcap_model(path)
+def unknown_transform_dir(tmp_path_factory):
+    """A model whose logits the fused path cannot reproduce: TRL's implementation runs for it
+    (with a warning)."""
+    path = tmp_path_factory.mktemp("tiny_unknown_transform")
+    save_unknown_transform_model(path)
     return str(path)
 
 
@@ -131,14 +132,14 @@ def test_fallback_warning_names_the_callers_line(model_dir, monkeypatch, way):
 
 
 @pytest.mark.parametrize("way", ("by name", "trl.GRPOTrainer"))
-def test_fallback_warning_in_training_names_the_train_call(model_dir, softcap_model_dir,
+def test_fallback_warning_in_training_names_the_train_call(model_dir, unknown_transform_dir,
                                                           monkeypatch, way):
     """Through Trainer.train: the loss fallback (training_step -> compute_loss -> _compute_loss)
     and the model fallback (first met in old-policy scoring during generation)."""
     cls = GRPOTrainer if way == "by name" else rebind(monkeypatch, way)
     runs = ((model_dir, dict(loss_type="vespo", vespo_lambda_neg=0.0), "vespo_lambda_neg",
              "TRL's loss math runs instead"),
-            (softcap_model_dir, {}, "final_logit_softcapping",
+            (unknown_transform_dir, {}, "logits are not those",
              "TRL's own implementation runs instead"))
     for directory, cfg, reason, instead in runs:
         trainer = make_trainer(cls, directory, **cfg)  # 2 steps, 4 micro-batches
