@@ -260,7 +260,7 @@ def _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
     flags = _with_transforms(_backward_flags(quick), TRANSFORM_BWD, quick)
     for ((dh, dw), bias, gent, filt), tr in flags:
         zcfg, zopts = _split_cfg(tile_configs.linear_dz(common, None, arch=arch,
-                                                        entropy_grad=gent))
+                                                        entropy_grad=gent, softcap=tr[1]))
         BN, BV = zcfg["BLOCK_N"], zcfg["BLOCK_V"]
         need_db = bias and dw
         rows, cols = gemm.chunk_sizes(N, V, BN, BV, common.itemsize + (4 / BN if need_db else 0),
@@ -330,10 +330,12 @@ def _logits(arch: int, V: int, dtype, quick: bool):
         yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
                       lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
     for gent, tr in _with_transforms((False, True), (False, True), quick):
+        bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
+                                                     softcap_backward=tr[1]))
         args = dict(rows, dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, **cfg, **_transform_args(tr))
+                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, **bcfg, **_transform_args(tr))
         yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
-                      lgt._logits_logprob_bwd_kernel, args, opts, "logits_bwd", True)
+                      lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
 
 
 def default_linear_backward() -> str:

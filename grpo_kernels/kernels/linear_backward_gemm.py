@@ -165,7 +165,8 @@ def linear_logprob_backward_gemm(
     # the GEMMs' dtype: the inputs' (16-bit dz, as the atomic kernel's dots take), float32 when
     # either input is float32 (a 16-bit hidden with a float32 head weight)
     common = torch.promote_types(hidden.dtype, weight.dtype)
-    cfg = dict(config or tile_configs.linear_dz(common, dev, entropy_grad=g_ent is not None))
+    cfg = dict(config or tile_configs.linear_dz(common, dev, entropy_grad=g_ent is not None,
+                                                softcap=softcap is not None))
     BN, BV = cfg["BLOCK_N"], cfg["BLOCK_V"]
     dh = torch.empty_like(hidden) if need_dh else None
     dw = torch.empty_like(weight) if need_dw else None

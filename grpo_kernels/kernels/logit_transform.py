@@ -66,7 +66,7 @@ def softcap_logits_grad(y, logit_mul, softcap, HAS_SCALE: tl.constexpr,
         dzdy = sech2 * (logit_mul * softcap)  # s·(1 - tanh²), s = logit_mul·c
     else:
         z = y * logit_mul
-        dzdy = tl.zeros_like(y) + logit_mul  # s
+        dzdy = logit_mul  # s, a scalar (a tile of it would take a register per element)
     return z, dzdy
 
 

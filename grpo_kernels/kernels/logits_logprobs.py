@@ -161,7 +161,7 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     dx = torch.empty_like(logits) if out is None else out
     if N == 0:
         return dx
-    cfg = tile_configs.logits(V, logits.device)
+    cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None)
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),

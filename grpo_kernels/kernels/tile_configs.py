@@ -156,9 +156,10 @@ def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
 
 
 def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None = None,
-              entropy_grad: bool = False) -> dict:
+              entropy_grad: bool = False, softcap: bool = False) -> dict:
     """d-logits kernel of the GEMM backward (`linear_backward_gemm._linear_dz_kernel`);
-    entropy_grad: the entropy's gradient is part of d logits (more live temporaries)."""
+    entropy_grad: the entropy's gradient is part of d logits (more live temporaries);
+    softcap: the logit soft cap's tanh and its derivative are too (kernels/logit_transform.py)."""
     cc = target_arch(device, arch)
     if cc is None:
         return _small_matmul_tiles(4)
@@ -166,8 +167,9 @@ def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None 
         stages = 3 if cc >= 80 else 2
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, stages, cc))
     # sm_100: 128 x 128 with the entropy gradient spilled 32 B at 255 registers; sm_90: 8 B
-    # (fp16, bias, entropy gradient, V not divisible by 16; the full compile_check set)
-    if cc >= 100 or (cc >= 90 and entropy_grad):
+    # (fp16, bias, entropy gradient, V not divisible by 16; the full compile_check set); with
+    # a soft cap and the entropy gradient, sm_80 spilled 8-16 B (by tokens, d hidden only)
+    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and entropy_grad):
         return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
 
@@ -185,14 +187,19 @@ def accumulate_mm(dtype: torch.dtype, device: torch.device | None,
     return dict(BLOCK_M=128, BLOCK_D=128, BLOCK_K=64, GROUP_M=8, **_opts(8, 3, cc))
 
 
-def logits(V: int, device: torch.device | None, arch: int | None = None) -> dict:
-    """Logits-input kernels (`logits_logprobs`)."""
+def logits(V: int, device: torch.device | None, arch: int | None = None,
+           softcap_backward: bool = False) -> dict:
+    """Logits-input kernels (`logits_logprobs`); softcap_backward: the backward kernel with a
+    logit soft cap (its tanh and derivative add live temporaries)."""
     cc = target_arch(device, arch)
     if cc is None:
         return dict(ROWS=4, BLOCK_V=64, **_opts(4))
     # one row per program streams V in chunks of 4096 (16 elements, 2-4 16-byte loads per
     # thread); small V packs rows together. 8192-wide chunks spill on sm_80 when V is not a
-    # multiple of 16 (the loads cannot be vectorized: 128 registers + 8 B of stack).
-    block = min(triton.next_power_of_2(V), 4096)
-    rows = max(1, min(16, 4096 // triton.next_power_of_2(V)))
-    return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= 4096 else 4, None, cc))
+    # multiple of 16 (the loads cannot be vectorized: 128 registers + 8 B of stack). The soft-
+    # capped backward with the entropy gradient spilled 8 B at 4096 (sm_80, float32, V = 32001):
+    # it takes 2048-wide chunks (8 elements per thread).
+    chunk = 2048 if softcap_backward else 4096
+    block = min(triton.next_power_of_2(V), chunk)
+    rows = max(1, min(16, chunk // triton.next_power_of_2(V)))
+    return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= chunk else 4, None, cc))
