@@ -37,6 +37,16 @@ import functools
 
 import torch
 
+from .blocks import (
+    KEEP_ELEMENTS,
+    _active_rows,
+    _block,
+    _chunk_rows,
+    _pick,
+    _row_blocks,
+    _row_parts,
+    _tile_shape,
+)
 from .tiles import (
     LN2,
     LOG2E,
@@ -59,49 +69,6 @@ from .tiles import (
     view,
     weight_tile,
 )
-
-# Logits input: elements of one [rows, V] float32 block (one buffer; two with an entropy
-# gradient): 16 MiB.
-CHUNK_ELEMENTS = 2**22
-# Linear head: at least TILE_ROWS tokens per tile (each weight tile is reused by that many tokens,
-# enough for the GEMMs to stay compute-bound) and TILE_ELEMENTS per [rows, cols] float32 logits
-# tile: 64 MiB, one buffer (two with an entropy gradient). Tiles are large on purpose: every
-# elementwise op is one parallel region, and on a busy machine each region waits until all its
-# threads get a core (tens of ms at a load of 10+ on 2 cores), so few large ops beat many small
-# cache-sized ones there; on an idle machine the difference is small.
-TILE_ROWS = 256
-TILE_ELEMENTS = 2**24
-# A forward asked to `keep` its logits keeps them when they fit one tile (N·V <= TILE_ELEMENTS / 2,
-# 32 MiB of float32), and its backward starts from that tile instead of recomputing it with a
-# GEMM: one of the four [N, V, D] matrix products of a forward + backward fewer.
-KEEP_ELEMENTS = TILE_ELEMENTS // 2
-
-
-def _chunk_rows(V: int, chunk_elements: int | None) -> int:
-    return max(1, (chunk_elements or CHUNK_ELEMENTS) // max(V, 1))
-
-
-def _tile_shape(N: int, V: int, chunk_elements: int | None, buffers: int) -> tuple[int, int]:
-    """(rows, cols) of a linear-head logits tile: `buffers` such tiles fit the element budget."""
-    budget = max(1, (chunk_elements or TILE_ELEMENTS) // buffers)
-    rows = max(1, min(N, max(TILE_ROWS, budget // max(V, 1))))  # whole rows when V is small
-    cols = max(1, min(V, budget // rows))
-    return rows, cols
-
-
-def _whole(x):
-    return x
-
-
-def _row_parts(n: int, rows: int):
-    """Blocks of at most `rows` of n rows: (first row, rows, x -> the block's rows of x). One
-    block of all n rows hands tensors on as they are (no view op per tensor and block)."""
-    if rows >= n:
-        yield 0, n, _whole
-        return
-    for r0 in range(0, n, rows):
-        r = min(rows, n - r0)
-        yield r0, r, lambda x, r0=r0, r=r: x[r0:r0 + r]
 
 
 def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None,
@@ -162,14 +129,6 @@ def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
     """acc = alpha·(a @ b) when `first` (acc's old values are ignored, so it need not be
     zeroed), else acc += alpha·(a @ b)."""
     torch.addmm(acc, a, b, beta=0.0 if first else 1.0, alpha=alpha, out=acc)
-
-
-def _active_rows(g, gh):
-    """Indices of tokens with a non-zero gradient coefficient (None: all of them)."""
-    busy = g != 0 if gh is None else (g != 0) | (gh != 0)
-    if bool(busy.all()):
-        return None
-    return busy.nonzero().squeeze(1)
 
 
 def linear_logprob_backward(
@@ -233,15 +192,6 @@ def linear_logprob_backward(
     return dh, dw, db
 
 
-def _pick(x, idx, dtype):
-    """[N, ...] -> the active tokens' rows (all of them when idx is None), floating point ones in
-    the compute dtype; None stays None."""
-    if x is None:
-        return None
-    x = x if idx is None else x.index_select(0, idx)  # advanced indexing would fork threads
-    return x.to(dtype) if x.is_floating_point() else x
-
-
 def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, want_dw, want_db):
     """Vocabulary tiles (outer) by token blocks (inner): each [r, c] tile becomes x
     (`mode.tile`), gets its one-hot term, and feeds d hidden += x @ W_tile (into dh_acc
@@ -294,34 +244,6 @@ def _hidden_grad(dh_acc, dh_scale, hidden, idx):
     if idx is None:
         return dh_acc.to(hidden.dtype)  # itself when it already is
     return torch.zeros_like(hidden).index_copy_(0, idx, dh_acc.to(hidden.dtype))
-
-
-def _row_blocks(B: int, T: int, C: int):
-    """Split [B, T] rows into blocks of about C: whole sequences when C >= T, else pieces of one
-    sequence. Yields (block of a [B, T, ...] tensor, block of a flat [B·T, ...] one): each block
-    of a [B, T, V] view is itself a view, so sliced logits are never copied whole; one block of
-    all B·T rows hands tensors on as they are."""
-    if B * T == 0:  # no tokens (e.g. a packed batch of empty sequences): no blocks
-        return
-    if C >= B * T:
-        yield _whole, _whole
-    elif C >= T:
-        step = C // T
-        for b in range(0, B, step):
-            n = min(step, B - b) * T
-            yield (lambda x, b=b: x[b:b + step]), (lambda v, i=b * T, n=n: v[i:i + n])
-    else:
-        for b in range(B):
-            for t in range(0, T, C):
-                n = min(C, T - t)
-                yield ((lambda x, b=b, t=t: x[b:b + 1, t:t + C]),
-                       (lambda v, i=b * T + t, n=n: v[i:i + n]))
-
-
-def _block(buf, shape):
-    """The first elements of a flat buffer viewed as `shape` ([b, t, V])."""
-    n = shape[0] * shape[1] * shape[2]
-    return buf.view(shape) if buf.numel() == n else buf[:n].view(shape)
 
 
 def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, softcap=None,

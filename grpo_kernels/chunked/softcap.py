@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .launchers import (
+from .blocks import (
     _active_rows,
     _chunk_rows,
     _pick,
