@@ -45,7 +45,7 @@ def probe(args, provider: str, length: int) -> dict:
     if args.device == "cpu":
         cmd += ["--max_rss_gib", str(args.budget_gib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    out = proc.stdout
+    out = "\n" + proc.stdout  # the row is the last indented JSON object printed
     start, end = out.rfind("\n{\n"), out.rfind("\n}")
     row = json.loads(out[start:end + 2]) if 0 <= start < end else {}
     peaks = [row.get(f"{p}_peak_gib") for p in ("scoring", "loss")]
