@@ -13,10 +13,15 @@ code is what it was without a transform. Gradient algebra in `softcap_logits_gra
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+# tl.fdiv's `approx` keyword (div.approx.f32) is newer than Triton 3.4, whose fdiv without IEEE
+# rounding is already the fast full-range division (div.full.f32, 2 ulp): no slow path either way
+FDIV_HAS_APPROX = tl.constexpr("approx" in inspect.signature(tl.fdiv).parameters)
 
 
 @triton.jit
@@ -30,7 +35,10 @@ def _tanh_and_sech2(a):
     the approximate one (2 ulp; its denominator 1 + e lies in [1, 2]): IEEE division adds a
     slow-path call whose registers made the fused forward and d-logits kernels spill."""
     e = tl.exp2(tl.abs(a) * (-2.0 * LOG2E))
-    r = tl.fdiv(1.0, 1.0 + e, approx=True)  # 1 + e in [1, 2]: 2 ulp, no slow-path call
+    if FDIV_HAS_APPROX:  # 1 + e in [1, 2]: 2 ulp, no slow-path call
+        r = tl.fdiv(1.0, 1.0 + e, approx=True)
+    else:
+        r = tl.fdiv(1.0, 1.0 + e)
     t = (1.0 - e) * r
     return tl.where(a < 0, -t, t), 4.0 * e * r * r
 
