@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..reference import transform_logits
 from .head_adapters import ResolvedHead, fold_lora, resolve_head
 from .unwrap import unwrap_model
 from .zero3 import gathered_head
@@ -61,12 +62,6 @@ def logit_transform(model: nn.Module) -> dict:
         scale = divisor if getattr(cfg, "model_type", None) == "hyperclovax" else 1.0 / divisor
     return {"softcap": float(softcap) if softcap else None,
             "logit_scale": None if scale is None or scale == 1 else float(scale)}
-
-
-def _transformed(y: torch.Tensor, softcap, logit_scale) -> torch.Tensor:
-    """z = c·tanh(s·y / c) in float32 (the check's twin of the kernels' transform)."""
-    z = y.float() * (1.0 if logit_scale is None else logit_scale)
-    return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
 _HEAD_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -158,7 +153,7 @@ def _check_logit_transform(inner: nn.Module, head_out, logits) -> None:
     if not isinstance(head_out, torch.Tensor) or not isinstance(logits, torch.Tensor):
         return
     transform = logit_transform(inner)
-    want = _transformed(head_out[:, -1:], **transform)
+    want = transform_logits(head_out[:, -1:], **transform)  # float32
     got = logits[:, -1:].float().to(want.device)
     eps = torch.finfo(logits.dtype).eps if logits.is_floating_point() else 1e-6
     tol = 8 * eps * max(1.0, want.abs().max().item())
