@@ -10,10 +10,13 @@ same work: the same lengths, in the same order, step after step.
                so the median is a third of the cap; clipped to [1, cap]; a completion drawn at
                the cap ends without EOS (truncated), as a real one would
 
-Draws depend on (seed, call index) only: the k-th generate call of any provider gets the same
-lengths. grpo_train takes them through its `forced_lengths` hook; for TRL,
-`with ForcedLengths(...).installed():` patches transformers' `GenerationMixin.generate` while it
-runs (restored after) and checks every output against the draw.
+Draws depend on (seed, draw index) only: the k-th timed generate call of any provider gets the
+same lengths. Warm-up calls replay the timed calls' draws (warm-up call k draws those of timed
+call k mod the timed calls), so a warm-up sees the shapes the timed steps will run: kernels are
+compiled and allocator pools sized for them, not for other lengths. grpo_train takes them
+through its `forced_lengths` hook; for TRL, `with ForcedLengths(...).installed():` patches
+transformers' `GenerationMixin.generate` while it runs (restored after) and checks every output
+against the draw.
 """
 
 from __future__ import annotations
@@ -46,12 +49,21 @@ class ForcedLengths:
     grpo_train's own logits processor. A draw at the cap becomes cap + 1 for both, i.e. a
     completion truncated at the cap without EOS."""
 
-    def __init__(self, profile: str, cap: int, eos_id: int, seed: int = 0):
+    def __init__(self, profile: str, cap: int, eos_id: int, seed: int = 0, warmup: int = 0,
+                 timed: int = 1):
+        if warmup < 0 or timed < 1:
+            raise ValueError(f"warmup must be >= 0 and timed >= 1, got {warmup} and {timed}")
         self.profile, self.cap, self.eos_id, self.seed = profile, cap, eos_id, seed
+        self.warmup, self.timed = warmup, timed
         self.history: list[list[int]] = []  # the drawn lengths of every call
 
+    def draw_index(self, call: int) -> int:
+        """Which draw generate call `call` gets: warm-up calls replay the timed calls'."""
+        return call - self.warmup if call >= self.warmup else call % self.timed
+
     def draw(self, batch: int) -> list[int]:
-        lengths = draw_lengths(self.profile, batch, self.cap, self.seed, len(self.history))
+        lengths = draw_lengths(self.profile, batch, self.cap, self.seed,
+                               self.draw_index(len(self.history)))
         self.history.append(lengths)
         return [n if n < self.cap else self.cap + 1 for n in lengths]
 
@@ -71,7 +83,8 @@ class ForcedLengths:
         longest completion. Tokens avoid EOS and pad_id, and depend on (seed, call) only."""
         lengths = self.draw(prompt_ids.shape[0])  # cap + 1: truncated at the cap, no EOS
         n = min(max(lengths), self.cap)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.history) + 7)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003
+                                          + self.draw_index(len(self.history) - 1) + 8)
         plain = torch.tensor([i for i in range(vocab) if i not in (self.eos_id, pad_id)])
         tokens = plain[torch.randint(0, len(plain), (len(lengths), n), generator=g)]
         for i, length in enumerate(lengths):

@@ -273,7 +273,8 @@ def measure(args, argv) -> dict:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
         forcing = lengths.ForcedLengths(args.length_profile, args.completion_tokens,
-                                        eos_id=_eos_id(model_dir), seed=args.seed)
+                                        eos_id=_eos_id(model_dir), seed=args.seed,
+                                        warmup=args.warmup, timed=args.steps)
         recorder = make_recorder(args, device, workdir, env)
         if args.provider.startswith("trl"):
             from benchmarks.trl_providers import run_trl

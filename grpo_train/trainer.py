@@ -16,6 +16,7 @@ Shapes: P_l prompts per process, B = P_l·G sequences, Lp prompt columns, T comp
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from pathlib import Path
@@ -325,16 +326,33 @@ def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
         logits = model(input_ids=ids, attention_mask=attn, position_ids=mb.position_ids,
                        logits_to_keep=keep + 1, use_cache=False).logits[:, :-1]  # [b, T, V]
         targets = ids[:, -keep:]
-    else:  # transformers keeps packed positions given as a boolean [R, W] mask, row-major
+    else:
         where = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
         where[keep] = True
-        logits = model(input_ids=ids, position_ids=mb.position_ids,
-                       logits_to_keep=where.view(ids.shape), use_cache=False).logits
-        logits = logits.reshape(-1, logits.shape[-1])[keep.argsort().argsort()]  # [N, V]
+        if _keeps_a_boolean_mask():  # the kept positions' logits only, row-major
+            logits = model(input_ids=ids, position_ids=mb.position_ids,
+                           logits_to_keep=where.view(ids.shape), use_cache=False).logits
+            logits = logits.reshape(-1, logits.shape[-1])
+        else:  # older transformers: every position's logits [R, W, V], then the kept ones
+            logits = model(input_ids=ids, position_ids=mb.position_ids, use_cache=False).logits
+            logits = logits.reshape(-1, logits.shape[-1])[where]
+        logits = logits[keep.argsort().argsort()]  # [N, V]
         targets = ids.reshape(-1)[keep + 1]
     return reference_impl.grpo_loss(logits, targets, adv, mb.mask, old, ref,
                                     num_items_in_batch=num_items, cu_seqlens=mb.cu_seqlens,
                                     params=loss_fn.params)
+
+
+@functools.cache
+def _keeps_a_boolean_mask() -> bool:
+    """Whether this transformers takes a boolean [R, W] `logits_to_keep` (packed rows: the
+    kept positions' logits, flattened); releases without `slice_logits_to_keep` (5.17 and
+    older) index the sequence dimension only."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

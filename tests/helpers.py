@@ -72,6 +72,35 @@ def make_grpo_batch(hidden, weight, bias, ids, seed=0, masked_row=True, temperat
     return mask.to(dev), adv.to(dev), old.to(dev), ref.to(dev)
 
 
+# Where the Triton backend's tests launch the kernels: the GPU when there is one, else the CPU
+# (Triton's interpreter). The truths stay on the CPU in float64.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _move(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)  # differentiable: a CPU leaf receives the gradient
+    if isinstance(x, (tuple, list)):
+        return type(x)(_move(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _move(v, device) for k, v in x.items()}
+    return x
+
+
+def on_device(fn, backend):
+    """`fn` with its tensor arguments moved (differentiably) to the device the backend's tests
+    run on and its outputs moved back to the CPU: the Triton backend runs on KERNEL_DEVICE, the
+    chunked backend on the CPU. On a machine without a GPU this is `fn` itself."""
+    device = KERNEL_DEVICE if backend == "triton" else torch.device("cpu")
+    if device.type == "cpu":
+        return fn
+
+    def moved(*args, **kwargs):
+        out = fn(*_move(args, device), **_move(kwargs, device))
+        return _move(out, torch.device("cpu"))
+    return moved
+
+
 def leaf(x, dtype=None):
     if x is None:
         return None

@@ -5,7 +5,7 @@ with a fully masked row in every batch."""
 
 import pytest
 import torch
-from helpers import MATRIX, hyper, leaf, make_grpo_batch, make_head, max_err
+from helpers import MATRIX, hyper, leaf, make_grpo_batch, make_head, max_err, on_device
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -32,7 +32,8 @@ def check(backend, dtype, shape, kw, bias, seed=0, **batch_kw):
                 torch.float64)
     same = run(reference.fused_linear_grpo_loss, hidden, weight, b, ids, batch, kw, dtype)
     with gk.force_backend(backend):
-        ours = run(gk.fused_linear_grpo_loss, hidden, weight, b, ids, batch, kw, dtype)
+        ours = run(on_device(gk.fused_linear_grpo_loss, backend), hidden, weight, b, ids, batch,
+                   kw, dtype)
     tol = TOL[dtype]
     assert ours[0].dtype == torch.float32 and ours[0].dim() == 0
     assert max_err(ours[0], truth[0]) <= 2 * max_err(same[0], truth[0]) + tol * (
@@ -90,7 +91,8 @@ def test_mixed_head_precision(backend, level):
     mask, adv, old, ref = batch
     h, w, bb = leaf(hidden, torch.bfloat16), leaf(weight), leaf(b)
     with gk.force_backend(backend):
-        loss, metrics = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, bb, **kw)
+        loss, metrics = on_device(gk.fused_linear_grpo_loss, backend)(h, w, ids, adv, mask, old,
+                                                                       ref, bb, **kw)
     loss.backward()
     tol = 1e-4
     assert max_err(loss, truth[0]) <= 2 * max_err(fp32_head[0], truth[0]) + tol * (
@@ -143,8 +145,8 @@ def test_importance_sampling_ratio_and_token_advantages(backend, level):
         truth = run(reference.fused_linear_grpo_loss, hidden, weight, b, ids, batch, kw,
                     torch.float64)
         with gk.force_backend(backend):
-            ours = run(gk.fused_linear_grpo_loss, hidden, weight, b, ids, batch, kw,
-                       torch.float32)
+            ours = run(on_device(gk.fused_linear_grpo_loss, backend), hidden, weight, b, ids,
+                       batch, kw, torch.float32)
         assert max_err(ours[0], truth[0]) < 1e-5
         for o, t in zip(ours[2], truth[2]):
             assert max_err(o, t) < 2e-5 * max(1.0, t.abs().max().item())
@@ -159,8 +161,8 @@ def test_without_old_logps_ratio_is_one(backend, loss_type):
     mask, adv, _, _ = make_grpo_batch(hidden, weight, None, ids, seed=5)
     kw = hyper(loss_type, "token", 0.0, 1.0, None)
     with gk.force_backend(backend):
-        loss, metrics = gk.fused_linear_grpo_loss(leaf(hidden), leaf(weight), ids, adv, mask,
-                                                  **kw)
+        loss, metrics = on_device(gk.fused_linear_grpo_loss, backend)(
+            leaf(hidden), leaf(weight), ids, adv, mask, **kw)
     truth, _ = reference.fused_linear_grpo_loss(hidden.double(), weight.double(), ids, adv, mask,
                                                 **kw)
     assert abs(loss.item() - truth.item()) < 1e-5
@@ -174,8 +176,8 @@ def test_fully_masked_batch_gives_zero_loss_and_gradients(backend):
     hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=6)
     h, w = leaf(hidden), leaf(weight)
     with gk.force_backend(backend):
-        loss, metrics = gk.fused_linear_grpo_loss(h, w, ids, torch.randn(B), torch.zeros(B, T),
-                                                  loss_type="bnpo")
+        loss, metrics = on_device(gk.fused_linear_grpo_loss, backend)(
+            h, w, ids, torch.randn(B), torch.zeros(B, T), loss_type="bnpo")
     loss.backward()
     assert loss.item() == 0.0 and metrics["entropy"].item() == 0.0
     assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0

@@ -4,7 +4,7 @@ fused linear loss; sliced views read in place; the in-place gradient option."""
 
 import pytest
 import torch
-from helpers import MATRIX, hyper, max_err
+from helpers import KERNEL_DEVICE, MATRIX, hyper, max_err, on_device
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -25,12 +25,17 @@ def make_logits(B, T, V, seed=0, scale=3.0, pad=3):
     return full, ids, mask, adv
 
 
-def run_loss(fn, full, T, dtype, ids, batch, kw):
+def run_loss(fn, full, T, dtype, ids, batch, kw, device=None):
+    """Loss, metrics and d buffer of fn on the view buf[:, 1:1+T], computed on `device` (default:
+    the buffer's; the buffer moves there whole, so the kernel still reads a sliced view);
+    loss and metrics on the CPU."""
     buf = full.detach().to(dtype).clone().requires_grad_(True)
-    logits = buf[:, 1:1 + T]  # a non-contiguous view
-    loss, metrics = fn(logits, ids, *batch, **kw)
+    device = device or buf.device
+    logits = buf.to(device)[:, 1:1 + T]  # a non-contiguous view
+    moved = [x if x is None else x.to(device) for x in batch]
+    loss, metrics = fn(logits, ids.to(device), *moved, **kw)
     loss.backward()
-    return loss.detach(), metrics, buf.grad
+    return loss.detach().cpu(), {k: v.cpu() for k, v in metrics.items()}, buf.grad
 
 
 def check(backend, dtype, B, T, V, kw, seed=0):
@@ -44,7 +49,8 @@ def check(backend, dtype, B, T, V, kw, seed=0):
     truth = run_loss(reference.grpo_loss, full, T, torch.float64, ids, args, kw)
     same = run_loss(reference.grpo_loss, full, T, dtype, ids, args, kw)
     with gk.force_backend(backend):
-        ours = run_loss(gk.grpo_loss, full, T, dtype, ids, args, kw)
+        ours = run_loss(gk.grpo_loss, full, T, dtype, ids, args, kw,
+                        KERNEL_DEVICE if backend == "triton" else "cpu")
     tol = TOL[dtype]
     assert max_err(ours[0], truth[0]) <= 2 * max_err(same[0], truth[0]) + tol * (
         1 + truth[0].abs().item())
@@ -106,7 +112,7 @@ def test_logprobs_from_logits(backend, dtype):
     truth = grads(reference.logprobs_from_logits, x.double())
     same = grads(reference.logprobs_from_logits, x.to(dtype))
     with gk.force_backend(backend):
-        ours = grads(gk.logprobs_from_logits, x.to(dtype))
+        ours = grads(on_device(gk.logprobs_from_logits, backend), x.to(dtype))
     assert ours[0].shape == (2, 3, 5) and ours[0].dtype == torch.float32
     for o, s, t in zip(ours, same, truth):
         assert max_err(o, t) <= 2 * max_err(s, t) + TOL[dtype] * max(1.0, t.abs().max().item())
@@ -117,14 +123,16 @@ def test_inplace_writes_the_gradient_over_the_logits(backend):
     full, ids, mask, adv = make_logits(2, 7, 50, seed=4)
     expected = run_loss(reference.grpo_loss, full, 7, torch.float64, ids, (adv, mask, None, None),
                         dict(loss_type="grpo"))[2][:, 1:8]
-    buf = full.clone().requires_grad_(True)
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+    buf = full.to(device).requires_grad_(True)
     logits = buf * 1.0  # non-leaf buffer whose storage the gradient may reuse
     view = logits[:, 1:8]
     with gk.force_backend(backend):
-        loss, _ = gk.grpo_loss(view, ids, adv, mask, loss_type="grpo", inplace=True)
+        loss, _ = gk.grpo_loss(view, ids.to(device), adv.to(device), mask.to(device),
+                               loss_type="grpo", inplace=True)
     loss.backward()
-    assert max_err(buf.grad[:, 1:8], expected) < 1e-5
-    assert max_err(view.detach(), expected) < 1e-5, "the view now holds its own gradient"
+    assert max_err(buf.grad[:, 1:8].cpu(), expected) < 1e-5
+    assert max_err(view.detach().cpu(), expected) < 1e-5, "the view now holds its own gradient"
 
 
 def test_module_and_errors():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import leaf, make_grpo_batch, make_head, max_err
+from helpers import leaf, make_grpo_batch, make_head, max_err, on_device
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +40,7 @@ def test_no_NxV_tensor_saved_for_backward(backend, level):
     mask, adv, old, ref = make_grpo_batch(hidden, weight, b, ids)
     h, w, bb = leaf(hidden), leaf(weight), leaf(b)
     with gk.force_backend(backend):
-        shapes, (loss, _) = saved_shapes(lambda: gk.fused_linear_grpo_loss(
+        shapes, (loss, _) = saved_shapes(lambda: on_device(gk.fused_linear_grpo_loss, backend)(
             h, w, ids, adv, mask, old, ref, bb, beta=0.04, importance_sampling_level=level,
             entropy_coef=0.01))
         loss.backward()
@@ -94,8 +94,8 @@ def _property(backend, case):
     truth.backward()
     leaves = [leaf(x) for x in (hidden, weight, b)]
     with gk.force_backend(backend):
-        loss, metrics = gk.fused_linear_grpo_loss(leaves[0], leaves[1], ids, adv, mask, old, ref,
-                                                  leaves[2], **kw)
+        loss, metrics = on_device(gk.fused_linear_grpo_loss, backend)(
+            leaves[0], leaves[1], ids, adv, mask, old, ref, leaves[2], **kw)
     loss.backward()
     assert abs(loss.item() - truth.item()) <= 3e-5 * (1 + abs(truth.item()))
     assert metrics.keys() == tm.keys()
@@ -126,7 +126,7 @@ def _logits_property(backend, case):
     truth, tm = reference.grpo_loss(x64, ids, adv, mask, old, ref, **kw)
     truth.backward()
     with gk.force_backend(backend):
-        loss, metrics = gk.grpo_loss(x32, ids, adv, mask, old, ref, **kw)
+        loss, metrics = on_device(gk.grpo_loss, backend)(x32, ids, adv, mask, old, ref, **kw)
     loss.backward()
     assert abs(loss.item() - truth.item()) <= 3e-5 * (1 + abs(truth.item()))
     assert metrics.keys() == tm.keys()
@@ -139,11 +139,10 @@ def test_property_logits_path_matches_reference(case, backend):
     _logits_property(backend, case)
 
 
-@pytest.mark.gpu
-def test_peak_memory_has_no_NxV_term_on_gpu():
-    """fwd+bwd at N=8192 on a Qwen2.5-0.5B head: peak above inputs+grads is far below N·V·4."""
-    B, T, D, V = 8, 1024, 896, 151936
-    hidden, weight, _, ids = make_head(B, T, D, V, torch.bfloat16, "cuda", scale=4.0)
+def _peak_above_inputs_and_grads(N, D, V):
+    """Bytes the fused loss's fwd+bwd allocates at its peak above its inputs and their gradients
+    (bf16 Qwen2.5-0.5B-like head, N tokens in 8 rows)."""
+    hidden, weight, _, ids = make_head(8, N // 8, D, V, torch.bfloat16, "cuda", scale=4.0)
     mask, adv, old, ref = make_grpo_batch(hidden, weight, None, ids)
     h, w = leaf(hidden), leaf(weight)
     h.grad = torch.empty_like(h)
@@ -155,8 +154,24 @@ def test_peak_memory_has_no_NxV_term_on_gpu():
     loss, _ = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, beta=0.04)
     loss.backward()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    assert extra < 0.05 * (B * T * V * 4), f"{extra / 2**20:.0f} MiB above inputs+grads"
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+def test_peak_memory_has_no_NxV_term_on_gpu():
+    """fwd+bwd on a Qwen2.5-0.5B head: the peak above inputs+grads grows with N by far less than
+    a [N, V] float32 tensor would (V·4 bytes a token), and stays a small fraction of one.
+
+    The peak holds chunk buffers that grow up to their byte budget plus per-token vectors: on
+    an H100 (benchmarks, fwd+bwd) it measured 312 MiB at N=16384 and 481 MiB at N=65536, 3.5 KiB
+    a token against 594 KiB for float32 logits; below N=8192 the chunks are still growing
+    (33 KiB a token from N=2048 to 8192), so the slope is taken above it."""
+    D, V = 896, 151936
+    small = _peak_above_inputs_and_grads(8192, D, V)
+    large = _peak_above_inputs_and_grads(32768, D, V)
+    per_token = (large - small) / (32768 - 8192)
+    assert per_token < 0.05 * V * 4, f"{per_token / 1024:.1f} KiB a token"
+    assert large < 0.05 * (32768 * V * 4), f"{large / 2**20:.0f} MiB above inputs+grads"
 
 
 def _num_compiled(kernel) -> int:
@@ -172,8 +187,8 @@ def test_no_recompile_across_sequence_lengths_and_hyperparameters():
 
     D, V = 64, 1000
     _, weight, _, _ = make_head(1, 1, D, V, torch.bfloat16, "cuda")
-    counts = []
-    for i, T in enumerate((37, 101, 250, 513)):
+    counts = []  # compiled variants after each call (the caches are per process: other tests'
+    for i, T in enumerate((37, 101, 250, 513)):  # variants count too, so compare with call 1)
         hidden, _, _, ids = make_head(2, T, D, V, torch.bfloat16, "cuda", seed=i)
         h = leaf(hidden)
         loss, _ = gk.fused_linear_grpo_loss(h, weight, ids, torch.randn(2, device="cuda"),
@@ -183,4 +198,4 @@ def test_no_recompile_across_sequence_lengths_and_hyperparameters():
         counts.append((_num_compiled(linear_logprobs._linear_logprob_fwd_kernel),
                        _num_compiled(linear_backward_gemm._linear_dz_kernel)))
     # sizes and hyperparameters are runtime arguments; only the split/no-split choice may differ
-    assert counts[-1][0] <= 2 and counts[-1][1] == 1, counts
+    assert counts[-1][0] - counts[0][0] <= 1 and counts[-1][1] == counts[0][1], counts

@@ -5,7 +5,7 @@ same dtype (the reference evaluated in that dtype) by more than a small toleranc
 
 import pytest
 import torch
-from helpers import leaf, make_head, max_err
+from helpers import leaf, make_head, max_err, on_device
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -47,8 +47,8 @@ def test_matches_float64_truth(backend, dtype, shape, bias, temperature):
     same = _run(reference.selective_logprobs, hidden.to(dtype), weight.to(dtype), cast(b, dtype),
                 ids, temperature, coef)
     with gk.force_backend(backend):
-        ours = _run(gk.selective_logprobs, hidden.to(dtype), weight.to(dtype), cast(b, dtype),
-                    ids, temperature, coef)
+        ours = _run(on_device(gk.selective_logprobs, backend), hidden.to(dtype),
+                    weight.to(dtype), cast(b, dtype), ids, temperature, coef)
     names = ["logp", "entropy", "d hidden", "d weight", "d bias"]
     for name, o, s, t in zip(names, ours, same, truth):
         assert o.dtype == (torch.float32 if name in ("logp", "entropy") else dtype), name
@@ -89,7 +89,7 @@ def test_no_gradient_tokens_do_no_work_and_give_zero(backend):
     hidden, weight, _, ids = make_head(2, 5, 8, 40, torch.float32, "cpu")
     h, w = leaf(hidden), leaf(weight)
     with gk.force_backend(backend):
-        logp = gk.selective_logprobs(h, w, ids)
+        logp = on_device(gk.selective_logprobs, backend)(h, w, ids)
     (logp * 0).sum().backward()
     assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
 
@@ -97,11 +97,12 @@ def test_no_gradient_tokens_do_no_work_and_give_zero(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_leading_dims_and_empty_input(backend):
     hidden, weight, _, ids = make_head(2, 3, 8, 17, torch.float32, "cpu")
+    logprobs = on_device(gk.selective_logprobs, backend)
     with gk.force_backend(backend):
-        out = gk.selective_logprobs(hidden.reshape(2, 3, 1, 8), weight, ids.reshape(2, 3, 1))
+        out = logprobs(hidden.reshape(2, 3, 1, 8), weight, ids.reshape(2, 3, 1))
         assert out.shape == (2, 3, 1)
         h0 = leaf(hidden[:0])
-        empty = gk.selective_logprobs(h0, weight, ids[:0])
+        empty = logprobs(h0, weight, ids[:0])
         empty.sum().backward()
     assert empty.shape == (0, 3) and h0.grad.shape == (0, 3, 8)
     ref = reference.selective_logprobs(hidden, weight, ids)
@@ -152,7 +153,8 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
         h = hidden.clone().requires_grad_(frozen != "hidden")
         w = weight.clone().requires_grad_(frozen != "weight")
         with gk.force_backend(backend):
-            logp = gk.selective_logprobs(h, w, ids, b, temperature=0.9, return_entropy=True)
+            logp = on_device(gk.selective_logprobs, backend)(h, w, ids, b, temperature=0.9,
+                                                             return_entropy=True)
         (coef * logp[0] + coef * logp[1]).sum().backward()
         live, dead = (h, w) if frozen == "weight" else (w, h)
         assert dead.grad is None
@@ -220,7 +222,8 @@ def test_mixed_head_precision(backend, hidden_dtype):
     head16 = _run(reference.selective_logprobs, hidden, weight.to(hidden_dtype),
                   b.to(hidden_dtype), ids, 0.7, coef)
     with gk.force_backend(backend):
-        ours = _run(gk.selective_logprobs, hidden, weight, b, ids, 0.7, coef)
+        ours = _run(on_device(gk.selective_logprobs, backend), hidden, weight, b, ids, 0.7,
+                    coef)
     names = ["logp", "entropy", "d hidden", "d weight", "d bias"]
     for name, o, s, h16, t in zip(names, ours, fp32_head, head16, truth):
         # each gradient in its input's dtype: d hidden 16-bit, d weight and d bias float32

@@ -74,7 +74,7 @@ def test_trainer_step_long_tailed_lengths(provider):
             "chunked", "--device", "cpu", "--length_profile", "lognormal",
             "--completion_tokens", "24"]
     row = trainer_step.main(args)
-    drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=1)  # the timed step's
+    drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=0)  # the timed step's draw
     assert row["completion_tokens_mean"] == pytest.approx(sum(drawn) / 4, abs=0.05)
     assert row["length_profile"] == "lognormal" and row["warmup"] == 1
 
@@ -90,11 +90,30 @@ def test_trl_subclass_provider_with_synthetic_completions_and_reference(padding_
                              "--backend", "chunked", "--device", "cpu", "--synthetic",
                              "--beta", "0.04", "--length_profile", "lognormal",
                              "--completion_tokens", "24", "--padding_free", padding_free])
-    drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=1)
+    drawn = lengths.draw_lengths("lognormal", 4, 24, seed=0, call=0)
     assert row["completion_tokens_mean"] == pytest.approx(sum(drawn) / 4, abs=0.05)
     assert row["provider"] == "grpo_kernels.trl GRPOTrainer" and row["beta"] == 0.04
     assert row["generation"] == "synthetic" and row["padding_free"] == padding_free
     assert row["scoring_s"] > 0 and row["loss_s"] > 0
+
+
+def test_warmup_steps_replay_the_timed_steps_lengths():
+    """Warm-up call k draws what timed call k mod the timed calls draws, so the warm-up runs the
+    timed shapes (compiled kernels, sized allocator pools) and not other lengths."""
+    from benchmarks import lengths
+
+    forcing = lengths.ForcedLengths("lognormal", cap=64, eos_id=7, seed=1, warmup=2, timed=3)
+    for _ in range(5):
+        forcing.draw(8)
+    warm, timed = forcing.history[:2], forcing.history[2:]
+    assert warm == timed[:2] and timed[0] != timed[1] != timed[2]
+    assert timed == [lengths.draw_lengths("lognormal", 8, 64, seed=1, call=k) for k in range(3)]
+    one = lengths.ForcedLengths("lognormal", cap=64, eos_id=7, seed=1, warmup=3, timed=1)
+    for _ in range(4):
+        one.draw(8)
+    assert all(call == one.history[-1] for call in one.history)
+    with pytest.raises(ValueError, match="timed"):
+        lengths.ForcedLengths("lognormal", cap=64, eos_id=7, timed=0)
 
 
 def test_synthetic_completions_end_as_drawn_without_special_tokens_inside():

@@ -169,7 +169,14 @@ def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
         assert got[0][key] == pytest.approx(got[4][key], rel=1e-5, abs=1e-7), key
 
 
-def test_reference_loss_matches_fused_loss(tmp_path):
+@pytest.mark.parametrize("boolean_keep", [True, False],
+                         ids=["boolean-logits_to_keep", "all-logits-then-kept"])
+def test_reference_loss_matches_fused_loss(tmp_path, monkeypatch, boolean_keep):
+    """Both ways the reference reads packed rows' logits (transformers >= 5.24 keeps a boolean
+    [R, W] mask; older releases give every position's logits) agree with the fused loss."""
+    from grpo_train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "_keeps_a_boolean_mask", lambda: boolean_keep)
     got = {}
     for loss in ("fused", "reference"):
         cfg = tiny_cfg(tmp_path / loss, steps=1, loss=loss, max_grad_norm=0.0)
