@@ -16,6 +16,14 @@ a background thread every `interval_s` and at every boundary. PyTorch's large CP
 mmapped by glibc and unmapped when freed, so the RSS falls back after a phase's temporaries die;
 a temporary that lives shorter than the sampling interval can be missed (peaks are lower bounds).
 
+Allocator-independent bytes (CPU, `profile_phases`): the RSS depends on what glibc does with
+freed blocks (benchmarks/allocator.py fixes its thresholds), so the phases named there are also
+run under torch.profiler with memory events, and their `alloc_rise_bytes` is the highest running
+sum of the bytes PyTorch's CPU allocator handed out minus those freed, from the phase's start:
+the peak of its live tensors above what was live when it began, whatever the C allocator
+underneath keeps resident. Only PyTorch tensors count (not Python objects or library buffers),
+and the phase runs slower under the profiler (benchmarks/trainer_step.py states by how much).
+
 Nesting: a phase opened inside another (TRL's generation inside its scoring) is charged its own
 samples; the outer phase resumes afterwards, from the memory the inner one left as its new
 base. The step's peak covers everything between `begin_step()` and `end_step()`, phases or not.
@@ -119,6 +127,7 @@ class PhaseRecord:
     end_bytes: int = 0
     seconds: float = 0.0  # own wall time: nested phases' time excluded
     rise_bytes: int = 0  # see the module docstring
+    alloc_rise_bytes: int | None = None  # profiled phases only: see the module docstring
     t0: float = dataclasses.field(default=0.0, repr=False)
     nested_s: float = dataclasses.field(default=0.0, repr=False)
     base_bytes: int = dataclasses.field(default=0, repr=False)  # this stretch's start
@@ -132,10 +141,13 @@ class PhaseRecorder:
     """Collects PhaseRecords; see the module docstring for what is measured."""
 
     def __init__(self, device: torch.device | str = "cpu", interval_s: float = 0.002,
-                 limit_bytes: int | None = None, on_limit=None):
+                 limit_bytes: int | None = None, on_limit=None,
+                 profile_phases: tuple[str, ...] = ()):
         """`limit_bytes` / `on_limit(recorder, seen_bytes)`: called once, from the sampling
         thread, when the memory first exceeds the limit (CPU: a guard that can stop a run before
-        it exhausts a shared machine; the main thread may be inside one long operation)."""
+        it exhausts a shared machine; the main thread may be inside one long operation).
+        `profile_phases`: on CPU, the phases whose allocator bytes torch.profiler counts (one
+        profiled phase at a time: a phase named here that opens inside another is not)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if (limit_bytes is None) != (on_limit is None):
@@ -151,6 +163,8 @@ class PhaseRecorder:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.profile_phases = () if self.cuda else tuple(profile_phases)
+        self._profiler = None  # (the PhaseRecord, the running torch.profiler.profile)
 
     # ---- measuring ---------------------------------------------------------------------------
     def _current(self) -> int:
@@ -217,12 +231,21 @@ class PhaseRecorder:
         rec = self._open(name)
         with self._lock:
             self._stack.append(rec)
+        if name in self.profile_phases and self._profiler is None:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                          profile_memory=True)
+            prof.__enter__()
+            self._profiler = (rec, prof)
 
     def end(self, name: str) -> None:
         if not self._stack or self._stack[-1].phase != name:
             open_ = [r.phase for r in self._stack]
             raise RuntimeError(f"phase {name!r} ended, but the open phases are {open_}")
         rec = self._stack[-1]
+        if self._profiler is not None and self._profiler[0] is rec:
+            self._profiler[1].__exit__(None, None, None)
+            rec.alloc_rise_bytes = allocated_rise(self._profiler[1])
+            self._profiler = None
         self._close(rec)
         with self._lock:
             self._stack.pop()
@@ -269,10 +292,28 @@ class PhaseRecorder:
                 per_step.setdefault((rec.step, rec.phase), []).append(rec)
         out: dict[str, dict[str, list[float]]] = {}
         for (_, name), recs in per_step.items():
-            acc = out.setdefault(name, {"peak_bytes": [], "rise_bytes": [], "seconds": []})
+            acc = out.setdefault(name, {"peak_bytes": [], "rise_bytes": [], "seconds": [],
+                                        "alloc_rise_bytes": []})
             acc["peak_bytes"].append(max(r.peak_bytes for r in recs))
             acc["rise_bytes"].append(max(r.rise_bytes for r in recs))
             acc["seconds"].append(sum(r.seconds for r in recs))
+            acc["alloc_rise_bytes"] += [r.alloc_rise_bytes for r in recs
+                                        if r.alloc_rise_bytes is not None]
         return {name: {"peak_bytes": max(v["peak_bytes"]), "rise_bytes": max(v["rise_bytes"]),
-                       "seconds": statistics.median(v["seconds"]), "steps": len(v["seconds"])}
+                       "seconds": statistics.median(v["seconds"]), "steps": len(v["seconds"]),
+                       "alloc_rise_bytes": max(v["alloc_rise_bytes"], default=None)}
                 for name, v in out.items()}
+
+
+def allocated_rise(prof) -> int:
+    """The highest running sum of a finished profile's CPU memory events (bytes allocated minus
+    bytes freed, in time order): the peak of the tensors allocated while it ran, above what was
+    live when it started (a tensor freed before it was allocated inside the window counts
+    negative, as it lowers what is live)."""
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for _, nbytes in sorted(events):
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -27,7 +27,12 @@ of every micro-batch) and optimizer (clipping, AdamW step, zeroing), plus the wh
 peak = the highest memory while it ran and rise = peak - memory at its start (what its
 temporaries add). Memory is the allocator's allocated bytes on CUDA (max_memory_allocated, reset
 at every phase boundary) and the process' resident set size on CPU, sampled every 2 ms by a
-thread. TRL's phases are marked by a subclass and callbacks: generation = `_generate`, scoring =
+thread. On CPU the RSS depends on glibc: run as a command, the benchmark re-executes itself with
+its mmap and trim thresholds fixed at 128 KiB (benchmarks/allocator.py; the row's `malloc` column
+says which), and the scoring and loss phases are also measured independently of the allocator:
+<phase>_alloc_rise_gib is the peak of PyTorch's live CPU tensors above the phase's start, from
+torch.profiler's memory events (--profile_bytes off skips it). Warm-up steps replay the timed
+steps' completion lengths (benchmarks/lengths.py). TRL's phases are marked by a subclass and callbacks: generation = `_generate`, scoring =
 the rest of `_generate_and_score_completions`, loss = `training_step` after it, optimizer = from
 `on_pre_optimizer_step` to `on_step_end` (TRL clips gradients just before, outside the phases).
 Reported: medians over the --steps timed steps of time, highest peak and rise; also the process'
@@ -56,6 +61,8 @@ from grpo_train.flags import Parser, run_cli
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/trainer_step.py` from anywhere
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import allocator  # noqa: E402  (needs ROOT on the path)
 
 # Qwen/Qwen2.5-0.5B config.json (the values that shape compute and memory)
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -130,12 +137,13 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
 
 PROVIDERS = ("fused", "reference", "trl", "trl-kernels")
 PHASES = ("generation", "scoring", "loss", "optimizer", "step")
+PROFILED = ("scoring", "loss")  # CPU: allocator bytes from torch.profiler (benchmarks/phases.py)
 
 
 def phase_columns(recorder, warmup: int, partial: bool = False) -> dict:
-    """<phase>_peak_gib, <phase>_rise_gib and <phase>_s over the timed steps (after warm-up).
-    `partial` (a run stopped midway): running phases count as far as they got, missing ones
-    are left blank."""
+    """<phase>_peak_gib, <phase>_rise_gib and <phase>_s over the timed steps (after warm-up), and
+    for the profiled phases <phase>_alloc_rise_gib (blank where not profiled). `partial` (a run
+    stopped midway): running phases count as far as they got, missing ones are left blank."""
     summary = recorder.summary(skip_steps=warmup, include_open=partial)
     missing = [p for p in PHASES if p not in summary]
     if missing and not partial:  # a phase that never ran would silently read as zero memory
@@ -148,6 +156,9 @@ def phase_columns(recorder, warmup: int, partial: bool = False) -> dict:
         cols[f"{name}_peak_gib"] = round(summary[name]["peak_bytes"] / 2**30, 3)
         cols[f"{name}_rise_gib"] = round(summary[name]["rise_bytes"] / 2**30, 3)
         cols[f"{name}_s"] = round(summary[name]["seconds"], 3)
+    for name in PROFILED:
+        alloc = summary.get(name, {}).get("alloc_rise_bytes")
+        cols[f"{name}_alloc_rise_gib"] = "" if alloc is None else round(alloc / 2**30, 3)
     return cols
 
 
@@ -226,6 +237,9 @@ def parse_args(argv):
     parser.add_argument("--max_rss_gib", type=float, default=None,
                         help="CPU: stop the run when the process' RSS passes this (a shared "
                              "machine's guard); the row says where it stopped")
+    parser.add_argument("--profile_bytes", default="on", choices=("on", "off"),
+                        help="CPU: also count the scoring and loss phases' allocator bytes "
+                             "with torch.profiler (<phase>_alloc_rise_gib; slows those phases)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
     defaults = dict(num_generations=(8, 4), completion_tokens=(1024, 16), prompt_tokens=(64, 16))
@@ -311,6 +325,9 @@ def measure(args, argv) -> dict:
         "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),
         **phase_columns(recorder, args.warmup),
         "phase_memory_kind": "max_memory_allocated" if cuda else "RSS sampled every 2 ms",
+        "alloc_kind": "" if cuda or args.profile_bytes == "off" else
+        "torch.profiler CPU memory events (scoring, loss)",
+        "malloc": allocator.describe(),
         "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
         "peak_memory_kind": "max_memory_allocated" if cuda else "process lifetime peak RSS",
         **env,
@@ -371,8 +388,9 @@ def make_recorder(args, device, workdir: Path, env: dict):
     passes the limit, after writing a row with what was measured up to there."""
     from . import phases  # in the function: grpo_train loads this file for length_reward
 
+    profiled = PROFILED if args.profile_bytes == "on" else ()
     if args.max_rss_gib is None or device.type == "cuda":
-        return phases.PhaseRecorder(device)
+        return phases.PhaseRecorder(device, profile_phases=profiled)
 
     def stop(recorder, seen: int) -> None:  # runs on the sampling thread
         where = "/".join(recorder.open_phases()) or "no phase"
@@ -382,15 +400,18 @@ def make_recorder(args, device, workdir: Path, env: dict):
                          f"({seen / 2**30:.2f} GiB) in {where} of step {step}",
                **phase_columns(recorder, args.warmup if step > args.warmup else 0,
                                partial=True),
-               "phase_memory_kind": "RSS sampled every 2 ms", **env}
+               "phase_memory_kind": "RSS sampled every 2 ms",
+               "malloc": allocator.describe(), **env}
         report(args, device, row)
         shutil.rmtree(workdir, ignore_errors=True)  # the exit skips TemporaryDirectory's clean-up
         os._exit(3)
 
     return phases.PhaseRecorder(device, limit_bytes=int(args.max_rss_gib * 2**30),
-                                on_limit=stop)
+                                on_limit=stop, profile_phases=profiled)
 
 
 if __name__ == "__main__":
+    # CPU memory figures need glibc's thresholds fixed before the process starts
+    allocator.reexec_with_fixed_thresholds()
     result = main()
     sys.exit(result if isinstance(result, int) else 0)

@@ -155,3 +155,45 @@ def _limit_calls_back_once():
         partial = rec.summary(include_open=True)
     assert len(calls) == 1 and calls[0][0] == ["loss"] and calls[0][1] > limit
     assert "step" in partial and partial["loss"]["rise_bytes"] > 150 * MIB
+
+
+def test_profiled_phase_counts_its_live_tensors_not_the_allocator():
+    """A profiled phase's alloc_rise_bytes is the peak of its live tensors above its start:
+    64 MiB then 32 MiB held one after the other peak at 64 MiB; a tensor live before the
+    phase and freed inside it lowers what is live (no rise); an unprofiled phase has none."""
+    before = torch.ones(8 * MIB // 4)
+    rec = phases.PhaseRecorder("cpu", profile_phases=("loss",))
+    with phases.recording(rec):
+        with phases.step():
+            with phases.phase("loss"):
+                _hold(64 * MIB)
+                _hold(32 * MIB)
+                del before
+            with phases.phase("optimizer"):
+                _hold(16 * MIB)
+    summary = rec.summary()
+    assert 64 * MIB <= summary["loss"]["alloc_rise_bytes"] < 64 * MIB + MIB
+    assert summary["optimizer"]["alloc_rise_bytes"] is None
+
+
+def test_fixed_malloc_thresholds_are_in_force_after_reexec(tmp_path):
+    """A command that calls reexec_with_fixed_thresholds() restarts itself once with both glibc
+    thresholds set (read at process start), keeps its arguments, and says so in describe()."""
+    from benchmarks import allocator
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(phases.__file__.rsplit('/', 2)[0])!r})\n"
+        "from benchmarks import allocator\n"
+        "allocator.reexec_with_fixed_thresholds()\n"
+        "print(sys.argv[1:], allocator.describe())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("GRPO_BENCH_ADAPTIVE_MALLOC", None)
+    out = subprocess.run([sys.executable, str(script), "a", "--b"], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    assert out.strip() == "['a', '--b'] MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env={**env, "GRPO_BENCH_ADAPTIVE_MALLOC": "1"}, check=True).stdout
+    assert out.strip() == "[] glibc defaults (adaptive mmap threshold)"
+    assert not allocator.is_fixed({}) and allocator.is_fixed(allocator.FIXED)
