@@ -20,25 +20,25 @@ TRL subclass pack their forwards (--padding_free on, their default) unless --pad
 TRL pads. --synthetic (TRL-based providers): completions of the drawn lengths are random tokens
 made without the model, so a step is scoring + loss + optimizer (benchmarks/trl_providers.py).
 
-Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end),
-tokens/s = G·(prompt + completion tokens) / step time, and memory by phase (benchmarks/phases.py):
-generation, scoring (rewards; reference/old log-probs when configured), loss (forward + backward
-of every micro-batch) and optimizer (clipping, AdamW step, zeroing), plus the whole step. For each:
-peak = the highest memory while it ran and rise = peak - memory at its start (what its
-temporaries add). Memory is the allocator's allocated bytes on CUDA (max_memory_allocated, reset
-at every phase boundary) and the process' resident set size on CPU, sampled every 2 ms by a
-thread. On CPU the RSS depends on glibc: run as a command, the benchmark re-executes itself with
-its mmap and trim thresholds fixed at 128 KiB (benchmarks/allocator.py; the row's `malloc` column
-says which), and the scoring and loss phases are also measured independently of the allocator:
-<phase>_alloc_rise_gib is the peak of PyTorch's live CPU tensors above the phase's start, from
-torch.profiler's memory events (--profile_bytes off skips it). Warm-up steps replay the timed
-steps' completion lengths (benchmarks/lengths.py). TRL's phases are marked by a subclass and callbacks: generation = `_generate`, scoring =
-the rest of `_generate_and_score_completions`, loss = `training_step` after it, optimizer = from
-`on_pre_optimizer_step` to `on_step_end` (TRL clips gradients just before, outside the phases).
-Reported: medians over the --steps timed steps of time, highest peak and rise; also the process'
-lifetime peak (CPU: peak RSS, dominated by the first step's AdamW allocation). One row appended to
-<out>/<device>-trainer.csv (default: results/ under the current directory, created if missing)
-with the device, versions, commit and command.
+Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end), tokens/s =
+G·(prompt + completion tokens) / step time, and memory by phase (benchmarks/phases.py): generation,
+scoring (rewards; reference/old log-probs when configured), loss (forward + backward of every
+micro-batch) and optimizer (clipping, AdamW step, zeroing), plus the whole step. For each: peak =
+the highest memory while it ran and rise = peak - memory at its start (what its temporaries add).
+Memory is the allocator's allocated bytes on CUDA (max_memory_allocated, reset at every phase
+boundary) and the process' resident set size on CPU, sampled every 2 ms by a thread. On CPU the RSS
+depends on glibc: run as a command, the benchmark re-executes itself with its mmap and trim
+thresholds fixed at 128 KiB (benchmarks/allocator.py; the row's `malloc` column says which), and the
+scoring and loss phases are also measured independently of the allocator: <phase>_alloc_rise_gib is
+the peak of PyTorch's live CPU tensors above the phase's start, from torch.profiler's memory events
+(--profile_bytes off skips it). Warm-up steps replay the timed steps' completion lengths
+(benchmarks/lengths.py). TRL's phases are marked by a subclass and callbacks: generation =
+`_generate`, scoring = the rest of `_generate_and_score_completions`, loss = `training_step` after
+it, optimizer = from `on_pre_optimizer_step` to `on_step_end` (TRL clips gradients just before,
+outside the phases). Reported: medians over the --steps timed steps of time, highest peak and rise;
+also the process' lifetime peak (CPU: peak RSS, dominated by the first step's AdamW allocation). One
+row appended to <out>/<device>-trainer.csv (default: results/ under the current directory, created
+if missing) with the device, versions, commit and command.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ micro-batch is then either
 - padded: rows [b, Lp + T] with the attention mask, as generation returned them; or
 - packed (padding-free, the default where the model supports it): the real tokens of its
   sequences end to end in rows [R, W] with position_ids restarting per sequence
-  (`grpo_kernels.hf.pack_sequences`): rows as wide as the longest sequence, or with flash
-  attention (which works on the sequences themselves) one row holding them all.
+  (`grpo_kernels.hf.pack_sequences`), as wide as `grpo_kernels.hf.choose_row_width` says for
+  the model's attention: one row with flash attention, widths priced by a cost rule with sdpa.
 
 Both forms give the same loss, gradients and metrics. The padded form's cost is b x (Lp + T)
 tokens; the packed form's is the real prompt + completion tokens plus the rows' unused tails
@@ -128,11 +128,12 @@ def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
 
 
 def micro_batches(batch: dict, packed: bool, micro_batch_size: int, max_tokens: int,
-                  agree=None, one_row: bool = False) -> list[MicroBatch]:
+                  agree=None, model_config=None) -> list[MicroBatch]:
     """The step's micro-batches. batch: `generation.generate`'s dict (input_ids, attention_mask
     [B, Lp + T], completion_mask [B, T], T). agree(n) -> the count every process uses (the
-    maximum over processes); None for one process. one_row: pack each micro-batch into a single
-    row (flash attention) instead of rows as wide as its longest sequence."""
+    maximum over processes); None for one process. model_config: the model's config, whose
+    attention implementation sets the packed rows' width (`grpo_kernels.hf.choose_row_width`;
+    None: rows as wide as the longest sequence)."""
     chunks = cut(sequence_costs(batch, packed), micro_batch_size, max_tokens)
     if agree is not None and max_tokens > 0:  # sequence-count chunks are the same everywhere
         chunks = split_to(chunks, agree(len(chunks)))
@@ -141,8 +142,7 @@ def micro_batches(batch: dict, packed: bool, micro_batch_size: int, max_tokens: 
     out = []
     for s in chunks:
         if packed:
-            width = int(sequence_costs_of(attn[s], mask[s], T).sum()) if one_row else None
-            pk = pack_sequences(ids[s], attn[s], T, mask[s], row_width=width)
+            pk = pack_sequences(ids[s], attn[s], T, mask[s], model_config=model_config)
             out.append(MicroBatch(s, (pk.input_ids, None, pk.logits_to_keep), pk.position_ids,
                                   None, pk, mask[s]))
         else:

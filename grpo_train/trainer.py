@@ -143,9 +143,8 @@ def _setup(cfg) -> SimpleNamespace:
         acc_col=next((j for j, s in enumerate(specs) if s.fn is accuracy), None),
         train_ex=train_ex, eval_ex=eval_ex, out_dir=out_dir, model=model, ref_model=ref_model,
         ddp_model=ddp_model, tokenizer=tokenizer, packed=packed, agree=agree,
-        # flash attention works on the packed sequences themselves: one row; dense masks: rows
-        # as wide as the longest sequence (attention then costs no more than on padded rows)
-        one_row="flash" in str(getattr(model.config, "_attn_implementation", "")),
+        # the packed rows' width follows the attention implementation (hf.choose_row_width)
+        model_config=model.config,
         optimizer=optimizer, scheduler=scheduler, sampler=sampler, start=start,
         loss_fn=FusedLinearGRPOLoss(params=grpo_params(cfg),
                                     grad_filter=grad_filter_value(cfg.grad_filter)),
@@ -216,7 +215,7 @@ def _step(run, step: int, phases) -> dict:
             # 4. micro-batches (packed rows or padded, batching.py), then reference and old
             # log-probs per micro-batch
             mbs = batching.micro_batches(batch, run.packed, run.micro,
-                                         cfg.max_tokens_per_microbatch, run.agree, run.one_row)
+                                         cfg.max_tokens_per_microbatch, run.agree, run.model_config)
             ref_logps, old_logps = _scoring_logprobs(run, mbs)
         # 5. optimize: micro-batches, accumulation normalized as TRL does
         sums, loss_total, grad_norms = _optimize(run, batch, mbs, advantages, old_logps,

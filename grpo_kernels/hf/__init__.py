@@ -9,7 +9,8 @@ from .causal_lm import *  # noqa: F403  (the names of causal_lm.__all__)
 from .fsdp import fsdp2_root, run_as_forward
 from .head_adapters import add_lora, has_tuner_adapter
 from .moe import load_balancing_loss
-from .packed_rows import PackedBatch, check_packed_attention, pack_sequences
+from .packed_rows import PackedBatch, check_packed_attention, choose_row_width, pack_sequences
 
 __all__ = [*causal_lm.__all__, "add_lora", "fsdp2_root", "has_tuner_adapter", "PackedBatch",
-           "check_packed_attention", "load_balancing_loss", "pack_sequences", "run_as_forward"]
+           "check_packed_attention", "choose_row_width", "load_balancing_loss", "pack_sequences",
+           "run_as_forward"]

@@ -7,13 +7,22 @@ then reads the sequence boundaries from the restarts and attends within each seq
 every hidden state equals the padded one. A row's unused tail is a filler segment (its own
 restart; nothing reads it).
 
-Row width W: by default the longest sequence rounded up to a multiple of 16 (sequences are
-placed first-fit, longest first). Implementations that build a dense mask (sdpa, eager) spend
-R·W² on attention, so rows about as wide as the longest sequence keep that near the padded
-batch's S·L². The rounding is for the attention kernels: PyTorch's CPU sdpa took 2.6x longer on
-rows of 15 positions than of 16 (512 rows, 4 heads of 16, one thread, torch 2.13). flash
-attention works on the sequences themselves: one row holding everything (`row_width` = the
-total) is best there.
+Row width W (`choose_row_width`, from the model's config; sequences are placed first-fit, longest
+first, and W is a multiple of 16):
+- flash implementations work on the sequences themselves: one row holding everything, which is
+  also the only layout where they find the boundaries from position_ids alone;
+- sdpa builds a dense [R, 1, W, W] mask and spends work on all R·W² position pairs, so W is
+  chosen by a cost rule: a layer's forward + backward costs about a·R·W + b·R·W², positions
+  times a position's dense work plus pairs times a pair's attention work. b / a is the ratio of
+  a pair's attention FLOPs (4 · heads · head_dim) to a position's dense FLOPs (2 · a layer's
+  parameters): 1.20e-4 for Qwen2.5-0.5B, where `python -m benchmarks.row_cost` measured
+  1.21e-4 on a 2-core AMD EPYC (torch 2.13, transformers 5.24). Every width from the longest
+  sequence up to one row is priced with its first-fit row count, and the cheapest is taken;
+- eager materializes [R, heads, W, W] attention weights in float32: rows as narrow as the
+  longest sequence (rounded to 16), as for implementations this module does not know.
+Without a config the narrow rows are used. The rounding is for the attention kernels: PyTorch's
+CPU sdpa took 2.6x longer on rows of 15 positions than of 16 (512 rows, 4 heads of 16, one
+thread, torch 2.13).
 
     packed = pack_sequences(input_ids, attention_mask, T, completion_mask)
     loss, metrics = causal_lm_grpo_loss(model, packed.input_ids, None, packed.logits_to_keep,
@@ -36,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["PackedBatch", "check_packed_attention", "pack_sequences"]
+__all__ = ["PackedBatch", "check_packed_attention", "choose_row_width", "pack_sequences"]
 
 
 @dataclass
@@ -98,14 +107,67 @@ def _place(lengths: list[int], width: int) -> tuple[list[int], list[int], list[i
     return row, offset, [width - f for f in free]
 
 
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def pair_cost(config) -> float | None:
+    """b / a of the module docstring for a transformers config: a position pair's attention
+    FLOPs over a position's dense FLOPs in one decoder layer; None if the config lacks the
+    sizes (hidden_size, num_attention_heads, intermediate_size)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    D = getattr(text, "hidden_size", None)
+    H = getattr(text, "num_attention_heads", None)
+    F = getattr(text, "intermediate_size", None)
+    if not all(isinstance(x, int) and x > 0 for x in (D, H, F)):
+        return None
+    hd = getattr(text, "head_dim", None) or D // H
+    kv = getattr(text, "num_key_value_heads", None) or H
+    layer_params = D * hd * (2 * H + 2 * kv) + 3 * D * F  # q, o, k, v projections; gated MLP
+    return 4 * H * hd / (2 * layer_params)
+
+
+def row_layout(config) -> str:
+    """How rows suit the config's attention: "one_row" (flash), "cost" (sdpa: the cost rule) or
+    "narrow" (eager, unknown implementations, no config)."""
+    impl = str(getattr(config, "_attn_implementation", None) or "")
+    if "flash" in impl:  # flash_attention_2/3 and Hub kernels named after flash attention
+        return "one_row"
+    return "cost" if impl == "sdpa" and pair_cost(config) is not None else "narrow"
+
+
+def choose_row_width(lengths: list[int], config=None) -> int:
+    """W for sequences of `lengths` real tokens under the config's attention (module
+    docstring); at least the longest sequence."""
+    longest, total = max(lengths), sum(lengths)
+    layout = "narrow" if config is None else row_layout(config)
+    if layout == "one_row":
+        return total
+    if layout == "narrow":
+        return _round16(longest)
+    ratio = pair_cost(config)
+    best_cost, best_width = None, None
+    for rows in range(1, len(lengths) + 1):  # the narrowest width for each row count
+        width = _round16(max(longest, -(-total // rows)))
+        for _ in range(8):  # first fit may need a little slack over total / rows
+            if len(_place(lengths, width)[2]) <= rows:
+                break
+            width += 16
+        used = len(_place(lengths, width)[2])
+        cost = used * width * (1 + ratio * width)  # in positions' dense work
+        if best_cost is None or cost < best_cost:
+            best_cost, best_width = cost, width
+    return best_width
+
+
 def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                    completion_mask: torch.Tensor | None = None, *, pad_token_id: int = 0,
-                   row_width: int | None = None) -> PackedBatch:
+                   row_width: int | None = None, model_config=None) -> PackedBatch:
     """The packed rows of a padded batch: input_ids, attention_mask [S, L]; the completion is
     the last `logits_to_keep` = T columns; completion_mask [S, T] (default: attention_mask's
     last T columns) says which completion tokens are kept (a prefix of each row). row_width:
-    W (default: the longest sequence rounded up to a multiple of 16; at least the longest);
-    pad_token_id fills the rows' tails."""
+    W (at least the longest sequence; default: `choose_row_width(lengths, model_config)`, the module
+    docstring's rule for the config's attention); pad_token_id fills the rows' tails."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [S, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
@@ -128,7 +190,7 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
                          "from the position before it")
     keep = torch.cat([prompt, comp], dim=1)  # [S, L] the tokens that go into the rows
     lengths = keep.sum(dim=1).tolist()
-    W = -(-max(lengths) // 16) * 16 if row_width is None else row_width
+    W = choose_row_width(lengths, model_config) if row_width is None else row_width
     if isinstance(W, bool) or not isinstance(W, int) or W < max(lengths):
         raise ValueError(f"row_width must be an int >= the longest sequence ({max(lengths)} "
                          f"tokens), got {row_width!r}")

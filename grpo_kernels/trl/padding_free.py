@@ -60,6 +60,11 @@ def packable(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> boo
             and torch.equal(comp, comp.int().cummin(dim=1).values.bool()))
 
 
+def _config(model):
+    """The config whose attention implementation sets the rows' width (None: narrow rows)."""
+    return getattr(unwrap_model(model), "config", None)
+
+
 def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                              completion_mask: torch.Tensor, aux_loss=None):
     """(hidden, aux): the body's hidden states of the positions that predict the completion
@@ -70,7 +75,8 @@ def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: tor
     tokens, which are the padded batch's unmasked ones: the same statistics.
     input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T columns)."""
     S, T = completion_mask.shape
-    packed = pack_sequences(input_ids, attention_mask, T, completion_mask)
+    packed = pack_sequences(input_ids, attention_mask, T, completion_mask,
+                            model_config=_config(model))
     out = completion_hidden_states(model, packed.input_ids, None, packed.logits_to_keep,
                                    return_router_logits=aux_loss is not None,
                                    position_ids=packed.position_ids)
@@ -102,7 +108,7 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     equal_count_across: see `_row_chunks` (an empty chunk runs a one-token forward)."""
     S, L = input_ids.shape
     T = logits_to_keep
-    packed = pack_sequences(input_ids, attention_mask, T)
+    packed = pack_sequences(input_ids, attention_mask, T, model_config=_config(model))
     rows, positions = packed.input_ids, packed.logits_to_keep  # [R, W], [N]
     R, W = rows.shape
     row_of = positions // W
