@@ -29,25 +29,29 @@ import time
 import torch
 
 
-def layer_time(layer, rotary, rows: int, width: int, hidden: int, repeats: int) -> float:
+def layer_time(layer, rotary, rows: int, width: int, hidden: int, repeats: int,
+               device: torch.device) -> float:
     """Median seconds of forward + backward of `layer` over rows [rows, width] of packed
     sequences (each row holds 4 equal sequences, so the mask is a real block diagonal)."""
     from transformers.masking_utils import create_causal_mask
 
-    x = torch.randn(rows, width, hidden, requires_grad=True)
+    x = torch.randn(rows, width, hidden, device=device, requires_grad=True)
     seq = max(1, width // 4)
-    pos = (torch.arange(width) % seq).expand(rows, width)
+    pos = (torch.arange(width, device=device) % seq).expand(rows, width)
     no_cache = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters
                 else "past_key_values": None}  # renamed in transformers 5.x
     mask = create_causal_mask(config=layer.self_attn.config, inputs_embeds=x,
                               attention_mask=None, position_ids=pos, **no_cache)
     emb = rotary(x, pos)
     times = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for i in range(repeats + 1):
+        sync()
         start = time.perf_counter()
         out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=emb)
         out = out[0] if isinstance(out, tuple) else out
         out.sum().backward()
+        sync()
         if i:  # the first run warms up
             times.append(time.perf_counter() - start)
         x.grad = None
@@ -74,24 +78,30 @@ def main(argv=None) -> dict:
     parser.add_argument("--widths", default="256,512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN25_05B)
     config._attn_implementation = args.attn
-    layer, rotary = Qwen2DecoderLayer(config, layer_idx=0), Qwen2RotaryEmbedding(config)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.set_default_dtype(dtype)
+    layer = Qwen2DecoderLayer(config, layer_idx=0).to(device)
+    rotary = Qwen2RotaryEmbedding(config).to(device)
     points = []
     for width in (int(w) for w in args.widths.split(",")):
         if args.positions % width:
             raise SystemExit(f"--positions {args.positions} must be a multiple of each width")
         t = layer_time(layer, rotary, args.positions // width, width, config.hidden_size,
-                       args.repeats)
+                       args.repeats, device)
         points.append((width, t))
         print(f"W={width:6d} rows={args.positions // width:4d}  {t * 1e3:9.1f} ms", flush=True)
     a, b = fit(points, args.positions)
     print(f"a = {a:.3e} s per position, b = {b:.3e} s per pair, b/a = {b / a:.3e} "
-          f"({args.attn}, {torch.get_num_threads()} threads, P = {args.positions})")
+          f"({args.attn}, {args.device} {args.dtype}, {torch.get_num_threads()} threads, "
+          f"P = {args.positions})")
     return {"a": a, "b": b, "ratio": b / a, "points": points}
 
 
