@@ -4,16 +4,17 @@ budget, for each provider, as TRL 1.15's release notes measure their fused LM he
     python -m benchmarks.capacity --providers trl trl-kernels fused --budget_gib 6 \\
         --num_layers 2 --out benchmarks/results
 
-Every probe is one `benchmarks.trainer_step` run in its own process: one step, no warm-up,
-G = --num_generations completions all --completion_tokens long (`--length_profile fixed`),
-synthetic completions (random tokens made without the model, so generation does not dominate),
-beta and the rest as trainer_step. A probe fits when it finishes and the higher of its scoring
-and loss phase peaks is within the budget: on CUDA `max_memory_allocated`, on CPU the process'
-RSS (trainer_step's --max_rss_gib stops a probe that passes it). The length doubles from --start
-while it fits (or halves while it does not, down to 64), then bisects between the last fit and
-the first miss until they are within --resolution of each other (rounded to 64 tokens). One row
-per provider is appended to <out>/<device>-capacity.csv: the longest length that fit, every
-probe's length and peak, the machine, versions, commit and command.
+Every probe is one `benchmarks.trainer_step` run in its own process: one step, no warm-up, G =
+--num_generations completions all --completion_tokens long (`--length_profile fixed`), synthetic
+completions (random tokens made without the model, so generation does not dominate), beta and the
+rest as trainer_step. A probe fits when it finishes and the higher of its scoring and loss phase
+peaks is within the budget: on CUDA `max_memory_allocated`, on CPU the process' RSS (trainer_step's
+--max_rss_gib stops a probe that passes it; each probe runs with glibc's malloc thresholds fixed,
+benchmarks/allocator.py, and the row's `malloc` column says so). The length doubles from --start
+while it fits (or halves while it does not, down to 64), then bisects between the last fit and the
+first miss until they are within --resolution of each other (rounded to 64 tokens). One row per
+provider is appended to <out>/<device>-capacity.csv: the longest length that fit, every probe's
+length and peak, the machine, versions, commit and command.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def probe(args, provider: str, length: int) -> dict:
     peak = max((x for x in peaks if isinstance(x, (int, float))), default=None)
     status = row.get("status") or f"failed (exit {proc.returncode}): {proc.stderr[-300:]!r}"
     fits = status == "ok" and peak is not None and peak <= args.budget_gib
-    result = dict(length=length, fits=fits, peak_gib=peak, status=status)
+    result = dict(length=length, fits=fits, peak_gib=peak, status=status,
+                  malloc=row.get("malloc", ""))
     print(json.dumps({"provider": provider, **result}), flush=True)
     return result
 
@@ -127,6 +129,8 @@ def record(args, argv, provider: str, length: int | None, probes: list[dict]) ->
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "provider": provider, "budget_gib": args.budget_gib,
         "memory_kind": "max_memory_allocated" if args.device == "cuda" else "RSS",
+        # trainer_step re-executes each probe with glibc's thresholds fixed (allocator.py)
+        "malloc": "; ".join(sorted({p["malloc"] for p in probes if p.get("malloc")})),
         "capacity_tokens": length if length is not None else "",
         "model": ("tiny qwen2 (smoke test)" if args.tiny else "Qwen2.5-0.5B shape, random") + (
             "" if args.num_layers is None else f", {args.num_layers} layers"),

@@ -45,6 +45,7 @@ def test_one_real_probe_at_the_tiny_size():
                            num_layers=None, tiny=True, budget_gib=16.0)
     result = capacity.probe(args, "trl-kernels", 64)
     assert result["status"] == "ok" and result["fits"] and 0 < result["peak_gib"] < 16
+    assert result["malloc"] == "MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072"
     args.budget_gib = 0.05  # below the process' own RSS: stopped, a miss
     result = capacity.probe(args, "trl-kernels", 64)
     assert not result["fits"] and result["status"].startswith("stopped")
