@@ -6,14 +6,16 @@ completions right-padded to the longest completion, and every padded position ru
 whole body. Here the same batch is laid out as rows [R, W] that hold only the real tokens (the
 prompt and the completion up to its mask's last 1), position_ids restarting per sequence and no
 attention mask; transformers reads the sequence boundaries from the restarts. The hidden states
-of the kept completion positions go back to TRL's [S, T] grid, so everything after the body (the
-fused head, TRL's normalization and metrics) sees the batch TRL built.
+of the kept completion positions stay packed: the fused head runs on the N kept tokens only (with
+`cu_seqlens`), and its per-token terms go back to TRL's [S, T] grid for TRL's metrics, so TRL's
+normalization, metrics and accumulation see the batch TRL built.
 
 - Scoring (old / reference policy, `packed_scores`) groups rows into forwards by positions, not
   sequences: each forward takes at most batch_size · L positions, the footprint of one of TRL's
   padded scoring chunks, so fewer forwards run and none holds more than TRL's did.
-- The loss (`packed_completion_hidden`) runs one forward per TRL micro-batch, as TRL does; the
-  micro-batch is TRL's, so its loss normalization and gradient-accumulation scaling are TRL's.
+- The loss (`packed_completion_hidden`, `packed_grpo_terms`) runs one forward per TRL
+  micro-batch, as TRL does; the micro-batch is TRL's, so its loss normalization and
+  gradient-accumulation scaling are TRL's.
 
 Exact where the model's attention reads packed position_ids (checked once per model, at the
 trainer's construction: `check_packed_attention`); otherwise the trainer keeps padded batches and
@@ -27,6 +29,7 @@ import logging
 
 import torch
 
+from ..functional import fused_linear_grpo_loss
 from ..hf import (
     check_packed_attention,
     completion_hidden_states,
@@ -36,7 +39,8 @@ from ..hf import (
     unwrap_model,
 )
 
-__all__ = ["PaddingFree", "packable", "packed_completion_hidden", "packed_scores",
+__all__ = ["PaddingFree", "packable", "packed_completion_hidden", "packed_grpo_terms",
+           "packed_scores",
            "packing_off_reason"]
 logger = logging.getLogger("grpo_kernels.trl.trainer")  # the trainer's one log line
 
@@ -67,24 +71,55 @@ def _config(model):
 
 def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                              completion_mask: torch.Tensor, aux_loss=None):
-    """(hidden, aux): the body's hidden states of the positions that predict the completion
-    tokens, [S, T, D], from one forward of the batch's packed rows, zero where completion_mask is
-    0 (those tokens are in no row; the loss masks them); differentiable (a scatter of the [N, D]
-    states). aux: None, or with `aux_loss` (fn(router_logits, attention_mask), e.g.
-    `grpo_kernels.hf.load_balancing_loss(model)`) the MoE auxiliary loss over the rows' real
-    tokens, which are the padded batch's unmasked ones: the same statistics.
-    input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T columns)."""
-    S, T = completion_mask.shape
+    """(hidden, packed, aux): the body's hidden states [N, D] of the positions that predict the
+    N kept completion tokens (completion_mask's 1s, in sequence order), from one forward of the
+    batch's packed rows `packed` (a PackedBatch). aux: None, or with `aux_loss`
+    (fn(router_logits, attention_mask), e.g. `grpo_kernels.hf.load_balancing_loss(model)`) the
+    MoE auxiliary loss over the rows' real tokens, which are the padded batch's unmasked ones:
+    the same statistics. input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T
+    columns)."""
+    T = completion_mask.shape[1]
     packed = pack_sequences(input_ids, attention_mask, T, completion_mask,
                             model_config=_config(model))
     out = completion_hidden_states(model, packed.input_ids, None, packed.logits_to_keep,
                                    return_router_logits=aux_loss is not None,
                                    position_ids=packed.position_ids)
     hidden, aux = (out[0], aux_loss(out[1], packed.real_mask())) if aux_loss else (out, None)
-    hidden = hidden[0]  # [N, D]
-    grid = hidden.new_zeros(S * T, hidden.shape[-1])
-    grid = grid.index_copy(0, packed.token_index.to(hidden.device), hidden)
-    return grid.view(S, T, -1), aux
+    return hidden[0], packed, aux
+
+
+def packed_grpo_terms(packed, hidden, weight, bias, completion_ids, mask, advantages, old_logps,
+                      ref_logps, params, num_items_in_batch=None, importance_sampling_ratio=None,
+                      grad_filter=None, sampling_logps=None, entropy_gather=None, **transform):
+    """The fused loss on the packed tokens: TRL's per-token inputs [S, T] packed to the N kept
+    tokens (`packed.pack`; per-sequence values [S] / [S, 1] stay), the head on hidden [N, D]
+    with packed.cu_seqlens, and the GRPOTerms' per-token values back on the [S, T] grid (zero
+    at the tokens the rows do not hold, which TRL's mask already excludes) for TRL's metrics
+    and entropy bonus. Equals the fused loss on the grid: the tokens left out are masked there.
+    mask: TRL's loss mask (completion mask times tool mask), 0 allowed at kept tokens."""
+    S, T = packed.shape
+
+    def per_token(x):  # [S, T] -> [N]; per-sequence values as they are
+        return packed.pack(x) if x is not None and tuple(x.shape) == (S, T) and T > 1 else x
+
+    terms = fused_linear_grpo_loss(
+        hidden, weight, packed.pack(completion_ids), per_token(advantages), packed.pack(mask),
+        packed.pack(old_logps), packed.pack(ref_logps), bias,
+        num_items_in_batch=num_items_in_batch,
+        importance_sampling_ratio=per_token(importance_sampling_ratio),
+        cu_seqlens=packed.cu_seqlens.to(hidden.device), grad_filter=grad_filter,
+        sampling_logps=packed.pack(sampling_logps), return_terms=True,
+        entropy_gather=entropy_gather, params=params, **transform)
+    N = hidden.shape[0]
+
+    def grid(x):  # per-token [N] -> [S, T]; per-sequence [S, 1] and None as they are
+        if x is None or x.dim() != 1 or x.shape[0] != N:
+            return x
+        return packed.unpack(x)
+
+    return terms._replace(logp=grid(terms.logp), entropy=grid(terms.entropy),
+                          ratio=grid(terms.ratio), kl=grid(terms.kl),
+                          entropy_mask=grid(terms.entropy_mask))
 
 
 def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[range]:

@@ -74,6 +74,7 @@ body runs as usual.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import warnings
@@ -109,7 +110,7 @@ from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
 from .model_inputs import MULTIMODAL_KEYS, ModelInputs
-from .padding_free import PaddingFree, packed_completion_hidden, packed_scores
+from .padding_free import PaddingFree, packed_completion_hidden, packed_grpo_terms, packed_scores
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -385,9 +386,10 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         aux = []  # the MoE auxiliary loss, when TRL adds one
 
         def terms(model):
+            packed = None
             with self.accelerator.autocast():
-                if packs:  # the body on packed rows; hidden back on TRL's [B, T] grid
-                    hidden, aux_loss = packed_completion_hidden(
+                if packs:  # the body on packed rows; the head on the kept tokens [N, D]
+                    hidden, packed, aux_loss = packed_completion_hidden(
                         model, input_ids, attention_mask, completion_mask,
                         self._aux_loss if self.aux_loss_enabled else None)
                 else:
@@ -395,8 +397,9 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                                                          multimodal, self.aux_loss_enabled)
                 aux.append(aux_loss)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
+            grpo = _grpo_terms if packed is None else functools.partial(packed_grpo_terms, packed)
             with torch.autocast(hidden.device.type, enabled=False):
-                return _grpo_terms(
+                return grpo(
                     hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
                     inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
                     self._grpo_params, num_items, isr, self._grad_filter,
