@@ -280,7 +280,8 @@ def fused_linear_grpo_loss(
         completion_mask: [B, T], 1 for real completion tokens (default: all ones).
         old_logps: [B, T] log-probs under the sampling policy (default: logp.detach()).
         ref_logps: [B, T] log-probs under the reference policy; required when beta != 0.
-        num_items_in_batch: dapo/cispo's normalizer (default: the mask's token count).
+        num_items_in_batch: dapo/cispo/vespo's normalizer (default: the mask's token count):
+            a finite number > 0, or a one-element tensor holding one (on any device).
         importance_sampling_ratio: [B], [B, 1] or [B, T] rollout-engine correction.
         cu_seqlens: a packed batch of S sequences (docs/semantics.md, "Packed batches"):
             int32/int64 [S + 1], sequence s holds tokens cu_seqlens[s]:cu_seqlens[s+1]. Then

@@ -178,6 +178,41 @@ def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
     return float(grad_filter)
 
 
+def check_normalizer(name: str, value, device) -> torch.Tensor | None:
+    """A count or normalizer that the caller passes (num_items_in_batch): None, a Python number
+    or a one-element tensor on any device, finite and > 0. Returns None or the value as a 0-dim
+    float32 tensor on `device` (one form for the formulas downstream).
+
+    A tensor's value is read to the host in eager mode, before it moves to `device` (free for a
+    CPU tensor). For a CUDA tensor that read is a sync; it is made anyway because every eager
+    loss call syncs moments later, when its operator reads the token ids' range
+    (check_token_id_values) before the first kernel launch: the read moves that wait earlier
+    rather than adding one. Under torch.compile the check is an in-graph assertion, as for the
+    other value checks (no host read, no graph break)."""
+    if value is None:
+        return None
+    expected = f"{name} must be a positive finite number"
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{expected}, got {value!r}")
+        return torch.tensor(float(value), device=device)
+    if value.numel() != 1:
+        raise ValueError(f"{name} must be a number or a one-element tensor, "
+                         f"got shape {tuple(value.shape)}")
+    if value.dtype == torch.bool or value.dtype.is_complex:
+        raise TypeError(f"{name} must be a real-valued tensor, got {value.dtype}")
+    if torch.compiler.is_compiling():
+        out = value.reshape(()).to(device=device, dtype=torch.float32)
+        torch._assert_async((out > 0) & torch.isfinite(out), f"{expected} (> 0, not NaN or inf)")
+        return out
+    number = float(value)  # the one host read (see above)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{expected}, got {number!r} (a tensor on {value.device})")
+    return value.reshape(()).to(device=device, dtype=torch.float32)
+
+
 @dataclass
 class LossInputs:
     """Validated per-token GRPO inputs, float32 on the device of hidden (or logits). A packed
@@ -188,7 +223,7 @@ class LossInputs:
     old_logps: torch.Tensor | None  # [B, T]
     ref_logps: torch.Tensor | None  # [B, T]
     importance_sampling_ratio: torch.Tensor | None  # [B, 1] or [B, T]
-    num_items_in_batch: torch.Tensor | None  # 0-dim float32
+    num_items_in_batch: torch.Tensor | None  # 0-dim float32, > 0 and finite
     cu_seqlens: torch.Tensor | None = None  # [S + 1] int64, packed batches only
     sampling_logps: torch.Tensor | None = None  # [B, T], the sampler's (off-policy mask only)
 
@@ -306,21 +341,7 @@ def check_loss_inputs(
     isr = None
     if importance_sampling_ratio is not None:
         isr = per_token("importance_sampling_ratio", importance_sampling_ratio, True)
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1:
-                raise ValueError("num_items_in_batch must be a number or a one-element tensor, "
-                                 f"got shape {tuple(num_items_in_batch.shape)}")
-            num_items_in_batch = num_items_in_batch.reshape(()).to(device=device,
-                                                                   dtype=torch.float32)
-        elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch,
-                                                                   (int, float)):
-            raise TypeError("num_items_in_batch must be a number or a tensor, got "
-                            f"{type(num_items_in_batch).__name__}")
-        elif not num_items_in_batch >= 0:
-            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
-        else:  # one form from here on: a 0-dim float32 tensor
-            num_items_in_batch = torch.tensor(float(num_items_in_batch), device=device)
+    num_items_in_batch = check_normalizer("num_items_in_batch", num_items_in_batch, device)
     sampling = None
     if sampling_logps is not None:  # NaN allowed: a token the sampler could not score
         sampling = per_token("sampling_logps", sampling_logps, False)

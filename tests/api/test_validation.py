@@ -156,3 +156,131 @@ def test_device_mismatch_names_both_tensors(inputs, source, impl):
         call(advantages=adv.to("meta"))
     with pytest.raises(ValueError, match=f"completion_mask is on meta but {source} is on cpu"):
         call(advantages=adv, completion_mask=torch.ones(B, T, device="meta"))
+
+
+# ---- counts and normalizers ---------------------------------------------------------------------
+# Every count or normalizer a caller passes must be finite and > 0: a normalizer of 0 was once
+# clamped to 1 silently, which turns a token mean into a token sum.
+
+BAD_NORMALIZERS = [(0, "got 0"), (-1, "got -1"), (float("nan"), "got nan"),
+                   (float("inf"), "got inf"), (torch.tensor(0.0), "got 0.0")]
+BAD_IDS = ["0", "-1", "nan", "inf", "tensor0"]
+
+
+def _entry_points():
+    """name -> call(**kwargs) for every public loss that takes num_items_in_batch: the
+    functions (ours and the reference), the modules, and the packed (cu_seqlens) forms."""
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu")
+    logits = torch.randn(B, T, V)
+    adv = torch.randn(B)
+    cu = torch.tensor([0, T, B * T])  # the same tokens as B sequences of T, end to end
+    flat_hidden, flat_logits, flat_ids = hidden.reshape(B * T, D), logits.reshape(B * T, V), \
+        ids.reshape(-1)
+
+    def with_params(fn, *args, **fixed):
+        return lambda **kw: fn(*args, **fixed, **kw)
+
+    def module(cls, *args):
+        def call(**kw):
+            init = {k: kw.pop(k) for k in ("loss_type", "max_completion_length") if k in kw}
+            return cls(**init)(*args, **kw)
+        return call
+
+    return {
+        "fused_linear_grpo_loss": with_params(gk.fused_linear_grpo_loss, hidden, weight, ids,
+                                              adv),
+        "grpo_loss": with_params(gk.grpo_loss, logits, ids, adv),
+        "FusedLinearGRPOLoss": module(gk.FusedLinearGRPOLoss, hidden, weight, ids, adv),
+        "GRPOLoss": module(gk.GRPOLoss, logits, ids, adv),
+        "fused_linear_grpo_loss packed": with_params(gk.fused_linear_grpo_loss, flat_hidden,
+                                                     weight, flat_ids, adv, cu_seqlens=cu),
+        "grpo_loss packed": with_params(gk.grpo_loss, flat_logits, flat_ids, adv, cu_seqlens=cu),
+        "reference.fused_linear_grpo_loss": with_params(reference.fused_linear_grpo_loss, hidden,
+                                                        weight, ids, adv),
+        "reference.grpo_loss": with_params(reference.grpo_loss, logits, ids, adv),
+        "reference.grpo_loss packed": with_params(reference.grpo_loss, flat_logits, flat_ids,
+                                                  adv, cu_seqlens=cu),
+    }
+
+
+ENTRY_POINTS = list(_entry_points())
+
+
+@pytest.mark.parametrize("bad", BAD_NORMALIZERS, ids=BAD_IDS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_bad_num_items_in_batch_is_refused(entry, bad):
+    value, shown = bad
+    call = _entry_points()[entry]
+    for loss_type in ("dapo", "grpo"):  # refused whether or not the loss type uses it
+        with pytest.raises(ValueError) as info:
+            call(num_items_in_batch=value, loss_type=loss_type)
+        message = str(info.value)
+        assert message.startswith("num_items_in_batch must be a positive finite number"), message
+        assert shown in message
+
+
+@pytest.mark.parametrize("good", [7, 0.5, torch.tensor(7.0), torch.tensor(7)],
+                         ids=["int", "float", "tensor", "int tensor"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_positive_num_items_in_batch_is_accepted(entry, good):
+    loss, _ = _entry_points()[entry](num_items_in_batch=good)
+    assert bool(torch.isfinite(loss))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_num_items_in_batch_scales_the_dapo_loss(entry):
+    """A valid normalizer divides the token sum: n = 7 gives twice the loss of n = 14."""
+    call = _entry_points()[entry]
+    a, _ = call(num_items_in_batch=7)
+    b, _ = call(num_items_in_batch=torch.tensor(14.0))
+    assert abs(a.item() - 2 * b.item()) <= 1e-5 * max(1.0, abs(a.item()))
+
+
+def test_num_items_in_batch_bool_tensor_is_refused():
+    with pytest.raises(TypeError, match="num_items_in_batch must be a real-valued tensor"):
+        _entry_points()["fused_linear_grpo_loss"](num_items_in_batch=torch.tensor(True))
+
+
+BAD_LENGTHS = [(0, "got 0"), (-1, "got -1"), (float("nan"), "got nan"),
+               (float("inf"), "got inf"), (torch.tensor(0.0), "got tensor(0.)")]
+
+
+@pytest.mark.parametrize("bad", BAD_LENGTHS, ids=BAD_IDS)
+@pytest.mark.parametrize("entry", ["GRPOParams", *ENTRY_POINTS])
+def test_bad_max_completion_length_is_refused(entry, bad):
+    """dr_grpo's normalizer B·max_completion_length: a positive int, checked with the other
+    hyperparameters (so also by the modules' constructors)."""
+    value, shown = bad
+    call = gk.GRPOParams if entry == "GRPOParams" else _entry_points()[entry]
+    with pytest.raises(ValueError) as info:
+        call(loss_type="dr_grpo", max_completion_length=value)
+    message = str(info.value)
+    assert message.startswith("max_completion_length must be a positive int"), message
+    assert shown in message
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_positive_max_completion_length_is_accepted(entry):
+    loss, _ = _entry_points()[entry](loss_type="dr_grpo", max_completion_length=64)
+    assert bool(torch.isfinite(loss))
+
+
+def test_num_items_in_batch_tensor_is_checked_in_graph_under_torch_compile():
+    """Under torch.compile a tensor normalizer is an in-graph assertion: no graph break, no
+    host read, and a bad value still fails with the argument's name."""
+    torch._dynamo.reset()
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu")
+    adv = torch.randn(B)
+
+    def step(n):
+        return gk.fused_linear_grpo_loss(hidden, weight, ids, adv, num_items_in_batch=n)[0]
+
+    try:
+        fn = torch.compile(step, fullgraph=True, backend="eager")
+        n = torch.tensor(7.0)
+        assert torch.allclose(fn(n), step(n))
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(RuntimeError, match="num_items_in_batch must be a positive finite"):
+                fn(torch.tensor(bad))
+    finally:
+        torch._dynamo.reset()
