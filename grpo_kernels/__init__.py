@@ -4,8 +4,9 @@ The public API lives in this package's root modules: `functional` (the losses an
 log-probs), `modules` (their nn.Module forms), `params` (GRPOParams), `grpo_math` (the PyTorch
 formulas), `layouts` (the padded and packed batch layouts), `reference` (the pure-PyTorch twin
 that materializes logits) and `validation`.
-Subpackages hold the layers beneath (`kernels`, `cpu`, `ops`), the integrations (`hf`, `trl`) and
-the static GPU tools (`compile_check`).
+Subpackages hold the layers beneath (`kernels`: the Triton kernels, `chunked`: the chunked
+PyTorch path, for CPU tensors and float64, `ops`: the custom operators and backends), the
+integrations (`hf`, `trl`) and the static GPU tools (`compile_check`).
 
 Importing the package loads only `params` (no torch, no Triton), so that command lines can read
 the hyperparameters' names and choices quickly; the functions and modules load on first use.

@@ -147,7 +147,7 @@ def linear_logprob_backward(
     Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes:
     `fast_mode` (no bias, no entropy gradient) or `general_mode`; `kept_mode` starts either
     of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles.
-    A logit scale alone is a temperature here (`softcap.head_transform`); a soft cap runs
+    A logit scale alone is a temperature here (`tiles.head_transform`); a soft cap runs
     `softcap.linear_backward`."""
     temperature, cap = head_transform(temperature, softcap, logit_scale)
     if cap is not None:

@@ -156,8 +156,8 @@ def _fp32_precisions() -> tuple:
 
 
 def _epilogue_args(epi: tuple) -> dict:
-    # the epilogue's [N] tensors are float32 (fused_linear_grpo.epilogue_args); when there is no
-    # epilogue the launcher passes logp (float32) in their place
+    # the epilogue's [N] tensors are float32 (grpo_kernels.ops.launch.epilogue_args); when there
+    # is no epilogue the launcher passes logp (float32) in their place
     ptrs = dict.fromkeys(("old_ptr", "ref_ptr", "adv_ptr", "isr_ptr", "wt_ptr", "lossw_ptr",
                           "glogp_ptr", "kl_ptr", "ratio_ptr"), Ptr("fp32"))
     scalars = dict.fromkeys(("eps_low", "eps_high", "delta", "beta", "sapo_pos", "sapo_neg"), 0.2)

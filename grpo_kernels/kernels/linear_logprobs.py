@@ -337,8 +337,9 @@ def linear_logprob_forward(
 ):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (all contiguous).
 
-    Returns float32 [N] tensors (logp, entropy, lse); with `epilogue` (see
-    `fused_linear_grpo.epilogue_args`) it also fills the epilogue's output tensors in place.
+    Returns float32 [N] tensors (logp, entropy, lse); with `epilogue` (the dict that
+    `grpo_kernels.ops.launch.epilogue_args` builds) it also fills the epilogue's output tensors
+    in place.
     softcap (c > 0) / logit_scale (s != 0): the logits are c·tanh(s·y / c) / τ (see the module
     docstring); None leaves that step out.
     """

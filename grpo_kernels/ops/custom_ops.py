@@ -263,7 +263,7 @@ class _LinearLogprobs(torch.autograd.Function):
     """grpo_kernels::linear_logprobs in eager mode: same inputs, outputs, saved tensors and
     backward as the operator's registration, plus one thing the operator cannot do: when a
     gradient will be needed and the [N, V] logits fit one tile of the chunked path
-    (`chunked.KEEP_ELEMENTS`, 32 MiB of float32), the forward keeps that tile on ctx and the
+    (`chunked.blocks.KEEP_ELEMENTS`, 32 MiB of float32), the forward keeps that tile on ctx and the
     backward starts from it instead of recomputing it, one GEMM fewer for small problems. The
     backward takes it off ctx (it overwrites the tile), so a second backward
     (retain_graph=True) recomputes."""
