@@ -264,7 +264,8 @@ def _optimize(run, batch, mbs, advantages, old_logps, ref_logps, phases):
         # per-process share of the step's token count: DDP averages the gradients,
         # so the micro-batch losses add up to sum(token losses) / all tokens
         n_tokens = batch["completion_mask"].sum().float()
-        num_items = run.accel.reduce(n_tokens, "sum") / run.world
+        # at least 1: a step whose completions are all masked has a zero loss, not an error
+        num_items = (run.accel.reduce(n_tokens, "sum") / run.world).clamp(min=1.0)
     sums, loss_total, grad_norms = {}, 0.0, []
     for _ in range(cfg.num_iterations):
         with phases.phase("loss"):  # forward + backward of every micro-batch
