@@ -16,8 +16,10 @@ first, and W is a multiple of 16):
   times a position's dense work plus pairs times a pair's attention work. b / a is the ratio of
   a pair's attention FLOPs (4 · heads · head_dim) to a position's dense FLOPs (2 · a layer's
   parameters): 1.20e-4 for Qwen2.5-0.5B, where `python -m benchmarks.row_cost` measured
-  1.21e-4 on a 2-core AMD EPYC (torch 2.13, transformers 5.24). Every width from the longest
-  sequence up to one row is priced with its first-fit row count, and the cheapest is taken;
+  1.21e-4 on a 2-core AMD EPYC (torch 2.13, transformers 5.24). The narrowest width for each
+  row count, from the longest sequence's (rounded) down to one row, is priced with its
+  first-fit row count, and the cheapest is taken; the search stops once the real tokens alone
+  at the next width would cost more than the best so far;
 - eager materializes [R, heads, W, W] attention weights in float32: rows as narrow as the
   longest sequence (rounded to 16), as for implementations this module does not know.
 Without a config the narrow rows are used. The rounding is for the attention kernels: PyTorch's
@@ -146,17 +148,26 @@ def choose_row_width(lengths: list[int], config=None) -> int:
     if layout == "narrow":
         return _round16(longest)
     ratio = pair_cost(config)
-    best_cost, best_width = None, None
-    for rows in range(1, len(lengths) + 1):  # the narrowest width for each row count
+
+    def cost(width: int) -> tuple[float, int]:  # (in positions' dense work, rows used)
+        rows = len(_place(lengths, width)[2])
+        return rows * width * (1 + ratio * width), rows
+
+    best_width = _round16(longest)  # the narrow rows: the most rows any width needs
+    best_cost, narrow_rows = cost(best_width)
+    for rows in range(narrow_rows - 1, 0, -1):  # fewer, wider rows
         width = _round16(max(longest, -(-total // rows)))
+        # rows · W >= total, so no width from here on (they only grow) can cost less than this
+        if total * (1 + ratio * width) >= best_cost:
+            break
+        price, used = cost(width)
         for _ in range(8):  # first fit may need a little slack over total / rows
-            if len(_place(lengths, width)[2]) <= rows:
+            if used <= rows:
                 break
             width += 16
-        used = len(_place(lengths, width)[2])
-        cost = used * width * (1 + ratio * width)  # in positions' dense work
-        if best_cost is None or cost < best_cost:
-            best_cost, best_width = cost, width
+            price, used = cost(width)
+        if price < best_cost:
+            best_cost, best_width = price, width
     return best_width
 
 
