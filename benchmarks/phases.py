@@ -22,7 +22,8 @@ run under torch.profiler with memory events, and their `alloc_rise_bytes` is the
 sum of the bytes PyTorch's CPU allocator handed out minus those freed, from the phase's start:
 the peak of its live tensors above what was live when it began, whatever the C allocator
 underneath keeps resident. Only PyTorch tensors count (not Python objects or library buffers),
-and the phase runs slower under the profiler (benchmarks/trainer_step.py states by how much).
+and the phase runs slower under the profiler (by how much could not be separated from the
+load of a busy 2-core machine: docs/benchmarks.md).
 
 Nesting: a phase opened inside another (TRL's generation inside its scoring) is charged its own
 samples; the outer phase resumes afterwards, from the memory the inner one left as its new
