@@ -17,8 +17,10 @@ provider, enforced with EOS at the drawn length), sampling at temperature 1, one
 (AdamW) per generation batch with all G sequences in one micro-batch, beta = --beta (0), loss_type
 "dapo", and on CUDA bf16 autocast + gradient checkpointing (TRL's defaults). grpo_train and the
 TRL subclass pack their forwards (--padding_free on, their default) unless --padding_free off;
-TRL pads. --synthetic (TRL-based providers): completions of the drawn lengths are random tokens
-made without the model, so a step is scoring + loss + optimizer (benchmarks/trl_providers.py).
+grpo_train also computes the group's prompt once (--share_prompt on, its default) unless
+--share_prompt off; TRL pads. --synthetic (TRL-based providers): completions of the drawn
+lengths are random tokens made without the model, so a step is scoring + loss + optimizer
+(benchmarks/trl_providers.py).
 
 Measured per step, after --warmup steps: wall time (CUDA-synchronized at the step's end), tokens/s =
 G·(prompt + completion tokens) / step time, and memory by phase (benchmarks/phases.py): generation,
@@ -119,7 +121,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         eval_size=0, output_dir=str(workdir / "run"), steps=args.warmup + args.steps,
         num_prompts=1, num_generations=args.num_generations,
         max_new_tokens=args.completion_tokens, padding_free=args.padding_free == "on",
-        generation=args.generation,
+        share_prompt=args.share_prompt == "on", generation=args.generation,
         micro_batch_size=args.num_generations, beta=args.beta, num_iterations=1,
         loss_type="dapo",
         loss=args.provider, learning_rate=1e-6, bf16=cuda and not args.no_bf16,
@@ -208,6 +210,9 @@ def parse_args(argv):
     parser.add_argument("--padding_free", default="on", choices=("on", "off"),
                         help="grpo_train and trl-kernels: packed rows (on, their default) or "
                              "padded ones; TRL's own trainer always pads")
+    parser.add_argument("--share_prompt", default="on", choices=("on", "off"),
+                        help="grpo_train with packed rows: the group's prompt once (on, its "
+                             "default) or once per completion")
     parser.add_argument("--beta", type=float, default=0.0,
                         help="KL coefficient (> 0: a reference model is scored every step)")
     parser.add_argument("--synthetic", action="store_true",
@@ -354,6 +359,8 @@ def describe(args, cuda: bool) -> dict:
         "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "length_profile": args.length_profile,
         "padding_free": "off" if args.provider == "trl" else args.padding_free,
+        "share_prompt": (args.share_prompt if args.provider in ("fused", "reference")
+                         and args.padding_free == "on" else "off"),
         "generation": "synthetic" if args.synthetic else
         "generate (padded)" if args.provider.startswith("trl") else args.generation,
         "beta": args.beta,

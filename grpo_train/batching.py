@@ -2,17 +2,23 @@
 
 A step's B sequences (this process' share) are cut into contiguous micro-batches, either by a
 sequence count (--micro_batch_size) or by a token budget (--max_tokens_per_microbatch). Each
-micro-batch is then either
+micro-batch is then laid out (`models.micro_batch_layout` chose how) as
 
-- padded: rows [b, Lp + T] with the attention mask, as generation returned them; or
-- packed (padding-free, the default where the model supports it): the real tokens of its
-  sequences end to end in rows [R, W] with position_ids restarting per sequence
-  (`grpo_kernels.hf.pack_sequences`), as wide as `grpo_kernels.hf.choose_row_width` says for
-  the model's attention: one row with flash attention, widths priced by a cost rule with sdpa.
+- "padded": rows [b, Lp + T] with the attention mask, as generation returned them;
+- "packed" (padding-free): the real tokens of its sequences end to end in rows [R, W] with
+  position_ids restarting per sequence (`grpo_kernels.hf.pack_sequences`), as wide as
+  `grpo_kernels.hf.choose_row_width` says for the model's attention: one row with flash
+  attention (which is also handed the boundaries, cu_seq_lens_* and max_length_*), widths
+  priced by a cost rule with sdpa; or
+- "shared" (the default where the model allows it): the group's prompt once, followed by its
+  completions, under a 4-D mask that keeps siblings apart (`grpo_kernels.hf.share_prompts`).
+  The G completions of a prompt are consecutive in the step, so a micro-batch shares every
+  prompt whose completions it holds (a group cut between two micro-batches shares within each).
 
-Both forms give the same loss, gradients and metrics. The padded form's cost is b x (Lp + T)
-tokens; the packed form's is the real prompt + completion tokens plus the rows' unused tails
-(a budget counts the real tokens).
+All three give the same loss, gradients and metrics. The padded form's cost is b x (Lp + T)
+tokens; the packed form's is the real prompt + completion tokens plus the rows' unused tails;
+the shared form's is each prompt once plus the completions (a budget counts the packed form's
+real tokens, an upper bound for the shared form).
 
 With several processes (DDP/FSDP) every process must run the same number of forwards (each
 runs collectives), so the count is agreed on first (`agree`: the maximum over processes) and a
@@ -21,11 +27,12 @@ process with fewer chunks splits its largest ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from grpo_kernels.hf import PackedBatch, pack_sequences
+from grpo_kernels.hf import PackedBatch, pack_sequences, share_prompts
+from grpo_kernels.hf.packed_rows import row_layout
 
 from .flags import UsageError
 from .models import position_ids
@@ -35,10 +42,12 @@ from .models import position_ids
 class MicroBatch:
     """Sequences `seqs` (a slice of the step's B) in the form the model and the loss take.
 
-    inputs: (input_ids, attention_mask | None, logits_to_keep: int T or positions [N]);
-    position_ids: [b, L] or [1, L']; mask: [b, T] float (padded) or None (packed: every kept
-    token counts); packed: the PackedBatch or None. Per-token values of the step ([B, T]) are
-    taken with `tokens(x)`: [b, T] padded, [N] packed."""
+    inputs: (input_ids, attention_mask (padded [b, L], shared 4-D) or None (packed),
+    logits_to_keep: int T or positions [N]); position_ids: [b, L] or [R, W]; mask: [b, T] float
+    (padded) or None (packed and shared: every kept token counts); packed: the PackedBatch of
+    packed and shared rows, else None; boundaries: flash attention's cu_seq_lens_* and
+    max_length_* of packed rows, where the model's attention is a flash implementation. Per-token
+    values of the step ([B, T]) are taken with `tokens(x)`: [b, T] padded, [N] otherwise."""
 
     seqs: slice
     inputs: tuple
@@ -46,6 +55,12 @@ class MicroBatch:
     mask: torch.Tensor | None
     packed: PackedBatch | None
     completion_mask: torch.Tensor  # [b, T] as generated, for token counts
+    boundaries: dict = field(default_factory=dict)
+
+    @property
+    def model_kwargs(self) -> dict:
+        """The keywords the model's forward takes besides input_ids and attention_mask."""
+        return dict(position_ids=self.position_ids, **self.boundaries)
 
     @property
     def num_seqs(self) -> int:
@@ -72,10 +87,10 @@ def sequence_costs_of(attention_mask, completion_mask, T: int) -> torch.Tensor:
     return attention_mask[:, :-T].sum(dim=1) + completion_mask.sum(dim=1)
 
 
-def sequence_costs(batch: dict, packed: bool) -> list[int]:
-    """Tokens one forward spends on each sequence: packed, its real tokens; padded, the full
-    row Lp + T."""
-    if not packed:
+def sequence_costs(batch: dict, layout: str) -> list[int]:
+    """Tokens one forward spends on each sequence: padded, the full row Lp + T; packed (and, as
+    an upper bound, shared), its real tokens."""
+    if layout == "padded":
         return [batch["input_ids"].shape[1]] * batch["input_ids"].shape[0]
     return sequence_costs_of(batch["attention_mask"], batch["completion_mask"],
                              batch["T"]).tolist()
@@ -127,25 +142,36 @@ def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
     return P_local, B, micro
 
 
-def micro_batches(batch: dict, packed: bool, micro_batch_size: int, max_tokens: int,
+LAYOUTS = ("padded", "packed", "shared")
+
+
+def micro_batches(batch: dict, layout: str, micro_batch_size: int, max_tokens: int,
                   agree=None, model_config=None) -> list[MicroBatch]:
     """The step's micro-batches. batch: `generation.generate`'s dict (input_ids, attention_mask
-    [B, Lp + T], completion_mask [B, T], T). agree(n) -> the count every process uses (the
-    maximum over processes); None for one process. model_config: the model's config, whose
-    attention implementation sets the packed rows' width (`grpo_kernels.hf.choose_row_width`;
-    None: rows as wide as the longest sequence)."""
-    chunks = cut(sequence_costs(batch, packed), micro_batch_size, max_tokens)
+    [B, Lp + T], completion_mask [B, T], T); layout: one of LAYOUTS. agree(n) -> the count every
+    process uses (the maximum over processes); None for one process. model_config: the model's
+    config, whose attention implementation sets the rows' width
+    (`grpo_kernels.hf.choose_row_width`), the shared rows' mask and the flash boundaries (None:
+    rows as wide as the longest sequence, a boolean mask)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    chunks = cut(sequence_costs(batch, layout), micro_batch_size, max_tokens)
     if agree is not None and max_tokens > 0:  # sequence-count chunks are the same everywhere
         chunks = split_to(chunks, agree(len(chunks)))
     ids, attn, mask, T = (batch["input_ids"], batch["attention_mask"],
                           batch["completion_mask"], batch["T"])
+    flash = model_config is not None and row_layout(model_config) == "one_row"
     out = []
     for s in chunks:
-        if packed:
-            pk = pack_sequences(ids[s], attn[s], T, mask[s], model_config=model_config)
-            out.append(MicroBatch(s, (pk.input_ids, None, pk.logits_to_keep), pk.position_ids,
-                                  None, pk, mask[s]))
-        else:
+        if layout == "padded":
             out.append(MicroBatch(s, (ids[s], attn[s], T), position_ids(attn[s]),
                                   mask[s].float(), None, mask[s]))
+            continue
+        if layout == "shared":
+            pk = share_prompts(ids[s], attn[s], T, mask[s], model_config=model_config)
+        else:
+            pk = pack_sequences(ids[s], attn[s], T, mask[s], model_config=model_config)
+        out.append(MicroBatch(s, (pk.input_ids, pk.attention_mask, pk.logits_to_keep),
+                              pk.position_ids, None, pk, mask[s],
+                              pk.boundaries() if flash and layout == "packed" else {}))
     return out

@@ -157,6 +157,12 @@ class TrainConfig:
         "attention mask): no forward or backward work on padding. Used where the model attends "
         "within the packed sequences (checked once at start; otherwise one line, and padded "
         "rows).")
+    share_prompt: bool = option(True,
+        "With --padding_free: the group's prompt once per micro-batch row, its completions after "
+        "it under a mask that keeps siblings apart, so scoring and the loss compute the prompt "
+        "once instead of G times (same loss and gradients). Used where the model takes a 4-D "
+        "mask (sdpa, eager, flex attention; no sliding windows, no MoE; checked once at start, "
+        "otherwise one line and packed rows).")
     bf16: bool = option(False, "bfloat16 autocast (with float32 weights: mixed precision)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward (less memory)")
 

@@ -18,6 +18,7 @@ import torch
 from grpo_kernels import selective_logprobs
 from grpo_kernels.hf import (
     check_packed_attention,
+    check_shared_prompt,
     completion_hidden_states,
     logit_transform,
     output_head,
@@ -94,7 +95,7 @@ def add_lora_adapters(model, cfg, say=print):
 
 
 def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
-    """(policy, reference or None, tokenizer, EOS ids, packed micro-batches?) on `device`,
+    """(policy, reference or None, tokenizer, EOS ids, micro-batch layout) on `device`,
     sharded with --fsdp; the policy with LoRA adapters and gradient checkpointing if asked."""
     model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say)
     if cfg.fp32_lm_head:
@@ -105,7 +106,7 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
     if cfg.lora_r:  # adapters on the policy only: the reference is the model without them, so
         model = add_lora_adapters(model, cfg, say)  # no copy (trainer's `_reference_policy`)
     eos_ids = eos_token_ids(model, tokenizer)
-    packed = padding_free(model, cfg, say)  # before any wrapper: checks the bare model once
+    layout = micro_batch_layout(model, cfg, say)  # before any wrapper: checks the bare model
     if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -115,21 +116,30 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
         model = sharding.shard_model(model, device)
         if ref_model is not None:
             ref_model = sharding.shard_model(ref_model, device, frozen=True)
-    return model, ref_model, tokenizer, eos_ids, packed
+    return model, ref_model, tokenizer, eos_ids, layout
 
 
-def padding_free(model, cfg, say) -> bool:
-    """Whether micro-batches are packed rows: --padding_free (the default) and a model that
-    attends within the sequences of a packed row (checked once on it); else one line why not."""
+def micro_batch_layout(model, cfg, say) -> str:
+    """How micro-batches are laid out, with one line saying which and why: "shared" (each
+    group's prompt once, --share_prompt, where `check_shared_prompt` allows it), "packed"
+    (--padding_free, where the model attends within the sequences of a packed row) or
+    "padded". The checks run once on the bare model."""
     if not cfg.padding_free:
         say("micro-batches: padded (--no_padding_free)")
-        return False
+        return "padded"
     reason = check_packed_attention(model)
     if reason is not None:
         say(f"micro-batches: padded, not packed: {reason}")
-        return False
-    say("micro-batches: packed rows, no padding (--padding_free)")
-    return True
+        return "padded"
+    if not getattr(cfg, "share_prompt", False):
+        say("micro-batches: packed rows, no padding (--padding_free; --no_share_prompt)")
+        return "packed"
+    reason = check_shared_prompt(model)
+    if reason is not None:
+        say(f"micro-batches: packed rows, the prompt not shared: {reason}")
+        return "packed"
+    say("micro-batches: shared-prefix rows, each group's prompt once (--share_prompt)")
+    return "shared"
 
 
 def save_model(model, tokenizer, path) -> None:

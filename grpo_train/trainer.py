@@ -119,7 +119,7 @@ def _setup(cfg) -> SimpleNamespace:
     eval_ex = [ex for ex in eval_ex if ex.get("answer") is not None]  # scorable ones only
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
-    model, ref_model, tokenizer, eos_ids, packed = build_models(
+    model, ref_model, tokenizer, eos_ids, layout = build_models(
         cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=cfg.learning_rate,
@@ -142,8 +142,8 @@ def _setup(cfg) -> SimpleNamespace:
         B=B, micro=micro, specs=specs, weights=torch.tensor([s.weight for s in specs]),
         acc_col=next((j for j, s in enumerate(specs) if s.fn is accuracy), None),
         train_ex=train_ex, eval_ex=eval_ex, out_dir=out_dir, model=model, ref_model=ref_model,
-        ddp_model=ddp_model, tokenizer=tokenizer, packed=packed, agree=agree,
-        # the packed rows' width follows the attention implementation (hf.choose_row_width)
+        ddp_model=ddp_model, tokenizer=tokenizer, layout=layout, agree=agree,
+        # the rows' width and the shared rows' mask follow the attention implementation
         model_config=model.config,
         optimizer=optimizer, scheduler=scheduler, sampler=sampler, start=start,
         loss_fn=FusedLinearGRPOLoss(params=grpo_params(cfg),
@@ -212,9 +212,9 @@ def _step(run, step: int, phases) -> dict:
             rewards_per_func, failures = score(run.specs, batch["prompts"], batch["texts"],
                                                batch["columns"])
             all_rewards, rewards, advantages = _advantages(run, rewards_per_func)
-            # 4. micro-batches (packed rows or padded, batching.py), then reference and old
-            # log-probs per micro-batch
-            mbs = batching.micro_batches(batch, run.packed, run.micro,
+            # 4. micro-batches (shared-prefix, packed or padded rows, batching.py), then
+            # reference and old log-probs per micro-batch
+            mbs = batching.micro_batches(batch, run.layout, run.micro,
                                          cfg.max_tokens_per_microbatch, run.agree, run.model_config)
             ref_logps, old_logps = _scoring_logprobs(run, mbs)
         # 5. optimize: micro-batches, accumulation normalized as TRL does
@@ -310,7 +310,7 @@ def _logprobs(model, mb, cfg, head):
     hooks unshard the head; no_grad around them too: nothing to prepare for a backward."""
     with torch.no_grad():
         return hf.run_as_forward(model, lambda m: hf.causal_lm_logprobs(
-            m, *mb.inputs, temperature=cfg.temperature, position_ids=mb.position_ids, **head))
+            m, *mb.inputs, temperature=cfg.temperature, **mb.model_kwargs, **head))
 
 
 def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
@@ -320,21 +320,22 @@ def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
     if which == "fused":  # sharded: as a forward of the FSDP2 root (`hf.run_as_forward`)
         return hf.run_as_forward(model, lambda m: hf.causal_lm_grpo_loss(
             m, *mb.inputs, adv, mb.mask, old, ref, loss_fn=loss_fn, num_items_in_batch=num_items,
-            cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids, **head))
+            cu_seqlens=mb.cu_seqlens, **mb.model_kwargs, **head))
     ids, attn, keep = mb.inputs
     if mb.packed is None:
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=mb.position_ids,
+        logits = model(input_ids=ids, attention_mask=attn, **mb.model_kwargs,
                        logits_to_keep=keep + 1, use_cache=False).logits[:, :-1]  # [b, T, V]
         targets = ids[:, -keep:]
     else:
         where = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
         where[keep] = True
         if _keeps_a_boolean_mask():  # the kept positions' logits only, row-major
-            logits = model(input_ids=ids, position_ids=mb.position_ids,
+            logits = model(input_ids=ids, attention_mask=attn, **mb.model_kwargs,
                            logits_to_keep=where.view(ids.shape), use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])
         else:  # older transformers: every position's logits [R, W, V], then the kept ones
-            logits = model(input_ids=ids, position_ids=mb.position_ids, use_cache=False).logits
+            logits = model(input_ids=ids, attention_mask=attn, **mb.model_kwargs,
+                           use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])[where]
         logits = logits[keep.argsort().argsort()]  # [N, V]
         targets = ids.reshape(-1)[keep + 1]

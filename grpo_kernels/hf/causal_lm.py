@@ -84,6 +84,10 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
         )
 
 
+def _is_4d(attention_mask) -> bool:
+    return len(getattr(attention_mask, "shape", ())) == 4
+
+
 def completion_hidden_states(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -110,7 +114,8 @@ def completion_hidden_states(
     _check_batch(input_ids, attention_mask, logits_to_keep)
     inner = unwrap_model(model)
     body = _body(inner)
-    if model_kwargs:  # extra inputs (images, positions) need not slice to one row: text dummy
+    if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
+        # masks need not slice to one row (a BlockMask cannot): a text dummy for the check
         _check_head_input(inner, body, input_ids.new_zeros(1, 2), None)
     else:
         _check_head_input(inner, body, input_ids, attention_mask)
@@ -236,7 +241,8 @@ def completion_logprobs(
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
     logps, ents = [], []
     for i in range(0, max(B, 1), step):  # one (empty) chunk for B = 0
-        am = None if attention_mask is None else attention_mask[i:i + step]
+        # packed / shared rows are one chunk; a BlockMask must not be sliced at all
+        am = attention_mask if packed or attention_mask is None else attention_mask[i:i + step]
         # per-sequence model inputs (e.g. position_ids [B, L]) follow the chunk; others as given
         kwargs = {k: v[i:i + step] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B
                   else v for k, v in model_kwargs.items()}

@@ -66,13 +66,39 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     token_index: torch.Tensor
     shape: tuple[int, int]  # (S, T) of the padded completion grid
-    real_tokens: int  # prompt + kept completion tokens (the rest of R·W is filler)
+    real_tokens: int  # positions holding real tokens (the rest of R·W is filler)
     row_lengths: tuple[int, ...] = ()  # real tokens at the head of each row (the rest: filler)
+    # shared-prefix rows (shared_prompt.py): the 4-D mask to pass as attention_mask, and the
+    # [R, W] segment ids it was built from; None for plain packed rows
+    attention_mask: object = None
+    segments: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
         """Positions a forward computes, R·W (real tokens plus the rows' filler)."""
         return self.input_ids.numel()
+
+    @property
+    def layout(self) -> str:
+        """"shared" (the group's prompt once, a 4-D mask) or "packed" (position_ids only)."""
+        return "packed" if self.attention_mask is None else "shared"
+
+    def boundaries(self) -> dict:
+        """The sequence boundaries of packed rows as flash implementations take them, for
+        transformers' model kwargs: cu_seq_lens_q/k [segments + 1] int32 over the flattened
+        rows (every sequence and every row's filler tail is a segment), max_length_q/k (int).
+        Passed explicitly, flash attention needs no boundaries read from position_ids (which
+        transformers does only for one row)."""
+        if self.layout != "packed":
+            raise ValueError("shared-prefix rows have no flash boundaries (a segment also sees "
+                             "its prefix): they take their 4-D attention_mask")
+        pos = self.position_ids.reshape(-1)
+        starts = (pos == 0).nonzero().squeeze(1)  # every segment restarts at 0
+        ends = torch.cat([starts[1:], starts.new_tensor([pos.numel()])])
+        cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+        longest = int((ends - starts).max()) if starts.numel() else 0
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                    max_length_k=longest)
 
     def real_mask(self) -> torch.Tensor:
         """[R, W] int64: 1 at real tokens, 0 at the rows' filler tails (e.g. the attention_mask
@@ -171,14 +197,10 @@ def choose_row_width(lengths: list[int], config=None) -> int:
     return best_width
 
 
-def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                   completion_mask: torch.Tensor | None = None, *, pad_token_id: int = 0,
-                   row_width: int | None = None, model_config=None) -> PackedBatch:
-    """The packed rows of a padded batch: input_ids, attention_mask [S, L]; the completion is
-    the last `logits_to_keep` = T columns; completion_mask [S, T] (default: attention_mask's
-    last T columns) says which completion tokens are kept (a prefix of each row). row_width:
-    W (at least the longest sequence; default: `choose_row_width(lengths, model_config)`, the module
-    docstring's rule for the config's attention); pad_token_id fills the rows' tails."""
+def check_prompt_and_completion(input_ids, attention_mask, logits_to_keep, completion_mask):
+    """(prompt [S, L - T], completion [S, T]) bool masks of the tokens a padded batch puts into
+    packed or shared rows, after checking the shapes, T, that every sequence has a prompt token
+    and that the completion mask is a prefix of each row."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [S, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
@@ -199,6 +221,21 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
         raise ValueError("every sequence needs at least one prompt token (attention_mask 1 in "
                          "its first L - T columns): the first completion token is predicted "
                          "from the position before it")
+    return prompt, comp
+
+
+def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                   completion_mask: torch.Tensor | None = None, *, pad_token_id: int = 0,
+                   row_width: int | None = None, model_config=None) -> PackedBatch:
+    """The packed rows of a padded batch: input_ids, attention_mask [S, L]; the completion is
+    the last `logits_to_keep` = T columns; completion_mask [S, T] (default: attention_mask's
+    last T columns) says which completion tokens are kept (a prefix of each row). row_width:
+    W (at least the longest sequence; default: `choose_row_width(lengths, model_config)`, the module
+    docstring's rule for the config's attention); pad_token_id fills the rows' tails."""
+    prompt, comp = check_prompt_and_completion(input_ids, attention_mask, logits_to_keep,
+                                               completion_mask)
+    S, L = input_ids.shape
+    T = logits_to_keep
     keep = torch.cat([prompt, comp], dim=1)  # [S, L] the tokens that go into the rows
     lengths = keep.sum(dim=1).tolist()
     W = choose_row_width(lengths, model_config) if row_width is None else row_width
@@ -275,11 +312,13 @@ def check_packed_attention(model: nn.Module, atol: float = 1e-4) -> str | None:
 
 
 def check_packed_positions(input_ids, attention_mask, positions) -> None:
-    """Packed rows: input_ids [R, W], no attention mask, positions [N] int into the flattened
-    rows, never a row's last column (a position predicts the token after it, in its row)."""
-    if attention_mask is not None:
+    """Packed rows: input_ids [R, W], no attention mask (shared-prefix rows: their 4-D mask),
+    positions [N] int into the flattened rows, never a row's last column (a position predicts
+    the token after it, in its row)."""
+    if attention_mask is not None and len(getattr(attention_mask, "shape", ())) != 4:
         raise ValueError("packed rows take attention_mask=None (with position_ids restarting "
-                         "per sequence); an attention mask would let sequences attend across")
+                         "per sequence), or shared-prefix rows their 4-D mask "
+                         "(`share_prompts`); a 2-D mask would let sequences attend across")
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"logits_to_keep as a tensor must be int32/int64 [N] positions, got "
                          f"{positions.dtype} {tuple(positions.shape)}")

@@ -178,8 +178,12 @@ def test_cut_and_split_micro_batches():
 def test_packed_trainer_step_equals_padded(tmp_path, loss_type):
     """The same step (same seed, so the same completions) with padded rows, packed rows, and
     packed rows cut into unequal token-budget micro-batches."""
-    runs = {"padded": dict(padding_free=False), "packed": dict(padding_free=True),
-            "budget": dict(padding_free=True, max_tokens_per_microbatch=24)}
+    runs = {"padded": dict(padding_free=False),
+            "packed": dict(padding_free=True, share_prompt=False),
+            "budget": dict(padding_free=True, share_prompt=False, max_tokens_per_microbatch=24),
+            "shared": dict(padding_free=True, share_prompt=True),
+            "shared_budget": dict(padding_free=True, share_prompt=True,
+                                  max_tokens_per_microbatch=24)}
     got = {}
     for name, options in runs.items():
         cfg = tiny_cfg(tmp_path / name, steps=1, loss_type=loss_type, beta=0.1,
@@ -189,7 +193,7 @@ def test_packed_trainer_step_equals_padded(tmp_path, loss_type):
                                            for k, v in result["model"].state_dict().items()})
     base, base_params = got["padded"]
     assert base["grad_norm"] > 0
-    for name in ("packed", "budget"):
+    for name in ("packed", "budget", "shared", "shared_budget"):
         rec, params = got[name]
         for key in ("loss", "grad_norm", "entropy", "kl", "clip_ratio/region_mean", "reward"):
             assert rec[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), (name, key)
@@ -213,18 +217,30 @@ def test_micro_batch_gradients_equal_across_forms(tmp_path):
     adv = torch.randn(5, generator=torch.Generator().manual_seed(3))
     loss_fn = FusedLinearGRPOLoss(params=GRPOParams(loss_type="grpo", beta=0.0))
     grads = {}
-    for name, (packed, budget) in {"padded": (False, 0), "packed": (True, 0),
-                                   "budget": (True, 14)}.items():
+    batch_groups = dict(batch, input_ids=batch["input_ids"].clone(),
+                        attention_mask=batch["attention_mask"].clone())
+    batch_groups["input_ids"][1:3, :-T] = batch_groups["input_ids"][0, :-T]  # a group of 3
+    batch_groups["attention_mask"][1:3, :-T] = batch_groups["attention_mask"][0, :-T]
+    for name, (layout, budget) in {"padded": ("padded", 0), "packed": ("packed", 0),
+                                   "budget": ("packed", 14), "shared": ("shared", 0),
+                                   "shared_budget": ("shared", 14)}.items():
         model.zero_grad()
-        mbs = batching.micro_batches(batch, packed, 0, budget)
-        assert (len(mbs) > 1) == (name == "budget")
+        shared = layout == "shared"
+        mbs = batching.micro_batches(batch_groups if shared else batch, layout, 0, budget)
+        assert (len(mbs) > 1) == (budget > 0)
         for mb in mbs:
             loss, _ = trainer_mod._loss(model, loss_fn, mb, adv[mb.seqs], None, None, None,
                                         "fused", {})
             (loss * mb.num_seqs / 5).backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name in ("packed", "budget"):
-        for n, g in grads["padded"].items():
+    model.zero_grad()  # the padded reference of the batch with a group
+    mb, = batching.micro_batches(batch_groups, "padded", 0, 0)
+    loss, _ = trainer_mod._loss(model, loss_fn, mb, adv, None, None, None, "fused", {})
+    loss.backward()
+    grads["padded_groups"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name in ("packed", "budget", "shared", "shared_budget"):
+        base = grads["padded_groups" if name.startswith("shared") else "padded"]
+        for n, g in base.items():
             torch.testing.assert_close(grads[name][n], g, rtol=1e-4, atol=1e-7, msg=(name, n))
 
 
@@ -232,5 +248,5 @@ def test_unsupported_model_falls_back_with_one_line(monkeypatch, capsys):
     said = []
     monkeypatch.setattr(models_mod, "check_packed_attention", lambda m: "it attends across")
     cfg = types.SimpleNamespace(padding_free=True)
-    assert models_mod.padding_free(object(), cfg, said.append) is False
+    assert models_mod.micro_batch_layout(object(), cfg, said.append) == "padded"
     assert said == ["micro-batches: padded, not packed: it attends across"]

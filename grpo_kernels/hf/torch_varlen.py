@@ -1,0 +1,80 @@
+"""PyTorch's own variable-length FlashAttention as a transformers attention implementation.
+
+`torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, CUDA) runs the FlashAttention kernels
+bundled with PyTorch on sequences laid end to end, given their boundaries (cu_seq_lens) and the
+longest length. `register()` makes it available to transformers under the name
+"torch_varlen_flash", so packed rows run a real flash varlen kernel without the flash_attn
+package:
+
+    from grpo_kernels.hf import torch_varlen
+    torch_varlen.register()
+    model.set_attn_implementation("torch_varlen_flash")   # or config._attn_implementation
+
+The name contains "flash", so `choose_row_width` lays packed rows as one row and grpo_train
+hands the model the boundaries explicitly (`PackedBatch.boundaries`: cu_seq_lens_q/k,
+max_length_q/k), which transformers passes through to the attention function. Without them
+(a plain forward) each row is one causal sequence; a padded batch's attention mask is refused
+(this implementation reads no mask).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+NAME = "torch_varlen_flash"
+
+
+def _keywords(varlen_attn, scaling, head_dim: int) -> dict:
+    """The keywords that make varlen_attn causal (and scaled by `scaling`) in this torch."""
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:  # (-1, 0): every earlier key, none after
+        out = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        out = {"is_causal": True}
+    else:
+        raise RuntimeError(f"torch {torch.__version__}'s varlen_attn has no causal option "
+                           f"(parameters: {list(params)})")
+    if "scale" in params:
+        out["scale"] = scaling
+    elif scaling is not None and abs(scaling - head_dim ** -0.5) > 1e-12:
+        raise RuntimeError(f"torch {torch.__version__}'s varlen_attn takes no scale; the model "
+                           f"scales by {scaling}, not 1/sqrt({head_dim})")
+    return out
+
+
+def varlen_flash_attention(module, query, key, value, attention_mask, scaling=None,
+                           dropout=0.0, **kwargs):
+    """transformers' attention contract: query [B, H, L, D], key/value [B, Hkv, L, D] ->
+    ([B, L, H, D], None). Boundaries: cu_seq_lens_q/k [S + 1] and max_length_q/k over the
+    flattened B·L positions (kwargs), else one sequence per row."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if attention_mask is not None:
+        raise ValueError(f"{NAME} reads no attention mask: pass packed rows (attention_mask "
+                         "None, position_ids restarting per sequence, and the boundaries)")
+    if dropout:
+        raise ValueError(f"{NAME} has no attention dropout; got dropout={dropout}")
+    B, H, L, D = query.shape
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None:  # one causal sequence per row
+        cu_q = cu_k = torch.arange(0, (B + 1) * L, L, device=query.device, dtype=torch.int32)
+        max_q = max_k = L
+    else:
+        max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    if key.shape[1] != H:  # grouped-query attention: repeat the key/value heads
+        key = key.repeat_interleave(H // key.shape[1], dim=1)
+        value = value.repeat_interleave(H // value.shape[1], dim=1)
+    q, k, v = (x.transpose(1, 2).reshape(B * L, H, D) for x in (query, key, value))
+    out = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                      **_keywords(varlen_attn, scaling, D))
+    return out.reshape(B, L, H, D), None
+
+
+def register() -> str:
+    """Register `varlen_flash_attention` with transformers as NAME; returns NAME."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_flash_attention)
+    return NAME
