@@ -4,11 +4,11 @@
 bundled with PyTorch on sequences laid end to end, given their boundaries (cu_seq_lens) and the
 longest length. `register()` makes it available to transformers under the name
 "torch_varlen_flash", so packed rows run a real flash varlen kernel without the flash_attn
-package:
+package (set the name on the loaded model's config: some transformers releases look names with
+"flash" in them up as Hub kernels when a config is built with one):
 
     from grpo_kernels.hf import torch_varlen
-    torch_varlen.register()
-    model.set_attn_implementation("torch_varlen_flash")   # or config._attn_implementation
+    model.config._attn_implementation = torch_varlen.register()  # "torch_varlen_flash"
 
 The name contains "flash", so `choose_row_width` lays packed rows as one row and grpo_train
 hands the model the boundaries explicitly (`PackedBatch.boundaries`: cu_seq_lens_q/k,

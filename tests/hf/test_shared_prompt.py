@@ -25,9 +25,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def tiny_qwen(attn="sdpa", seed=0, **extra):
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         attn_implementation=attn, **extra)
+    sizes = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    config = Qwen2Config(**{**sizes, **extra}, attn_implementation=attn)
     return Qwen2ForCausalLM(config).float()
 
 
@@ -236,8 +236,8 @@ def test_flash_boundaries_of_packed_rows_equal_padded():
 # ---- on a CUDA device: flex attention's BlockMask and a real flash varlen kernel --------------
 
 
-def _loss_and_grads(model, args, **kw):
-    loss, metrics = causal_lm_grpo_loss(model, *args, loss_fn=FusedLinearGRPOLoss(beta=0.04),
+def _loss_and_grads(model, args, beta=0.04, **kw):
+    loss, metrics = causal_lm_grpo_loss(model, *args, loss_fn=FusedLinearGRPOLoss(beta=beta),
                                         **kw)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -262,7 +262,7 @@ def _long_groups(device):
 
 @pytest.mark.gpu
 def test_flex_block_mask_shared_equals_padded_on_gpu():
-    model = tiny_qwen("sdpa").cuda()
+    model = tiny_qwen("sdpa", hidden_size=64, intermediate_size=128).cuda()  # head_dim 16
     ids, attn, mask, T = _long_groups("cuda")
     adv = torch.linspace(-1, 1, ids.shape[0], device="cuda")
     ref = -3 + 0.1 * torch.randn(ids.shape[0], T, device="cuda")
@@ -287,11 +287,11 @@ def test_torch_varlen_flash_packed_equals_padded_on_gpu():
     from grpo_kernels.hf import torch_varlen
     from grpo_train import batching
 
-    model = tiny_qwen("sdpa").cuda().bfloat16()
+    model = tiny_qwen("sdpa", hidden_size=64, intermediate_size=128).cuda().bfloat16()
     ids, attn, mask, T = _long_groups("cuda")
     adv = torch.linspace(-1, 1, ids.shape[0], device="cuda")
     lp_pad = causal_lm_logprobs(model, ids, attn, T, position_ids=positions_of(attn))
-    loss_pad, grads_pad = _loss_and_grads(model, (ids, attn, T, adv, mask.float()),
+    loss_pad, grads_pad = _loss_and_grads(model, (ids, attn, T, adv, mask.float()), beta=0.0,
                                           position_ids=positions_of(attn))
     model.config._attn_implementation = torch_varlen.register()
     batch = dict(input_ids=ids, attention_mask=attn, completion_mask=mask, T=T)
@@ -299,8 +299,8 @@ def test_torch_varlen_flash_packed_equals_padded_on_gpu():
     assert mb.packed.input_ids.shape[0] == 1 and "cu_seq_lens_q" in mb.boundaries
     lp = causal_lm_logprobs(model, *mb.inputs, **mb.model_kwargs)
     torch.testing.assert_close(lp, mb.packed.pack(lp_pad), rtol=0.05, atol=0.05)
-    loss, grads = _loss_and_grads(model, (*mb.inputs, adv, None), cu_seqlens=mb.cu_seqlens,
-                                  **mb.model_kwargs)
+    loss, grads = _loss_and_grads(model, (*mb.inputs, adv, None), beta=0.0,
+                                  cu_seqlens=mb.cu_seqlens, **mb.model_kwargs)
     assert loss == pytest.approx(loss_pad, rel=0.02, abs=1e-3)
     for n, g in grads_pad.items():
         cos = torch.nn.functional.cosine_similarity(grads[n].float().flatten(),
