@@ -90,7 +90,7 @@ def main() -> None:
                 reward = f"{log['reward']:.3f}" if "reward" in log else "-"
                 print(f"step {log['step']}: loss {log['loss']:+.4f}  kl {log['kl']:.5f}  "
                       f"entropy {log['entropy']:.3f}  reward {reward}")
-        layout = "padded batches" if trainer._packing_off else "packed rows"
+        layout = f"{trainer._layout} rows"
         print(f"grpo-kernels trainer ({layout}): {trainer.state.global_step} steps in "
               f"{time.perf_counter() - start:.1f}s")
         if opts.compare:

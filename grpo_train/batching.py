@@ -2,7 +2,8 @@
 
 A step's B sequences (this process' share) are cut into contiguous micro-batches, either by a
 sequence count (--micro_batch_size) or by a token budget (--max_tokens_per_microbatch). Each
-micro-batch is then laid out (`models.micro_batch_layout` chose how) as
+micro-batch is then laid out (`models.micro_batch_layout` chose how, with
+`grpo_kernels.hf.choose_layout`; `grpo_kernels.hf.plan_rows` lays the rows out) as
 
 - "padded": rows [b, Lp + T] with the attention mask, as generation returned them;
 - "packed" (padding-free): the real tokens of its sequences end to end in rows [R, W] with
@@ -31,8 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_kernels.hf import PackedBatch, pack_sequences, share_prompts
-from grpo_kernels.hf.packed_rows import row_layout
+from grpo_kernels.hf import LAYOUTS, PackedBatch, plan_rows, row_inputs
 
 from .flags import UsageError
 from .models import position_ids
@@ -142,9 +142,6 @@ def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
     return P_local, B, micro
 
 
-LAYOUTS = ("padded", "packed", "shared")
-
-
 def micro_batches(batch: dict, layout: str, micro_batch_size: int, max_tokens: int,
                   agree=None, model_config=None) -> list[MicroBatch]:
     """The step's micro-batches. batch: `generation.generate`'s dict (input_ids, attention_mask
@@ -160,18 +157,14 @@ def micro_batches(batch: dict, layout: str, micro_batch_size: int, max_tokens: i
         chunks = split_to(chunks, agree(len(chunks)))
     ids, attn, mask, T = (batch["input_ids"], batch["attention_mask"],
                           batch["completion_mask"], batch["T"])
-    flash = model_config is not None and row_layout(model_config) == "one_row"
     out = []
     for s in chunks:
         if layout == "padded":
             out.append(MicroBatch(s, (ids[s], attn[s], T), position_ids(attn[s]),
                                   mask[s].float(), None, mask[s]))
             continue
-        if layout == "shared":
-            pk = share_prompts(ids[s], attn[s], T, mask[s], model_config=model_config)
-        else:
-            pk = pack_sequences(ids[s], attn[s], T, mask[s], model_config=model_config)
-        out.append(MicroBatch(s, (pk.input_ids, pk.attention_mask, pk.logits_to_keep),
-                              pk.position_ids, None, pk, mask[s],
-                              pk.boundaries() if flash and layout == "packed" else {}))
+        rows = plan_rows(ids[s], attn[s], T, mask[s], layout, model_config)
+        kwargs = row_inputs(rows, model_config)
+        out.append(MicroBatch(s, (rows.input_ids, rows.attention_mask, rows.logits_to_keep),
+                              kwargs.pop("position_ids"), None, rows, mask[s], kwargs))
     return out

@@ -17,8 +17,7 @@ import torch
 
 from grpo_kernels import selective_logprobs
 from grpo_kernels.hf import (
-    check_packed_attention,
-    check_shared_prompt,
+    choose_layout,
     completion_hidden_states,
     logit_transform,
     output_head,
@@ -120,26 +119,15 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
 
 
 def micro_batch_layout(model, cfg, say) -> str:
-    """How micro-batches are laid out, with one line saying which and why: "shared" (each
-    group's prompt once, --share_prompt, where `check_shared_prompt` allows it), "packed"
-    (--padding_free, where the model attends within the sequences of a packed row) or
-    "padded". The checks run once on the bare model."""
-    if not cfg.padding_free:
-        say("micro-batches: padded (--no_padding_free)")
-        return "padded"
-    reason = check_packed_attention(model)
-    if reason is not None:
-        say(f"micro-batches: padded, not packed: {reason}")
-        return "padded"
-    if not getattr(cfg, "share_prompt", False):
-        say("micro-batches: packed rows, no padding (--padding_free; --no_share_prompt)")
-        return "packed"
-    reason = check_shared_prompt(model)
-    if reason is not None:
-        say(f"micro-batches: packed rows, the prompt not shared: {reason}")
-        return "packed"
-    say("micro-batches: shared-prefix rows, each group's prompt once (--share_prompt)")
-    return "shared"
+    """How micro-batches are laid out (`grpo_kernels.hf.choose_layout`): "shared" (each group's
+    prompt once, --share_prompt), "packed" (--padding_free) or "padded", as far as the flags
+    ask and the model allows; one line says which and why. Checks the bare model, once."""
+    choice = choose_layout(model, padding_free=cfg.padding_free,
+                           share_prompt=cfg.padding_free and getattr(cfg, "share_prompt", False))
+    flags = {"padded": "--no_padding_free" if not cfg.padding_free else "--padding_free",
+             "packed": "--padding_free", "shared": "--share_prompt"}[choice.layout]
+    say(f"micro-batches: {choice.layout} rows, {choice.reason} ({flags})")
+    return choice.layout
 
 
 def save_model(model, tokenizer, path) -> None:

@@ -28,11 +28,11 @@ def digits_reward(completions, **kwargs):
             for c in completions]
 
 
-def make_trainer(cls, model_dir, peft_config=None, padding_free=True, processing_class=None,
-                 dataset=None, **overrides):
-    """A tiny trainer of class `cls` (TRL's or ours; padding_free goes to ours only): micro-batch
-    B, 4 generations, completions up to T tokens, gradient accumulation 2, 4 micro-batches per
-    generation; `overrides` are GRPOConfig fields."""
+def make_trainer(cls, model_dir, peft_config=None, padding_free=True, share_prompt=True,
+                 processing_class=None, dataset=None, **overrides):
+    """A tiny trainer of class `cls` (TRL's or ours; padding_free and share_prompt go to ours
+    only): micro-batch B, 4 generations, completions up to T tokens, gradient accumulation 2,
+    4 micro-batches per generation; `overrides` are GRPOConfig fields."""
     cfg = dict(
         output_dir=os.path.join(model_dir, "out"), report_to=[], use_cpu=True, bf16=False,
         seed=0, per_device_train_batch_size=B, num_generations=4, max_completion_length=T,
@@ -42,7 +42,8 @@ def make_trainer(cls, model_dir, peft_config=None, padding_free=True, processing
         generation_kwargs={"sequence_bias": [[[EOS], 3.5]]},
     )
     cfg.update(overrides)
-    ours = {} if cls is trl.GRPOTrainer else dict(padding_free=padding_free)
+    ours = {} if cls is trl.GRPOTrainer else dict(padding_free=padding_free,
+                                                   share_prompt=share_prompt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
@@ -50,14 +51,18 @@ def make_trainer(cls, model_dir, peft_config=None, padding_free=True, processing
                    peft_config=peft_config, processing_class=processing_class, **ours)
 
 
-def make_batch(trainer, seed=0, noise=0.3, lengths=(7, 3, 5, 1)):
+def make_batch(trainer, seed=0, noise=0.3, lengths=(7, 3, 5, 1), prompt_rows=None):
     """A TRL micro-batch: left-padded prompts, completions of `lengths` (B of them, <= T); old
-    and reference log-probs near the policy's (TRL's own scoring + noise) so that ratios clip."""
+    and reference log-probs near the policy's (TRL's own scoring + noise) so that ratios clip.
+    prompt_rows: [B] indices, sequence i takes prompt prompt_rows[i] (e.g. [0, 2, 0, 2]: two
+    groups whose siblings are apart, as after TRL's shuffle); default: B different prompts."""
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(10, 90, (B, P), generator=g)
     prompt_mask = torch.ones(B, P, dtype=torch.long)
     prompt_mask[0, :2] = 0
     prompt_mask[2, :1] = 0
+    if prompt_rows is not None:
+        prompt_ids, prompt_mask = prompt_ids[prompt_rows], prompt_mask[prompt_rows]
     completion_mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
     completion_ids = torch.randint(10, 90, (B, T), generator=g).masked_fill(completion_mask == 0,
                                                                             0)

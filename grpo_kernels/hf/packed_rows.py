@@ -84,21 +84,12 @@ class PackedBatch:
         return "packed" if self.attention_mask is None else "shared"
 
     def boundaries(self) -> dict:
-        """The sequence boundaries of packed rows as flash implementations take them, for
-        transformers' model kwargs: cu_seq_lens_q/k [segments + 1] int32 over the flattened
-        rows (every sequence and every row's filler tail is a segment), max_length_q/k (int).
-        Passed explicitly, flash attention needs no boundaries read from position_ids (which
-        transformers does only for one row)."""
+        """The sequence boundaries of packed rows as flash implementations take them
+        (`boundaries_of` their position_ids)."""
         if self.layout != "packed":
             raise ValueError("shared-prefix rows have no flash boundaries (a segment also sees "
                              "its prefix): they take their 4-D attention_mask")
-        pos = self.position_ids.reshape(-1)
-        starts = (pos == 0).nonzero().squeeze(1)  # every segment restarts at 0
-        ends = torch.cat([starts[1:], starts.new_tensor([pos.numel()])])
-        cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
-        longest = int((ends - starts).max()) if starts.numel() else 0
-        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                    max_length_k=longest)
+        return boundaries_of(self.position_ids)
 
     def real_mask(self) -> torch.Tensor:
         """[R, W] int64: 1 at real tokens, 0 at the rows' filler tails (e.g. the attention_mask
@@ -120,6 +111,20 @@ class PackedBatch:
         """[N] -> [S, T] with `fill` at the tokens the rows do not hold."""
         out = x.new_full((self.shape[0] * self.shape[1],), fill)
         return out.index_copy(0, self.token_index, x).view(self.shape)
+
+
+def boundaries_of(position_ids: torch.Tensor) -> dict:
+    """Packed rows' sequence boundaries as transformers' flash implementations take them, from
+    position_ids [R, W] that restart at 0 for every sequence (and every row's filler tail):
+    cu_seq_lens_q/k [segments + 1] int32 over the flattened rows, max_length_q/k (int). Passed
+    explicitly, flash attention needs no boundaries read from position_ids (which transformers
+    does for one row only)."""
+    pos = position_ids.reshape(-1)
+    starts = (pos == 0).nonzero().squeeze(1)  # every segment restarts at 0
+    ends = torch.cat([starts[1:], starts.new_tensor([pos.numel()])])
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    longest = int((ends - starts).max()) if starts.numel() else 0
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
 
 
 def _place(lengths: list[int], width: int) -> tuple[list[int], list[int], list[int]]:

@@ -19,9 +19,10 @@ The prompt's last token is repeated at the head of every segment (G - 1 extra po
 its hidden state predicts each completion's first token: that way every kept position predicts
 the token right after it in the row, as in packed rows, and the loss, the scoring and the
 PackedBatch bookkeeping (`logits_to_keep`, `cu_seqlens`, `pack` / `unpack`) are those of
-`pack_sequences`. Groups are consecutive sequences whose prompt columns (ids and mask) are equal;
-a group of one is a plain packed sequence. Groups are placed in rows first fit, longest first, at
-the width `choose_row_width` gives for their lengths; a row's unused tail is its own segment.
+`pack_sequences`. A group is the sequences whose prompt columns (ids and mask) are equal,
+wherever they are in the batch; a group of one is a plain packed sequence. Groups are placed in
+rows first fit, longest first, at the width `choose_row_width` gives for their lengths; a row's
+unused tail is its own segment.
 
 The mask's form follows the attention implementation (`shared_prompt_mask`): sdpa takes a
 boolean [R, 1, W, W] (True: attend), eager an additive float one (0 or the dtype's minimum), flex
@@ -46,20 +47,19 @@ __all__ = ["check_shared_prompt", "share_prompts", "shared_prompt_mask"]
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")  # those that take a 4-D mask
 
 
-def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> list[range]:
-    """Runs of consecutive sequences with equal prompt columns (ids and mask of the first L - T
-    columns): [range(start, stop)] covering the S sequences in order."""
-    S, L = input_ids.shape
-    prompt = torch.cat([input_ids[:, :L - T] * attention_mask[:, :L - T],
-                        attention_mask[:, :L - T]], dim=1)  # pad ids do not matter
-    same = (prompt[1:] == prompt[:-1]).all(dim=1).tolist()  # [S - 1]: sequence s+1 joins s's
-    groups, start = [], 0
-    for s, joins in enumerate(same, start=1):
-        if not joins:
-            groups.append(range(start, s))
-            start = s
-    groups.append(range(start, S))
-    return groups
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+                  ) -> list[list[int]]:
+    """The sequences with equal prompt columns (ids and mask of the first L - T columns),
+    wherever they are in the batch: [[s, ...], ...] in order of first appearance (a shuffled
+    batch still shares every prompt whose completions it holds)."""
+    L = input_ids.shape[1]
+    mask = attention_mask[:, :L - T]
+    prompt = torch.cat([input_ids[:, :L - T] * mask, mask], dim=1)  # pad ids do not matter
+    _, which = torch.unique(prompt, dim=0, return_inverse=True)  # [S] group of each
+    groups: dict[int, list[int]] = {}
+    for s, g in enumerate(which.tolist()):
+        groups.setdefault(g, []).append(s)
+    return list(groups.values())
 
 
 def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,

@@ -1,5 +1,6 @@
 """Padding-free forwards for the TRL subclass: TRL's padded batches run through the model body as
-packed rows (`grpo_kernels.hf.pack_sequences`).
+packed rows, or as shared-prefix rows that hold each group's prompt once (`grpo_kernels.hf`'s
+row plan: `choose_layout`, `plan_rows`, `row_inputs`, the same as grpo_train's).
 
 TRL 1.16 scores and trains on padded batches [S, L]: prompts left-padded to the longest prompt,
 completions right-padded to the longest completion, and every padded position runs through the
@@ -12,15 +13,19 @@ normalization, metrics and accumulation see the batch TRL built.
 
 - Scoring (old / reference policy, `packed_scores`) groups rows into forwards by positions, not
   sequences: each forward takes at most batch_size · L positions, the footprint of one of TRL's
-  padded scoring chunks, so fewer forwards run and none holds more than TRL's did.
+  padded scoring chunks, so fewer forwards run and none holds more than TRL's did. Shared rows
+  are cut between prompt groups, so a forward holds whole groups of the generation batch (TRL
+  puts a prompt's G completions next to each other there).
 - The loss (`packed_completion_hidden`, `packed_grpo_terms`) runs one forward per TRL
   micro-batch, as TRL does; the micro-batch is TRL's, so its loss normalization and
-  gradient-accumulation scaling are TRL's.
+  gradient-accumulation scaling are TRL's. Shared rows share every prompt whose completions
+  meet in the micro-batch, wherever TRL's shuffle put them; the micro-batches stay TRL's.
 
-Exact where the model's attention reads packed position_ids (checked once per model, at the
-trainer's construction: `check_packed_attention`); otherwise the trainer keeps padded batches and
-says why in one log line. A batch whose completion mask is not a prefix of each row (1s then 0s)
-cannot be packed without changing what the kept tokens attend to: it runs padded.
+Exact where the model's attention reads packed position_ids (`check_packed_attention`) and, for
+shared rows, takes a 4-D mask (`check_shared_prompt`); both are checked once per model at the
+trainer's construction, and one log line says which layout runs and why. A batch whose
+completion mask is not a prefix of each row (1s then 0s) cannot be packed without changing what
+the kept tokens attend to: it runs padded.
 """
 
 from __future__ import annotations
@@ -31,26 +36,21 @@ import torch
 
 from ..functional import fused_linear_grpo_loss
 from ..hf import (
-    check_packed_attention,
+    choose_layout,
     completion_hidden_states,
     completion_logprobs,
     fsdp2_root,
     pack_sequences,
+    plan_rows,
+    row_inputs,
     unwrap_model,
 )
+from ..hf.packed_rows import boundaries_of, row_layout
+from ..hf.shared_prompt import prompt_groups
 
 __all__ = ["PaddingFree", "packable", "packed_completion_hidden", "packed_grpo_terms",
-           "packed_scores",
-           "packing_off_reason"]
+           "packed_scores"]
 logger = logging.getLogger("grpo_kernels.trl.trainer")  # the trainer's one log line
-
-
-def packing_off_reason(model, requested: bool) -> str | None:
-    """None when TRL's batches can run as packed rows through `model`, else why not (a phrase).
-    Pass the model before DDP/FSDP wrap it (a PEFT wrapper is fine)."""
-    if not requested:
-        return "padding_free=False"
-    return check_packed_attention(unwrap_model(model))
 
 
 def packable(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
@@ -70,20 +70,21 @@ def _config(model):
 
 
 def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             completion_mask: torch.Tensor, aux_loss=None):
+                             completion_mask: torch.Tensor, aux_loss=None, layout="packed"):
     """(hidden, packed, aux): the body's hidden states [N, D] of the positions that predict the
     N kept completion tokens (completion_mask's 1s, in sequence order), from one forward of the
-    batch's packed rows `packed` (a PackedBatch). aux: None, or with `aux_loss`
-    (fn(router_logits, attention_mask), e.g. `grpo_kernels.hf.load_balancing_loss(model)`) the
-    MoE auxiliary loss over the rows' real tokens, which are the padded batch's unmasked ones:
-    the same statistics. input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T
-    columns)."""
+    batch's `layout` rows ("packed" or "shared") `packed` (a PackedBatch). aux: None, or with
+    `aux_loss` (fn(router_logits, attention_mask), e.g. `grpo_kernels.hf.load_balancing_loss(
+    model)`) the MoE auxiliary loss over the rows' real tokens, which are the padded batch's
+    unmasked ones: the same statistics (packed rows only: MoE models do not share prompts).
+    input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T columns)."""
     T = completion_mask.shape[1]
-    packed = pack_sequences(input_ids, attention_mask, T, completion_mask,
-                            model_config=_config(model))
-    out = completion_hidden_states(model, packed.input_ids, None, packed.logits_to_keep,
+    config = _config(model)
+    packed = plan_rows(input_ids, attention_mask, T, completion_mask, layout, config)
+    out = completion_hidden_states(model, packed.input_ids, packed.attention_mask,
+                                   packed.logits_to_keep,
                                    return_router_logits=aux_loss is not None,
-                                   position_ids=packed.position_ids)
+                                   **row_inputs(packed, config))
     hidden, aux = (out[0], aux_loss(out[1], packed.real_mask())) if aux_loss else (out, None)
     return hidden[0], packed, aux
 
@@ -135,15 +136,21 @@ def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[ra
 
 def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   logits_to_keep: int, *, batch_size: int | None, return_entropy: bool,
-                  equal_count_across=None, **logprob_kwargs):
+                  equal_count_across=None, layout="packed", **logprob_kwargs):
     """Log-probs (and entropies) [S, T] float32 of the last logits_to_keep = T tokens, zero at
-    masked completion positions, from packed rows in forwards of at most batch_size · L positions
-    (batch_size None: one forward). TRL's `_get_per_token_logps_and_entropies` on the padded batch
-    gives the same values. logprob_kwargs: `completion_logprobs`' (temperature, head_dtype).
-    equal_count_across: see `_row_chunks` (an empty chunk runs a one-token forward)."""
+    masked completion positions, from `layout` rows ("packed" or "shared") in forwards of at
+    most batch_size · L positions (batch_size None: one forward). TRL's
+    `_get_per_token_logps_and_entropies` on the padded batch gives the same values.
+    logprob_kwargs: `completion_logprobs`' (temperature, head_dtype). equal_count_across: see
+    `_row_chunks` (an empty chunk runs a one-token forward)."""
+    if layout == "shared":
+        return _shared_scores(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                              return_entropy, equal_count_across, **logprob_kwargs)
     S, L = input_ids.shape
     T = logits_to_keep
-    packed = pack_sequences(input_ids, attention_mask, T, model_config=_config(model))
+    config = _config(model)
+    packed = pack_sequences(input_ids, attention_mask, T, model_config=config)
+    flash = config is not None and row_layout(config) == "one_row"
     rows, positions = packed.input_ids, packed.logits_to_keep  # [R, W], [N]
     R, W = rows.shape
     row_of = positions // W
@@ -158,10 +165,11 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         sel = ((row_of >= chunk.start) & (row_of < chunk.stop)).nonzero().squeeze(1)
         if sel.numel() == 0:  # rows of prompts whose completions are fully masked
             continue
+        pos = packed.position_ids[chunk.start:chunk.stop]
         out = completion_logprobs(
             model, rows[chunk.start:chunk.stop], None, positions[sel] - chunk.start * W,
-            position_ids=packed.position_ids[chunk.start:chunk.stop],
-            return_entropy=return_entropy, **logprob_kwargs)
+            position_ids=pos, return_entropy=return_entropy,
+            **(boundaries_of(pos) if flash else {}), **logprob_kwargs)
         lp, en = out if return_entropy else (out, None)
         logp = logp.index_copy(0, sel, lp.to(logp.device, torch.float32))
         if return_entropy:
@@ -169,34 +177,86 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return packed.unpack(logp), None if ent is None else packed.unpack(ent)
 
 
+def _group_chunks(groups: list[list[int]], cost: list[int], budget: int,
+                  equal_count_across=None) -> list[list[int]]:
+    """Sequence index lists, whole prompt groups each, of at most `budget` shared positions
+    (a group larger than the budget goes alone); padded with empty lists to the count over
+    processes (see `_row_chunks`)."""
+    chunks, current, used = [], [], 0
+    for group, c in zip(groups, cost):
+        if current and used + c > budget:
+            chunks.append(current)
+            current, used = [], 0
+        current, used = current + group, used + c
+    chunks.append(current)
+    if equal_count_across is not None:
+        chunks += [[]] * (equal_count_across(len(chunks)) - len(chunks))
+    return chunks
+
+
+def _shared_scores(model, input_ids, attention_mask, T, batch_size, return_entropy,
+                   equal_count_across, **logprob_kwargs):
+    """`packed_scores` on shared-prefix rows: forwards of whole prompt groups."""
+    S, L = input_ids.shape
+    config = _config(model)
+    comp = attention_mask[:, -T:]
+    groups = prompt_groups(input_ids, attention_mask, T)
+    prompt_tokens = attention_mask[:, :L - T].sum(dim=1).tolist()
+    kept = comp.sum(dim=1).tolist()
+    cost = [prompt_tokens[g[0]] - 1 + sum(1 + kept[s] for s in g) for g in groups]
+    budget = (S if batch_size is None else batch_size) * L
+    logp = torch.zeros(S, T, dtype=torch.float32, device=input_ids.device)
+    ent = torch.zeros_like(logp) if return_entropy else None
+    for seqs in _group_chunks(groups, cost, budget, equal_count_across):
+        if not seqs:  # keep a sharded model's collectives in step with other processes
+            completion_logprobs(model, input_ids[:1, :2], None, torch.zeros(1, dtype=torch.long),
+                                position_ids=torch.arange(2, device=input_ids.device)[None],
+                                **logprob_kwargs)
+            continue
+        idx = torch.tensor(seqs, device=input_ids.device)
+        rows = plan_rows(input_ids[idx], attention_mask[idx], T, None, "shared", config)
+        if rows.logits_to_keep.numel() == 0:  # every completion of the chunk fully masked
+            continue
+        out = completion_logprobs(model, rows.input_ids, rows.attention_mask,
+                                  rows.logits_to_keep, return_entropy=return_entropy,
+                                  **row_inputs(rows, config), **logprob_kwargs)
+        lp, en = out if return_entropy else (out, None)
+        logp[idx] = rows.unpack(lp.to(logp.device, torch.float32))
+        if return_entropy:
+            ent[idx] = rows.unpack(en.to(ent.device, torch.float32))
+    return logp, ent
+
+
 class PaddingFree:
-    """The trainer's packing decisions (mixed into the TRL subclass); reads TRL's attributes
-    model, aux_loss_enabled, accelerator and the subclass's _model_fallback."""
+    """The trainer's row layout (mixed into the TRL subclass); reads TRL's attributes model,
+    accelerator and the subclass's _model_fallback."""
 
-    _packing_off: str | None = None  # why forwards run padded (None: packed rows)
+    _layout: str = "padded"  # "shared", "packed" or "padded" (`grpo_kernels.hf.LAYOUTS`)
 
-    def _packing_decision(self, requested: bool) -> str | None:
-        """None when forwards run packed rows, else why not; says which in one log line."""
+    def _layout_decision(self, padding_free: bool, share_prompt: bool) -> str:
+        """The layout of scoring and loss forwards (`grpo_kernels.hf.choose_layout`), said in
+        one log line with the reason."""
         if getattr(self, "_zero3_check_pending", False):
             # a model sharded by deepspeed.zero.Init runs no forward before DeepSpeed's engine
             # wraps it: `_batch_unsupported` decides on the first batch, on every process
-            return "not decided before the first batch (DeepSpeed ZeRO-3)"
-        if self._model_fallback is not None:
+            layout, reason = "padded", "not decided before the first batch (DeepSpeed ZeRO-3)"
+        elif self._model_fallback is not None:
+            layout = "padded"
             reason = f"the model runs TRL's own implementation ({self._model_fallback})"
         else:
-            reason = packing_off_reason(self.model, requested)
-        if reason is None:
-            logger.info("grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run packed "
-                        "rows (padding_free=True)")
-        else:
-            log = logger.info if reason == "padding_free=False" else logger.warning
-            log("grpo_kernels.trl.GRPOTrainer: padded batches, not packed rows: %s", reason)
-        return reason
+            choice = choose_layout(self.model, padding_free=padding_free,
+                                   share_prompt=padding_free and share_prompt)
+            layout, reason = choice.layout, choice.reason
+        quiet = layout != "padded" or not padding_free
+        (logger.info if quiet else logger.warning)(
+            "grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run %s rows: %s "
+            "(padding_free=%s, share_prompt=%s)", layout, reason, padding_free, share_prompt)
+        return layout
 
     def _packs(self, attention_mask, completion_mask, multimodal: dict) -> bool:
-        """Whether this batch runs as packed rows: a text batch (no image inputs) whose masks
-        pack exactly."""
-        return (self._packing_off is None and not multimodal
+        """Whether this batch runs as packed or shared rows: a text batch (no image inputs)
+        whose masks pack exactly."""
+        return (self._layout != "padded" and not multimodal
                 and packable(attention_mask, completion_mask))
 
     def _equal_chunk_count(self, model):

@@ -212,20 +212,23 @@ def _adapter_on_head_allowed(enabled: bool = True):
 class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
-    Same constructor and config as TRL's; see the module docstring for what changes. Two
+    Same constructor and config as TRL's; see the module docstring for what changes. Three
     optional extra keywords: padding_free (default True: scoring and loss forwards run packed
     rows wherever the model's attention gives exact results on them, see `padding_free.py`;
-    False keeps TRL's padded batches) and grad_filter (None = exact; "auto" or eps:
-    approximate gradient filtering in the Triton backward, see `selective_logprobs`).
+    False keeps TRL's padded batches), share_prompt (default True, with padding_free: rows
+    hold each group's prompt once, where the model takes a 4-D mask) and grad_filter (None =
+    exact; "auto" or eps: approximate gradient filtering in the Triton backward, see
+    `selective_logprobs`).
     """
 
     _tag_names = ["trl", "grpo", "grpo-kernels"]
     _zero3_check_pending = False  # DeepSpeed ZeRO-3: the head's forward check waits for a batch
 
-    def __init__(self, *args, padding_free: bool = True, grad_filter: float | str | None = None,
-                 **kwargs):
-        if not isinstance(padding_free, bool):
-            raise TypeError(f"padding_free must be a bool, got {type(padding_free).__name__}")
+    def __init__(self, *args, padding_free: bool = True, share_prompt: bool = True,
+                 grad_filter: float | str | None = None, **kwargs):
+        for name, value in (("padding_free", padding_free), ("share_prompt", share_prompt)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         check_grad_filter(grad_filter, torch.bfloat16)  # fail before TRL loads the model
         self._grad_filter = grad_filter
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -247,8 +250,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         self._entropy_control: EntropyController | None = None
         self._grpo_params, self._loss_fallback = self._build_params()
         self._model_fallback = self._model_unsupported()
-        self._packing_requested = padding_free
-        self._packing_off = self._packing_decision(padding_free)
+        self._layout_requested = (padding_free, share_prompt)
+        self._layout = self._layout_decision(padding_free, share_prompt)
         head = unwrap_model(self.model).get_output_embeddings()
         if has_tuner_adapter(head) and self._model_fallback is not None:
             # TRL's own head path would leave the adapter untrained; refuse, as TRL does
@@ -305,7 +308,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                 check_output_head(model)
             except (ValueError, NotImplementedError) as exc:
                 self._model_fallback = str(exc)
-            self._packing_off = self._packing_decision(self._packing_requested)
+            self._layout = self._layout_decision(*self._layout_requested)
         if self._model_fallback is not None:
             return self._model_fallback
         if self.is_fsdp_enabled and fsdp2_root(model) is None:
@@ -337,7 +340,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                     return packed_scores(
                         model, input_ids, attention_mask, T, batch_size=batch_size,
                         return_entropy=compute_entropy, temperature=self.temperature,
-                        head_dtype=self._head_dtype,
+                        head_dtype=self._head_dtype, layout=self._layout,
                         equal_count_across=self._equal_chunk_count(model))
 
             logps, ents = run_as_forward(model, packed)
@@ -391,7 +394,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                 if packs:  # the body on packed rows; the head on the kept tokens [N, D]
                     hidden, packed, aux_loss = packed_completion_hidden(
                         model, input_ids, attention_mask, completion_mask,
-                        self._aux_loss if self.aux_loss_enabled else None)
+                        self._aux_loss if self.aux_loss_enabled else None, self._layout)
                 else:
                     hidden, aux_loss = self._body_hidden(model, input_ids, attention_mask, T,
                                                          multimodal, self.aux_loss_enabled)

@@ -55,7 +55,7 @@ def positions_of(attn):
 def test_layout_holds_each_prompt_once():
     ids, attn, mask, T = grouped_batch()
     sh = share_prompts(ids, attn, T, mask)
-    assert [list(r) for r in prompt_groups(ids, attn, T)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert prompt_groups(ids, attn, T) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     # each prompt once, plus the last prompt token at the head of each of its G segments
     prompts = [5, 7, 2]
     assert sh.real_tokens == sum(p - 1 for p in prompts) + 9 + int(mask.sum())
@@ -77,10 +77,25 @@ def test_layout_holds_each_prompt_once():
     assert not bool(m.reshape(-1, W, W)[second // W, second % W, first % W])
 
 
-def test_different_prompts_do_not_share():
+def test_groups_are_equal_prompts_wherever_they_are():
     ids, attn, mask, T = grouped_batch()
     ids[1, -T - 1] = (ids[1, -T - 1] + 1) % 97  # sequence 1's prompt differs at its last token
-    assert [list(r) for r in prompt_groups(ids, attn, T)][:2] == [[0], [1]]
+    assert prompt_groups(ids, attn, T)[:2] == [[0, 2], [1]]
+    order = torch.tensor([4, 0, 8, 3, 1, 6, 2, 5, 7])  # a shuffled batch
+    assert prompt_groups(ids[order], attn[order], T) == [[0, 3, 7], [1, 6], [2, 5, 8], [4]]
+
+
+def test_shuffled_batch_shares_and_equals_padded():
+    model = tiny_qwen()
+    ids, attn, mask, T = grouped_batch()
+    order = torch.tensor([4, 0, 8, 3, 1, 6, 2, 5, 7])
+    ids, attn, mask = ids[order], attn[order], mask[order]
+    sh = share_prompts(ids, attn, T, mask, model_config=model.config)
+    assert sh.real_tokens < int(attn.sum())  # prompts computed once
+    lp_pad = causal_lm_logprobs(model, ids, attn, T, position_ids=positions_of(attn))
+    lp_sh = causal_lm_logprobs(model, sh.input_ids, sh.attention_mask, sh.logits_to_keep,
+                               position_ids=sh.position_ids)
+    torch.testing.assert_close(lp_sh, sh.pack(lp_pad), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])

@@ -246,7 +246,10 @@ def test_micro_batch_gradients_equal_across_forms(tmp_path):
 
 def test_unsupported_model_falls_back_with_one_line(monkeypatch, capsys):
     said = []
-    monkeypatch.setattr(models_mod, "check_packed_attention", lambda m: "it attends across")
+    from grpo_kernels.hf import row_plan
+
+    monkeypatch.setattr(row_plan, "check_packed_attention", lambda m: "it attends across")
     cfg = types.SimpleNamespace(padding_free=True)
     assert models_mod.micro_batch_layout(object(), cfg, said.append) == "padded"
-    assert said == ["micro-batches: padded, not packed: it attends across"]
+    assert said == ["micro-batches: padded rows, not packed: it attends across "
+                    "(--padding_free)"]

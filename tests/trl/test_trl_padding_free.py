@@ -62,12 +62,12 @@ class BodyCalls:
         return sum(n for n, _ in self.calls)
 
 
-def loss_pair(model_dir, extra=None, noise=0.3, **cfg):
-    """(padded trainer, packed trainer, padded loss, packed loss, their body calls) on one
-    batch, after backward."""
+def loss_pair(model_dir, extra=None, noise=0.3, share_prompt=False, prompt_rows=None, **cfg):
+    """(padded trainer, packed (or shared) trainer, padded loss, packed loss, their body calls)
+    on one batch, after backward."""
     padded = make_trainer(GRPOTrainer, model_dir, padding_free=False, **cfg)
-    packed = make_trainer(GRPOTrainer, model_dir, **cfg)
-    inputs = {**make_batch(padded, noise=noise), **(extra or {})}
+    packed = make_trainer(GRPOTrainer, model_dir, share_prompt=share_prompt, **cfg)
+    inputs = {**make_batch(padded, noise=noise, prompt_rows=prompt_rows), **(extra or {})}
     out, calls = [], []
     for tr in (padded, packed):
         tr.model.train()
@@ -92,6 +92,18 @@ def test_packed_loss_equals_padded(model_dir, cfg):
     # rows are 16 wide, the longest sequence rounded up: as many positions as [B, P + T])
     assert c_pad.calls == [(B * (P + T), True)]
     assert len(c_pack.calls) == 1 and not c_pack.calls[0][1] and c_pack.rows[0] < B
+
+
+@pytest.mark.parametrize("cfg", FLOAT32_CASES.values(), ids=FLOAT32_CASES.keys())
+def test_shared_prompt_loss_equals_padded(model_dir, cfg):
+    """Two prompts whose completions are apart in the micro-batch (as TRL's shuffle leaves
+    them): each prompt is computed once, and loss, gradients and metrics are the padded ones."""
+    padded, shared, loss_padded, loss_shared, (c_pad, c_sh) = loss_pair(
+        model_dir, share_prompt=True, prompt_rows=torch.tensor([0, 2, 0, 2]), **cfg)
+    assert shared._layout == "shared"
+    assert_same(padded, shared, loss_padded, loss_shared)
+    assert len(c_sh.calls) == 1 and c_sh.calls[0][1]  # one forward, with its 4-D mask
+    assert c_sh.positions < c_pad.positions
 
 
 def test_packed_loss_with_tool_mask_and_lora_head(model_dir):
@@ -120,8 +132,9 @@ def test_bf16_model_with_fp32_head_packed_within_bf16_rounding(model_dir):
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-4)
 
 
-def test_packed_scoring_equals_trl_on_fewer_positions(model_dir):
-    tr = make_trainer(GRPOTrainer, model_dir)
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["packed", "shared"])
+def test_packed_scoring_equals_trl_on_fewer_positions(model_dir, share_prompt):
+    tr = make_trainer(GRPOTrainer, model_dir, share_prompt=share_prompt)
     batch = make_batch(tr)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1).repeat(4, 1)  # 16 rows
     am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).repeat(4, 1)
@@ -136,9 +149,13 @@ def test_packed_scoring_equals_trl_on_fewer_positions(model_dir):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_ent, want_ent * am[:, -T:], rtol=1e-5, atol=1e-6)
     # TRL: 4 forwards of B x (P + T); packed: each forward at most that many positions, no more
-    # forwards, fewer positions in all
-    assert all(n <= B * (P + T) and not masked for n, masked in calls.calls)
+    # forwards, fewer positions in all; shared (the 4 copies of each prompt share it): fewer
+    # still, with the 4-D mask
+    assert all(n <= B * (P + T) and masked == share_prompt for n, masked in calls.calls)
     assert len(calls.calls) <= 4 and calls.positions < 16 * (P + T)
+    if share_prompt:
+        real = int(am.sum())
+        assert calls.positions < real  # below even the packed rows' real tokens
 
 
 RUNS = {
@@ -154,11 +171,13 @@ RUNS = {
 @pytest.mark.parametrize("cfg", RUNS.values(), ids=RUNS.keys())
 def test_training_run_packed_equals_padded_and_trl(model_dir, cfg):
     """3 optimizer steps (gradient accumulation 2, 4 micro-batches per generation): the packed
-    run ends with the parameters and logs of the padded run and of TRL's trainer."""
+    and the shared-prompt runs end with the parameters and logs of the padded run and of TRL's
+    trainer."""
     runs = {}
-    for name, cls, extra in (("trl", trl.GRPOTrainer, {}), ("padded", GRPOTrainer,
-                                                              dict(padding_free=False)),
-                             ("packed", GRPOTrainer, {})):
+    for name, cls, extra in (("trl", trl.GRPOTrainer, {}),
+                             ("padded", GRPOTrainer, dict(padding_free=False)),
+                             ("packed", GRPOTrainer, dict(share_prompt=False)),
+                             ("shared", GRPOTrainer, {})):
         trainer = make_trainer(cls, model_dir, max_steps=3, optim="sgd", learning_rate=0.1,
                                **cfg, **extra)
         with force_backend("chunked"), warnings.catch_warnings():
@@ -166,14 +185,17 @@ def test_training_run_packed_equals_padded_and_trl(model_dir, cfg):
             trainer.train()
         runs[name] = trainer
     logs = {k: [h for h in t.state.log_history if "loss" in h] for k, t in runs.items()}
-    assert len(logs["packed"]) == 3
-    for name in ("padded", "trl"):
-        for want, got in zip(logs[name], logs["packed"]):
-            for k in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean", "kl"):
-                if k in want:
-                    assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (name, k)
-        for p, q in zip(runs[name].model.parameters(), runs["packed"].model.parameters()):
-            torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+    assert runs["packed"]._layout == "packed" and runs["shared"]._layout == "shared"
+    for mine in ("packed", "shared"):
+        assert len(logs[mine]) == 3
+        for name in ("padded", "trl"):
+            for want, got in zip(logs[name], logs[mine]):
+                for k in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean", "kl"):
+                    if k in want:
+                        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (
+                            mine, name, k)
+            for p, q in zip(runs[name].model.parameters(), runs[mine].model.parameters()):
+                torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
 
 
 def test_packable_needs_prefix_completion_masks_and_a_prompt_token():
@@ -191,23 +213,25 @@ def test_packing_off_is_said_once_and_batches_run_padded(model_dir, caplog):
         off = make_trainer(GRPOTrainer, model_dir, padding_free=False)
         on = make_trainer(GRPOTrainer, model_dir)
     lines = [r.getMessage() for r in caplog.records if r.name == "grpo_kernels.trl.trainer"]
-    assert lines == ["grpo_kernels.trl.GRPOTrainer: padded batches, not packed rows: "
-                     "padding_free=False",
-                     "grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run packed rows "
-                     "(padding_free=True)"]
-    assert off._packing_off == "padding_free=False" and on._packing_off is None
+    assert lines == ["grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run padded rows: "
+                     "padding-free rows turned off (padding_free=False, share_prompt=True)",
+                     "grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run shared rows: "
+                     "each group's prompt once (padding_free=True, share_prompt=True)"]
+    assert off._layout == "padded" and on._layout == "shared"
     with pytest.raises(TypeError, match="padding_free must be a bool"):
         make_trainer(GRPOTrainer, model_dir, padding_free="yes")
+    with pytest.raises(TypeError, match="share_prompt must be a bool"):
+        make_trainer(GRPOTrainer, model_dir, share_prompt=1)
 
 
 def test_model_attending_across_packed_rows_runs_padded(model_dir, monkeypatch, caplog):
-    import grpo_kernels.trl.padding_free as pf
+    from grpo_kernels.hf import row_plan
 
     why = "ToyModel with attention 'eager' attends across the sequences of a packed row"
-    monkeypatch.setattr(pf, "check_packed_attention", lambda model: why)
+    monkeypatch.setattr(row_plan, "check_packed_attention", lambda model: why)
     with caplog.at_level(logging.WARNING, logger="grpo_kernels.trl.trainer"):
         tr = make_trainer(GRPOTrainer, model_dir)
-    assert tr._packing_off == why
+    assert tr._layout == "padded"
     assert any(why in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     batch = make_batch(tr)
     calls = BodyCalls(tr)

@@ -1,0 +1,85 @@
+"""One row plan for both trainers: which layout a model's forwards take, and the rows of a batch.
+
+A padded GRPO batch [S, L] (prompts left-padded, completions right-padded) reaches the model body
+in one of three layouts:
+
+    padded   as it is: S rows of L positions, with its attention mask
+    packed   the real tokens end to end in rows [R, W], position_ids restarting per sequence,
+             no mask (`packed_rows.pack_sequences`); flash implementations are also handed the
+             boundaries (cu_seq_lens_q/k, max_length_q/k)
+    shared   packed, with each group's prompt once and its completions after it, under a 4-D
+             mask that keeps siblings apart (`shared_prompt.share_prompts`)
+
+All three give the same log-probs, loss and gradients. `choose_layout` decides once per model,
+with the reason as one phrase for the caller's one log line; `plan_rows` lays out a batch and
+`row_inputs` gives the model keywords that go with the rows. grpo_train (its micro-batches) and
+the TRL subclass (its scoring and loss forwards) both go through these three functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, row_layout
+from .shared_prompt import check_shared_prompt, share_prompts
+from .unwrap import unwrap_model
+
+__all__ = ["LAYOUTS", "LayoutChoice", "choose_layout", "plan_rows", "row_inputs"]
+
+LAYOUTS = ("padded", "packed", "shared")
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """layout: one of LAYOUTS; reason: why this one, a phrase for a log line."""
+
+    layout: str
+    reason: str
+
+
+def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
+                  ) -> LayoutChoice:
+    """The richest layout the caller asks for that `model` computes exactly: shared if
+    share_prompt and `check_shared_prompt` allows it, else packed if padding_free and
+    `check_packed_attention` allows it, else padded. Checks run once per model (cached); pass
+    the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
+    if not padding_free:
+        return LayoutChoice("padded", "padding-free rows turned off")
+    inner = unwrap_model(model)
+    reason = check_packed_attention(inner)
+    if reason is not None:
+        return LayoutChoice("padded", f"not packed: {reason}")
+    if not share_prompt:
+        return LayoutChoice("packed", "shared prompts turned off")
+    reason = check_shared_prompt(inner)
+    if reason is not None:
+        return LayoutChoice("packed", f"the prompt not shared: {reason}")
+    return LayoutChoice("shared", "each group's prompt once")
+
+
+def plan_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              completion_mask: torch.Tensor | None, layout: str, model_config=None
+              ) -> PackedBatch:
+    """The packed or shared rows of a padded batch (input_ids, attention_mask [S, L]; the last
+    logits_to_keep = T columns are the completion, completion_mask [S, T] a prefix of each
+    row). model_config: the model's config (its attention sets widths, mask and boundaries)."""
+    if layout == "shared":
+        return share_prompts(input_ids, attention_mask, logits_to_keep, completion_mask,
+                             model_config=model_config)
+    if layout == "packed":
+        return pack_sequences(input_ids, attention_mask, logits_to_keep, completion_mask,
+                              model_config=model_config)
+    raise ValueError(f"plan_rows lays out 'packed' or 'shared' rows, got layout {layout!r}")
+
+
+def row_inputs(rows: PackedBatch, model_config=None) -> dict:
+    """The model keywords that go with `rows` besides input_ids and attention_mask
+    (`rows.attention_mask`, None for packed rows): position_ids, and for packed rows under a
+    flash implementation the boundaries (`PackedBatch.boundaries`)."""
+    kwargs = dict(position_ids=rows.position_ids)
+    flash = model_config is not None and row_layout(model_config) == "one_row"
+    if flash and rows.layout == "packed":
+        kwargs.update(rows.boundaries())
+    return kwargs
