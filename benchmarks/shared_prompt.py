@@ -21,6 +21,10 @@ gradients' bytes (which every layout allocates).
     python -m benchmarks.shared_prompt --device cpu --layers 2 --prompt_tokens 1024
     python -m benchmarks.shared_prompt --device cuda --dtype bfloat16 --layers 24 \\
         --attn flex_attention --out benchmarks/results/shared-prompt.csv
+
+--capacity GIB (CUDA) instead finds, per layout, the longest prompt (to 256 tokens) whose loss
+phase rises at most GIB above what was live before it: prompts double from 256 until one does
+not fit (or runs out of memory), then bisect.
 """
 
 from __future__ import annotations
@@ -128,6 +132,32 @@ def measure(args, layout: str, model, batch, loss_fn) -> dict:
             "loss_rise_gib": rise / 2**30, "rise_above_grads_gib": (rise - grads) / 2**30}
 
 
+def fits(args, layout: str, model, prompt: int, loss_fn, budget_gib: float) -> bool:
+    """Whether scoring + loss at `prompt` tokens stays within the budget (an out-of-memory
+    error does not fit)."""
+    batch = synthetic_batch(args.groups, args.num_generations, prompt, args.cap,
+                            model.config.vocab_size, args.seed)
+    try:
+        rise = run_layout(model, batch, layout, loss_fn, args.device)["loss_rise_bytes"]
+    except torch.OutOfMemoryError:
+        rise = float("inf")
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return rise / 2**30 <= budget_gib
+
+
+def capacity(args, layout: str, model, loss_fn) -> int:
+    """The longest prompt (a multiple of 256) that `fits`; 0 if 256 does not."""
+    low, high = 0, 256
+    while fits(args, layout, model, high, loss_fn, args.capacity):
+        low, high = high, 2 * high
+    while high - low > 256:
+        mid = (low + high) // 2 // 256 * 256
+        low, high = (mid, high) if fits(args, layout, model, mid, loss_fn, args.capacity) \
+            else (low, mid)
+    return low
+
+
 def machine(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -150,11 +180,21 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the rows to this CSV")
+    parser.add_argument("--capacity", type=float, default=None, metavar="GIB",
+                        help="CUDA: the longest prompt whose loss phase fits GIB, per layout")
     args = parser.parse_args(argv)
+    if args.capacity is not None and args.device != "cuda":
+        parser.error("--capacity measures CUDA memory: use it with --device cuda")
     from grpo_kernels import FusedLinearGRPOLoss
 
     model = build_model(args.layers, args.attn, getattr(torch, args.dtype), args.device)
     loss_fn = FusedLinearGRPOLoss(beta=0.04)
+    if args.capacity is not None:
+        for layout in args.layouts:
+            print(f"capacity: layout={layout} attn={args.attn} layers={args.layers} "
+                  f"G={args.num_generations} budget={args.capacity} GiB: longest prompt "
+                  f"{capacity(args, layout, model, loss_fn)} tokens", flush=True)
+        return []
     rows = []
     for prompt in args.prompt_tokens:
         batch = synthetic_batch(args.groups, args.num_generations, prompt, args.cap,
