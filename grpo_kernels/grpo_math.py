@@ -17,6 +17,7 @@ on where tokens sit (per-sequence sums, expanding a per-sequence value to its to
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -41,25 +42,25 @@ def token_weights(
     """
     layout = layout or PaddedLayout(mask)
     B = layout.num_seqs
-    lt = params.loss_type
-    if lt in ("grpo", "sapo"):
+    normalizer = params.spec.normalizer
+    if normalizer == "sequence_mean":
         # mean over sequences of the per-sequence masked mean
         seq_len = layout.seq_sum(mask).clamp(min=1.0)
         return mask / (layout.expand(seq_len) * B)
-    if lt == "bnpo":
+    if normalizer == "batch_tokens":
         return mask / mask.sum().clamp(min=1.0)
-    if lt == "dr_grpo":
+    if normalizer == "fixed_length":
         return mask / float(B * params.max_completion_length)
-    if params.normalizes_by_token_count:
+    if normalizer == "token_count":
         if num_items_in_batch is None:
             norm = mask.sum()
         else:
             norm = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
         return mask / norm.clamp(min=1.0)
-    if lt == "luspo":
-        # mean over sequences of Σ_t mask·ℓ: a sequence weighs its length (TRL 1.16)
+    if normalizer == "sequence_sum":
+        # mean over sequences of Σ_t mask·ℓ: a sequence weighs its length (TRL 1.16's luspo)
         return mask / float(max(B, 1))
-    raise ValueError(f"unknown loss_type {lt!r}")  # pragma: no cover - GRPOParams validated it
+    raise ValueError(f"unknown normalizer {normalizer!r} of loss_type {params.loss_type!r}")
 
 
 def entropy_bonus_weights(mask: torch.Tensor, entropy_coef: float) -> torch.Tensor:
@@ -117,29 +118,37 @@ def per_token_loss(
                                              layout))
     # per-sequence values meet per-token ones: broadcasting when padded, expanded when packed
     w, A = layout.expand(ratio), layout.expand(advantages)
-    lt = params.loss_type
-    if lt == "vespo":
+    objective = params.spec.objective
+    if objective == "vespo":
         # φ comes from the token log-ratios whatever the level; the rollout ratio goes into φ
         if phi is None:
             phi = gamma_weights(logp - old, mask, advantages, importance_sampling_ratio, params,
                                 layout)
         loss = -layout.expand(phi) * A * logp
-    elif lt == "cispo":
+    elif objective == "gmpo":
+        loss = layout.expand(gmpo_sequence_loss(logp - old, advantages, mask,
+                                                importance_sampling_ratio, params, layout))
+    elif objective == "cispo":
         loss = -torch.clamp(w, max=params.eps_high).detach() * A * logp
-    elif lt == "sapo":
+    elif objective == "dppo":
+        coef = capped_ratio(w, params) * dppo_trust_region(logp, old, A, params)
+        loss = -coef.detach() * A * logp
+    elif objective == "sapo":
         t = torch.where(
             A > 0,
             torch.full_like(A, params.sapo_temperature_pos),
             torch.full_like(A, params.sapo_temperature_neg),
         )
         loss = -(torch.sigmoid(t * (w - 1)) * 4 / t) * A
-    else:
+    elif objective == "clipped":
         clipped = torch.clamp(w, *params.clip_range)
         loss = -torch.minimum(capped_ratio(w, params) * A, clipped * A)
+    else:
+        raise ValueError(f"unknown objective {objective!r} of loss_type {params.loss_type!r}")
     if token_scale is not None:
         loss = loss * layout.expand(token_scale)
-    if importance_sampling_ratio is not None and lt != "vespo":
-        loss = loss * layout.expand(importance_sampling_ratio)
+    if importance_sampling_ratio is not None and objective not in ("vespo", "gmpo"):
+        loss = loss * layout.expand(importance_sampling_ratio)  # (theirs is inside their weight)
     kl = None
     if params.beta != 0.0:
         d = ref_logps - logp
@@ -151,49 +160,95 @@ def per_token_loss(
 
 
 def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
-    """The ratio of the unclipped term: capped at `delta` (two-sided clipping) when set."""
+    """The ratio of the unclipped term: capped at `delta` (two-sided clipping) when set; dppo's
+    truncated ratio coefficient."""
     return ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
 
 
-CLIP_FLAGS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-CISPO_FLAG = "cispo_clip_ratio"
+def dppo_trust_region(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+                      params: GRPOParams) -> torch.Tensor:
+    """dppo's binary total-variation mask, float 0/1 (detached): a token stays in the trust
+    region while its probability p = e^logp has risen by at most epsilon_high over the old
+    policy's (A > 0) or fallen by at most epsilon_low (A <= 0). logp, old [B, T] (or [N]),
+    advantages broadcastable to them."""
+    with torch.no_grad():
+        change = torch.exp(logp) - torch.exp(old)
+        inside = torch.where(advantages > 0, change <= params.eps_high,
+                             change >= -params.epsilon_low)
+        return inside.to(logp.dtype)
+
+
+def gmpo_sequence_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       importance_sampling_ratio: torch.Tensor | None, params: GRPOParams,
+                       layout) -> torch.Tensor:
+    """gmpo's loss per sequence, [B, 1] (packed [S, 1]): -Â·exp(mean_t m_t), the geometric mean
+    of the token ratios after a pessimistic clip in log space,
+        m_t = sgn(A_t)·min(sgn(A_t)·r_t, sgn(A_t)·clamp(r_t, -epsilon_low, epsilon_high)),
+    r_t the token log-ratio [B, T]; Â the masked mean advantage of the sequence. A rollout
+    ratio [B, T] enters as its geometric mean over the sequence, [B, 1] as it is."""
+    A = layout.expand(advantages)
+    sign = torch.sign(A)
+    clipped = torch.clamp(log_ratio, -params.epsilon_low, params.eps_high)
+    m = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    count = layout.seq_sum(mask).clamp(min=1.0)  # [B, 1]
+    ratio = torch.exp(layout.seq_sum(m * mask) / count)
+    seq_adv = layout.seq_sum(A * mask) / count
+    loss = -seq_adv * ratio
+    if importance_sampling_ratio is not None:
+        isr = importance_sampling_ratio
+        if not layout.per_sequence(isr):
+            isr = torch.exp(layout.seq_sum(torch.log(isr) * mask) / count)
+        loss = loss * isr
+    return loss
+
+
 VESPO_WEIGHT = "vespo/phi_seq_mean"
 
 
 def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
     """The clip flags logged for this loss type (keys of `clip_indicators`, in order)."""
-    if params.is_clipped:
-        return CLIP_FLAGS
-    return (CISPO_FLAG,) if params.loss_type == "cispo" else ()
+    return params.spec.clip_flags
 
 
 def metric_names(params: GRPOParams) -> tuple[str, ...]:
     """The keys of `grpo_metrics` for these hyperparameters, in order."""
     return (("entropy",) + (("kl",) if params.beta != 0.0 else ()) + clip_flag_names(params)
-            + ((VESPO_WEIGHT,) if params.loss_type == "vespo" else ()))
+            + ((VESPO_WEIGHT,) if params.spec.objective == "vespo" else ()))
 
 
 def clip_indicators(
-    ratio: torch.Tensor, advantages: torch.Tensor, params: GRPOParams, layout=None
+    ratio: torch.Tensor, advantages: torch.Tensor, params: GRPOParams, layout=None,
+    old_logps: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The clip flags TRL 1.16 logs, as float 0/1 tensors (detached).
 
     ratio [B, T] or [B, 1] (sequence level), advantages [B, 1] or [B, T]; each flag has their
     broadcast shape (packed: [S, 1] if both are per sequence, else [N]). For the clipped types
     the ratio is the one in the unclipped term, i.e. after the `delta` cap; cispo's flag uses
-    the raw ratio.
+    the raw ratio. gmpo flags the tokens its pessimistic clip takes the clipped log-ratio at;
+    dppo the tokens outside its trust region (it needs `old_logps`: p - p_old = p_old·(w - 1)),
+    low for A < 0 and high for A > 0 as for the clipped types.
     """
     with torch.no_grad():
         if layout is not None:
             ratio, advantages = layout.align(ratio, advantages)
         A = advantages
-        if params.is_clipped:
-            w = capped_ratio(ratio, params)
+        objective = params.spec.objective
+        if objective in ("clipped", "gmpo"):
+            w = capped_ratio(ratio, params) if objective == "clipped" else ratio
             lo, hi = params.clip_range
+            if objective == "gmpo":  # its trust region is in log space
+                lo, hi = math.exp(-params.epsilon_low), math.exp(params.eps_high)
             low = (w < lo) & (A < 0)
             high = (w > hi) & (A > 0)
             flags = (low.float(), high.float(), (low | high).float())
-        elif params.loss_type == "cispo":
+        elif objective == "dppo":
+            old = torch.zeros_like(ratio) if old_logps is None else old_logps
+            change = torch.exp(old) * (ratio - 1)
+            low = (change < -params.epsilon_low) & (A < 0)
+            high = (change > params.eps_high) & (A > 0)
+            flags = (low.float(), high.float(), (low | high).float())
+        elif objective == "cispo":
             flags = (((ratio > params.eps_high) & (A > 0)).float(),)
         else:
             flags = ()
@@ -209,6 +264,7 @@ def metric_sums(
     params: GRPOParams,
     layout=None,
     seq_weight: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (sum, count), 0-dim float32 each; the metric is sum / max(count, 1).
 
@@ -231,7 +287,7 @@ def metric_sums(
         sums = {"entropy": terms(entropy)}
         if kl is not None:
             sums["kl"] = terms(kl)
-        for name, flag in clip_indicators(ratio, advantages, params, layout).items():
+        for name, flag in clip_indicators(ratio, advantages, params, layout, old_logps).items():
             sums[name] = terms(flag)
         if seq_weight is not None:
             sums[VESPO_WEIGHT] = terms(seq_weight)
@@ -284,7 +340,7 @@ def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layo
     layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
     old = logp.detach() if inputs.old_logps is None else inputs.old_logps
     phi = None
-    if params.loss_type == "vespo":
+    if params.spec.objective == "vespo":
         phi = gamma_weights(logp - old, inputs.mask, inputs.advantages,
                             inputs.importance_sampling_ratio, params, layout)
     token_scale, ent_mask = option_masks(logp, entropy, inputs, params, layout, entropy_gather)
@@ -311,7 +367,7 @@ def finish_loss(policy: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor
         bonus_mask = inputs.mask if entropy_mask is None else inputs.mask * entropy_mask
         loss = loss + entropy_bonus(entropy, bonus_mask, params.entropy_coef)
     return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params,
-                              layout, seq_weight=seq_weight)
+                              layout, seq_weight=seq_weight, old_logps=inputs.old_logps)
 
 
 def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,

@@ -13,14 +13,8 @@ import inspect
 import math
 from dataclasses import MISSING, dataclass, fields
 
-# Loss types whose per-token loss depends on the token's own ratio only (the Triton epilogue's).
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-# Every loss type: vespo weights a sequence by a function of its summed log-ratio.
-ALL_LOSS_TYPES = LOSS_TYPES + ("vespo",)
-# Loss types whose per-token loss is the PPO-style clipped surrogate.
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# Loss types normalized by the number of completion tokens of the whole step (num_items_in_batch).
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+from .loss_specs import ALL_LOSS_TYPES, LOSS_TYPES, TRL_LOSS_TYPES, LossSpec, spec_of  # noqa: F401
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -34,11 +28,17 @@ class GRPOParams:
     """Hyperparameters of the GRPO loss (TRL names and defaults)."""
 
     beta: float = 0.0  # weight of the k3 KL penalty; 0 disables it (no ref_logps needed)
-    epsilon_low: float = 0.2  # lower clip: ratio >= 1 - epsilon_low
-    epsilon_high: float | None = None  # upper clip (None -> epsilon_low); cispo: the raw cap
-    delta: float | None = None  # two-sided clipping: ratio capped at delta in the unclipped term
+    # lower clip: ratio >= 1 - epsilon_low (gmpo: log-ratio >= -epsilon_low; dppo: the
+    # probability may fall by at most epsilon_low)
+    epsilon_low: float = 0.2
+    # upper clip (None -> epsilon_low); cispo: the raw cap; gmpo: log-ratio <= epsilon_high;
+    # dppo: the probability may rise by at most epsilon_high
+    epsilon_high: float | None = None
+    # two-sided clipping: ratio capped at delta in the unclipped term (dppo: the cap of its
+    # detached ratio coefficient, truncated importance sampling)
+    delta: float | None = None
     temperature: float = 1.0  # policy logits are divided by this before the softmax
-    loss_type: str = "dapo"  # one of ALL_LOSS_TYPES
+    loss_type: str = "dapo"  # one of ALL_LOSS_TYPES (loss_specs.py)
     importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO)
     max_completion_length: int | None = None  # dr_grpo's fixed normalizer
     use_bias_correction_kl: bool = False  # multiply the k3 KL by the importance ratio
@@ -53,13 +53,16 @@ class GRPOParams:
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences drifted beyond this
 
     def __post_init__(self) -> None:
-        if self.loss_type not in ALL_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {ALL_LOSS_TYPES}, got {self.loss_type!r}")
+        spec = spec_of(self.loss_type)
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
                 "importance_sampling_level must be one of "
                 f"{IMPORTANCE_SAMPLING_LEVELS}, got {self.importance_sampling_level!r}"
             )
+        if self.importance_sampling_level not in spec.levels:
+            raise ValueError(f"loss_type={self.loss_type!r} is defined at importance_sampling_level"
+                             f" {' or '.join(map(repr, spec.levels))}, got "
+                             f"{self.importance_sampling_level!r}")
         for name in ("beta", "epsilon_low", "temperature", "entropy_coef",
                      "sapo_temperature_pos", "sapo_temperature_neg", "top_entropy_quantile",
                      *VESPO_FIELDS):
@@ -81,9 +84,12 @@ class GRPOParams:
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be > 0")
         self._check_options()
-        if self.loss_type == "dr_grpo":
-            if self.max_completion_length is None:
-                raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normalizer)")
+        if spec.normalizer == "fixed_length" and self.max_completion_length is None:
+            raise ValueError(f"loss_type={self.loss_type!r} needs max_completion_length (its "
+                             "normalizer)")
+        if spec.objective == "gmpo" and self.top_entropy_quantile < 1.0:
+            raise ValueError("loss_type='gmpo' has one loss per sequence; top_entropy_quantile < 1"
+                             " selects tokens: use them apart")
         if self.max_completion_length is not None:
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
@@ -167,20 +173,23 @@ class GRPOParams:
         return 1.0 - self.epsilon_low, 1.0 + self.eps_high
 
     @property
-    def is_clipped(self) -> bool:
-        return self.loss_type in CLIPPED_LOSS_TYPES
+    def spec(self) -> LossSpec:
+        """The loss type's registry entry (`loss_specs.py`)."""
+        return spec_of(self.loss_type)
 
     @property
     def needs_whole_sequences(self) -> bool:
         """Options that need every token of a sequence or of the batch before any token's loss
-        (GSPO ratios, vespo, the off-policy mask, the entropy quantile): no per-token epilogue."""
-        return (self.importance_sampling_level == "sequence" or self.loss_type == "vespo"
+        (GSPO ratios, per-sequence loss types such as vespo and gmpo, the off-policy mask, the
+        entropy quantile): no per-token epilogue."""
+        return (self.importance_sampling_level == "sequence" or self.spec.per_sequence
                 or self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0)
 
     @property
     def normalizes_by_token_count(self) -> bool:
-        """dapo/cispo/vespo: divided by the step's completion-token count (num_items_in_batch)."""
-        return self.loss_type in TOKEN_COUNT_LOSS_TYPES
+        """Divided by the step's completion-token count (num_items_in_batch): dapo, cispo,
+        vespo, dppo."""
+        return self.spec.normalizer == "token_count"
 
 
 VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")

@@ -1,14 +1,14 @@
 """Which settings can work: `validate` raises a UsageError naming the flag (its choices, its
 bounds, the combinations that contradict each other, paths that do not exist) before anything is
 loaded; `grpo_params` derives the loss' hyperparameters and maps the loss' own errors to flag
-names. Re-exported by `config.py`, where callers import them from."""
+names."""
 
 from __future__ import annotations
 
 import os
 import re
 
-from grpo_kernels.params import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo_kernels.params import ALL_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 
 from .config import TrainConfig, grpo_params
 from .flags import MissingPathError, UsageError
@@ -18,7 +18,7 @@ CHOICES = {
     "tiny_arch": ("qwen2", "llama"),
     "model_dtype": ("float32", "bfloat16", "float16"),
     "loss": ("fused", "reference"),
-    "loss_type": LOSS_TYPES,
+    "loss_type": ALL_LOSS_TYPES,
     "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "scale_rewards": ("group", "batch", "none"),
     "backend": ("auto", "triton", "chunked"),

@@ -22,6 +22,7 @@ from ..kernels import linear_backward_gemm as gemm
 from ..kernels import linear_logprobs as lin
 from ..kernels import logits_logprobs as lgt
 from ..kernels import precision, tile_configs
+from ..loss_specs import KERNEL_CISPO, KERNEL_CLIPPED, KERNEL_DPPO, KERNEL_SAPO
 from ..ops.backends import BACKWARD_ENV, linear_backward_mode
 
 ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -35,12 +36,13 @@ COMPLETION = 1024  # T of the [B, T, V] logits (the logits kernels' batch stride
 EPI_NAMES = ("EPILOGUE", "LOSS_KIND", "HAS_OLD", "HAS_DELTA", "HAS_KL", "BIAS_CORRECT_KL",
              "HAS_ISR")
 EPILOGUES = (
-    (False, 0, False, False, False, False, False),  # log-probs only
-    (True, 0, True, True, True, True, True),  # clipped loss, every option on
-    (True, 0, False, False, False, False, False),  # clipped, on-policy, no KL
-    (True, 0, True, False, True, False, False),
-    (True, 1, True, False, True, False, False),  # cispo
-    (True, 2, True, False, False, False, True),  # sapo
+    (False, KERNEL_CLIPPED, False, False, False, False, False),  # log-probs only
+    (True, KERNEL_CLIPPED, True, True, True, True, True),  # clipped loss, every option on
+    (True, KERNEL_CLIPPED, False, False, False, False, False),  # clipped, on-policy, no KL
+    (True, KERNEL_CLIPPED, True, False, True, False, False),
+    (True, KERNEL_CISPO, True, False, True, False, False),
+    (True, KERNEL_SAPO, True, False, False, False, True),
+    (True, KERNEL_DPPO, True, True, True, False, False),  # truncated ratio, KL
 )
 # The logit transform (kernels/logit_transform.py) as (HAS_SCALE, HAS_SOFTCAP): off, a logit scale
 # alone (Cohere), a soft cap (Gemma 2; with a scale too, the same code: the scale rides in
@@ -185,7 +187,8 @@ def _with_transforms(plain, subset, quick: bool):
 def _tag(epi: tuple) -> str:
     if not epi[0]:
         return "none"
-    kind = ("clip", "cispo", "sapo")[epi[1]]
+    kind = {KERNEL_CLIPPED: "clip", KERNEL_CISPO: "cispo", KERNEL_SAPO: "sapo",
+            KERNEL_DPPO: "dppo"}[epi[1]]
     flags = [n for n, on in zip(("old", "delta", "kl", "bckl", "isr"), epi[2:]) if on]
     return "+".join([kind, *flags])
 

@@ -10,6 +10,9 @@ Gradient algebra (token level: w = exp(logp - old), dw/dlogp = w; old and ref ar
            dℓ = -A·du if u·A < c·A, -A·dc if greater, the mean of both on a tie (torch.minimum)
   cispo    ℓ = -min(w, ε_hi)·A·logp (the cap is detached)   dℓ = -min(w, ε_hi)·A
   sapo     s = σ(t·(w-1)), ℓ = -(4/t)·s·A                    dℓ = -4·A·s·(1-s)·w
+  dppo     k = min(w, δ)·[p - p_old <= ε_hi if A > 0 else p - p_old >= -ε_lo], p = e^logp,
+           ℓ = -k·A·logp (k detached: the ratio truncated at δ, times the trust-region mask)
+           dℓ = -k·A
   then ℓ, dℓ *= isr (rollout correction), then with β != 0 and d = ref - logp:
   kl = e^d - d - 1, dkl = 1 - e^d; bias-corrected: kl·w, (dkl + kl)·w;  ℓ += β·kl, dℓ += β·dkl.
 """
@@ -19,14 +22,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Codes for the LOSS_KIND constexpr of the kernels.
-KIND_CLIPPED = 0  # grpo, bnpo, dr_grpo, dapo, luspo
-KIND_CISPO = 1
-KIND_SAPO = 2
+from .. import loss_specs
+
+# The LOSS_KIND codes of the kernels, from the loss-type registry (loss_specs.py), as constexprs
+# the jitted code compares by name.
+KIND_CLIPPED = tl.constexpr(loss_specs.KERNEL_CLIPPED)  # grpo, bnpo, dr_grpo, dapo, luspo
+KIND_CISPO = tl.constexpr(loss_specs.KERNEL_CISPO)
+KIND_SAPO = tl.constexpr(loss_specs.KERNEL_SAPO)
+KIND_DPPO = tl.constexpr(loss_specs.KERNEL_DPPO)
 
 
 def loss_kind(loss_type: str) -> int:
-    return {"cispo": KIND_CISPO, "sapo": KIND_SAPO}.get(loss_type, KIND_CLIPPED)
+    """The epilogue's LOSS_KIND of a loss type; a ValueError for a type without one."""
+    code = loss_specs.spec_of(loss_type).kernel_code
+    if code is None:
+        raise ValueError(f"loss_type={loss_type!r} has no per-token epilogue (its loss needs "
+                         "whole sequences)")
+    return code
 
 
 @triton.jit
@@ -41,11 +53,23 @@ def grpo_token_epilogue(
         w = tl.exp(logp - old)
     else:
         w = tl.exp(logp - logp)  # ratio ≡ 1, derivative w·dlogp keeps the A·∇logp gradient
-    if LOSS_KIND == 1:  # cispo
+    if LOSS_KIND == KIND_CISPO:
         cap = tl.minimum(w, eps_high)
         loss = -cap * adv * logp
         dloss = -cap * adv
-    elif LOSS_KIND == 2:  # sapo
+    elif LOSS_KIND == KIND_DPPO:
+        k = w
+        if HAS_DELTA:
+            k = tl.minimum(w, delta)
+        p = tl.exp(logp)
+        change = p - p  # no old policy: the probability has not moved
+        if HAS_OLD:
+            change = p - tl.exp(old)
+        inside = tl.where(adv > 0, change <= eps_high, change >= -eps_low)
+        k = tl.where(inside, k, 0.0)
+        loss = -k * adv * logp
+        dloss = -k * adv
+    elif LOSS_KIND == KIND_SAPO:
         t = tl.where(adv > 0, sapo_pos, sapo_neg)
         s = tl.sigmoid(t * (w - 1.0))
         loss = -(s * 4.0 / t) * adv

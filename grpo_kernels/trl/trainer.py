@@ -105,7 +105,8 @@ from ..hf import (
     unwrap_model,
 )
 from ..hf.zero3 import zero3_head
-from ..params import ALL_LOSS_TYPES, GRPOParams
+from ..loss_specs import LOSS_SPECS, TRL_LOSS_TYPES, spec_of
+from ..params import GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
@@ -232,6 +233,11 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         check_grad_filter(grad_filter, torch.bfloat16)  # fail before TRL loads the model
         self._grad_filter = grad_filter
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        loss_type = getattr(config, "loss_type", None)
+        if loss_type in LOSS_SPECS and not LOSS_SPECS[loss_type].in_trl:
+            raise ValueError(f"loss_type={loss_type!r} is not one of TRL 1.16's loss types "
+                             f"{TRL_LOSS_TYPES}; grpo_kernels computes it in its functions and "
+                             f"in grpo_train (--loss_type {loss_type}), not in TRL's trainer")
         cast_head = bool(getattr(config, "cast_lm_head_to_fp32", False))
         # TRL's float32 head cast replaces the head's forward: keep its refusal of an adapter there
         try:
@@ -262,7 +268,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
         """Our hyperparameters from TRL's, or (None, why the loss must be TRL's); sets the
         adaptive entropy controller when use_adaptive_entropy is on."""
-        if self.loss_type not in ALL_LOSS_TYPES:
+        if self.loss_type not in TRL_LOSS_TYPES:  # (a TRL release's type we do not have)
             return None, f"loss_type={self.loss_type!r} is not implemented by grpo-kernels"
         try:
             # the trainer's resolved attributes (epsilon_low, epsilon_high, top_entropy_quantile,
@@ -379,7 +385,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items, scale = self._normalizer(inputs, mode, accumulation)
         isr = None
-        if self.loss_type == "vespo":  # its φ takes the rollout ratios whenever the batch has them
+        # vespo's φ takes the rollout ratios whenever the batch has them
+        if spec_of(self.loss_type).objective == "vespo":
             isr = inputs.get("importance_sampling_ratio")
         elif self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]

@@ -279,7 +279,7 @@ def test_benchmark_results_go_to_a_results_directory(tmp_path):
 @pytest.mark.parametrize("script, lines", [
     ("hf_plain_pytorch.py", r"(step \d+: loss .*|done: \d+ steps in .*s)"),
     ("trl_swap.py",
-     r"(step \d+: loss .*|grpo-kernels trainer \(packed rows\): .*|done: \d+ steps)"),
+     r"(step \d+: loss .*|grpo-kernels trainer \(shared rows\): .*|done: \d+ steps)"),
 ])
 def test_examples_print_only_their_own_lines(script, lines):
     import re

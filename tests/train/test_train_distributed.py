@@ -44,8 +44,10 @@ def _free_port() -> int:
     [],  # sequence-count micro-batches of padded rows
     # packed rows cut by a small token budget: the ranks' completions differ in length, so their
     # micro-batch counts would too; they agree on the maximum (a mismatch would hang DDP)
+    ["--padding_free", "--no_share_prompt", "--max_tokens_per_microbatch", "16"],
+    # the same with each group's prompt once (the default layout)
     ["--padding_free", "--max_tokens_per_microbatch", "16"],
-], ids=["padded", "packed-budget"])
+], ids=["padded", "packed-budget", "shared-budget"])
 def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, batching):
     (tmp_path / "recorder.py").write_text(textwrap.dedent(RECORDER))
     driver = tmp_path / "driver.py"
@@ -80,4 +82,6 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, batching):
         assert mine and theirs and not set(mine.split("|")) & set(theirs.split("|"))
     assert (out / "checkpoints" / "step_000003.pt").exists()
     assert "eval_acc" in proc.stdout + proc.stderr
-    assert ("packed rows" if batching else "padded") in proc.stdout + proc.stderr
+    layout = ("padded" if not batching else "packed rows" if "--no_share_prompt" in batching
+              else "shared rows")
+    assert f"micro-batches: {layout}" in proc.stdout + proc.stderr

@@ -272,3 +272,19 @@ def test_embedded_default_learns(tmp_path):
     history = train(cfg)["eval_accuracy"]
     assert sorted(history) == [0, 25, 50, 75], history
     assert history[0] <= 0.25 and history[75] >= 0.9, history
+
+
+@pytest.mark.parametrize("loss_type", ["vespo", "gmpo", "dppo"])
+def test_per_sequence_and_non_trl_loss_types_train(tmp_path, loss_type):
+    """Every loss type the package computes is a --loss_type choice, including vespo (per
+    sequence) and the two TRL lacks: two steps run, the parameters move, the clip metrics of
+    the type are logged."""
+    cfg = parse_config(["--loss_type", loss_type, "--epsilon_high", "0.28",
+                        "--output_dir", str(tmp_path / "cli")])
+    assert cfg.loss_type == loss_type
+    cfg = tiny_cfg(tmp_path, loss_type=loss_type, beta=0.04, max_grad_norm=0.0)
+    result = train(cfg)
+    rec = step_record(cfg, 2)
+    assert rec["grad_norm"] > 0 and rec["loss"] == rec["loss"]  # finite, not NaN
+    assert ("clip_ratio/region_mean" in rec) == (loss_type != "vespo")
+    assert result["step"] == 2

@@ -318,3 +318,11 @@ def test_fsdp2_sharded_head_runs_the_fused_path(tmp_path):
                                        msg=lambda m, n=name: f"grad of {n}: {m}")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("loss_type", ["gmpo", "dppo"])
+def test_loss_types_trl_lacks_are_refused_by_name(model_dir, loss_type):
+    """gmpo and dppo are grpo_kernels' own: TRL's trainer has no such loss type, so the
+    subclass refuses them at construction, naming TRL's types, before loading anything."""
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' is not one of TRL 1.16's"):
+        make_trainer(GRPOTrainer, model_dir, loss_type=loss_type)
