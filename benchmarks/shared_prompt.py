@@ -211,16 +211,19 @@ def main(argv=None) -> list[dict]:
             print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in row.items() if k not in ("date", "machine", "commit")),
                   flush=True)
-    if args.out:
-        path = Path(args.out)
-        new = not path.exists()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+            if args.out:  # row by row: a run cut short keeps what it measured
+                append_row(Path(args.out), row)
     return rows
+
+
+def append_row(path: Path, row: dict) -> None:
+    new = not path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 def _commit() -> str:
