@@ -13,13 +13,15 @@ from .config import TrainConfig, resolve_auto
 __all__ = ["TrainConfig", "parse_config", "train", "main"]
 
 
-def train(cfg: TrainConfig, phases=None) -> dict:
-    """Fill the "auto" fields, validate (one-line errors naming the flag), refuse an output
-    directory that holds another run, then train (`trainer.train`; `phases`: benchmark hooks)."""
+def train(cfg: TrainConfig, phases=None, *, resolved: bool = False) -> dict:
+    """Fill the "auto" fields and validate (one-line errors naming the flag) unless `resolved`
+    says `parse_config` already did, refuse an output directory that holds another run, then
+    train (`trainer.train`; `phases`: benchmark hooks)."""
     from .checkpoint import check_output_dir  # heavy imports (torch, transformers) on demand
     from .trainer import train as _train
 
-    cfg = validate(resolve_auto(cfg))
+    if not resolved:
+        cfg = validate(resolve_auto(cfg))
     check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # never over another run
     return _train(cfg, phases)
 

@@ -23,7 +23,7 @@ def _main(argv: list[str] | None) -> int:
     cfg = parse_config(argv)
     if _run_is_complete(cfg):
         return 0
-    result = train(cfg)
+    result = train(cfg, resolved=True)  # parse_config resolved and validated it
     history = result["eval_accuracy"]
     if history and not result["interrupted"] and result["main_process"]:
         _print_held_out(history)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .epilogue import grpo_token_outputs
+from .epilogue import KIND_CLIPPED, grpo_token_outputs
 from .logit_transform import (
     grad_filter_scale,
     logit_transform_args,
@@ -383,8 +383,8 @@ def linear_logprob_forward(
 
 def _NO_EPILOGUE(dummy: torch.Tensor) -> dict:
     return dict(
-        tensors=[dummy] * 9, scalars=[0.0] * 6, LOSS_KIND=0, HAS_OLD=False, HAS_DELTA=False,
-        HAS_KL=False, BIAS_CORRECT_KL=False, HAS_ISR=False,
+        tensors=[dummy] * 9, scalars=[0.0] * 6, LOSS_KIND=KIND_CLIPPED.value, HAS_OLD=False,
+        HAS_DELTA=False, HAS_KL=False, BIAS_CORRECT_KL=False, HAS_ISR=False,
     )
 
 
