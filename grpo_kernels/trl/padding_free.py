@@ -142,7 +142,7 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     most batch_size · L positions (batch_size None: one forward). TRL's
     `_get_per_token_logps_and_entropies` on the padded batch gives the same values.
     logprob_kwargs: `completion_logprobs`' (temperature, head_dtype). equal_count_across: see
-    `_row_chunks` (an empty chunk runs a one-token forward)."""
+    `_row_chunks` (a chunk with nothing to score runs `_idle_forward`)."""
     if layout == "shared":
         return _shared_scores(model, input_ids, attention_mask, logits_to_keep, batch_size,
                               return_entropy, equal_count_across, **logprob_kwargs)
@@ -158,12 +158,10 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ent = torch.zeros_like(logp) if return_entropy else None
     budget = (S if batch_size is None else batch_size) * L
     for chunk in _row_chunks(R, W, budget, equal_count_across):
-        if len(chunk) == 0:  # keep a sharded model's collectives in step with other processes
-            completion_logprobs(model, rows[:1, :2], None, torch.zeros(1, dtype=torch.long),
-                                position_ids=packed.position_ids[:1, :2], **logprob_kwargs)
-            continue
         sel = ((row_of >= chunk.start) & (row_of < chunk.stop)).nonzero().squeeze(1)
-        if sel.numel() == 0:  # rows of prompts whose completions are fully masked
+        if sel.numel() == 0:  # no chunk here, or rows whose completions are fully masked
+            if equal_count_across is not None:  # a sharded forward is a collective: run one
+                _idle_forward(model, rows, **logprob_kwargs)
             continue
         pos = packed.position_ids[chunk.start:chunk.stop]
         out = completion_logprobs(
@@ -175,6 +173,14 @@ def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         if return_entropy:
             ent = ent.index_copy(0, sel, en.to(ent.device, torch.float32))
     return packed.unpack(logp), None if ent is None else packed.unpack(ent)
+
+
+def _idle_forward(model, input_ids: torch.Tensor, **logprob_kwargs) -> None:
+    """A two-token forward whose result is dropped: keeps a sharded model's collectives in step
+    with processes that have a chunk to score where this one has none."""
+    completion_logprobs(model, input_ids[:1, :2], None, torch.zeros(1, dtype=torch.long),
+                        position_ids=torch.arange(2, device=input_ids.device)[None],
+                        **logprob_kwargs)
 
 
 def _group_chunks(groups: list[list[int]], cost: list[int], budget: int,
@@ -208,14 +214,13 @@ def _shared_scores(model, input_ids, attention_mask, T, batch_size, return_entro
     logp = torch.zeros(S, T, dtype=torch.float32, device=input_ids.device)
     ent = torch.zeros_like(logp) if return_entropy else None
     for seqs in _group_chunks(groups, cost, budget, equal_count_across):
-        if not seqs:  # keep a sharded model's collectives in step with other processes
-            completion_logprobs(model, input_ids[:1, :2], None, torch.zeros(1, dtype=torch.long),
-                                position_ids=torch.arange(2, device=input_ids.device)[None],
-                                **logprob_kwargs)
-            continue
-        idx = torch.tensor(seqs, device=input_ids.device)
-        rows = plan_rows(input_ids[idx], attention_mask[idx], T, None, "shared", config)
-        if rows.logits_to_keep.numel() == 0:  # every completion of the chunk fully masked
+        rows = None
+        if seqs:
+            idx = torch.tensor(seqs, device=input_ids.device)
+            rows = plan_rows(input_ids[idx], attention_mask[idx], T, None, "shared", config)
+        if rows is None or rows.logits_to_keep.numel() == 0:  # no chunk here, or no kept token
+            if equal_count_across is not None:  # a sharded forward is a collective: run one
+                _idle_forward(model, input_ids, **logprob_kwargs)
             continue
         out = completion_logprobs(model, rows.input_ids, rows.attention_mask,
                                   rows.logits_to_keep, return_entropy=return_entropy,
