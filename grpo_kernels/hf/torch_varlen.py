@@ -13,8 +13,8 @@ package (set the name on the loaded model's config: some transformers releases l
 The name contains "flash", so `choose_row_width` lays packed rows as one row and grpo_train
 hands the model the boundaries explicitly (`PackedBatch.boundaries`: cu_seq_lens_q/k,
 max_length_q/k), which transformers passes through to the attention function. Without them
-(a plain forward) each row is one causal sequence; a padded batch's attention mask is refused
-(this implementation reads no mask).
+(a plain forward) each row is one causal sequence; a padded batch is refused (this
+implementation reads no mask, and a mask with padding reaches it and raises).
 """
 
 from __future__ import annotations
@@ -73,8 +73,12 @@ def varlen_flash_attention(module, query, key, value, attention_mask, scaling=No
 
 
 def register() -> str:
-    """Register `varlen_flash_attention` with transformers as NAME; returns NAME."""
+    """Register `varlen_flash_attention` with transformers as NAME, with transformers' flash
+    mask function (a padded batch's 2-D mask then reaches the attention function, which refuses
+    it, instead of being dropped); returns NAME."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
     AttentionInterface.register(NAME, varlen_flash_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
     return NAME

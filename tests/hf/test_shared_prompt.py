@@ -321,3 +321,18 @@ def test_torch_varlen_flash_packed_equals_padded_on_gpu():
         cos = torch.nn.functional.cosine_similarity(grads[n].float().flatten(),
                                                     g.float().flatten(), dim=0)
         assert cos > 0.99 or g.abs().max() == 0, (n, cos.item())
+
+
+def test_torch_varlen_refuses_a_padded_batch():
+    """The registered varlen implementation reads no mask: a padded batch's mask reaches it
+    (transformers' flash mask function is registered with it) and is refused by name, rather
+    than dropped (which would attend across the padding). Runs on any device: the refusal
+    comes before the kernel."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from grpo_kernels.hf import torch_varlen
+
+    model = tiny_qwen("sdpa")
+    model.config._attn_implementation = torch_varlen.register()
+    ids, attn, mask, T = grouped_batch()
+    with pytest.raises(ValueError, match="reads no attention mask"):
+        model(input_ids=ids, attention_mask=attn, use_cache=False)
