@@ -65,4 +65,8 @@ result.update(grad=grad_diff, grad_scale=grad_scale,
               head_sharded=type(sharded.lm_head.weight).__name__ == "DTensor")
 with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
     json.dump(result, fh)
+# every rank past its last collective before any rank tears its connections down: gloo sends
+# asynchronously, and a peer that closes its pairs while the other's last send is in flight can
+# abort the process ("terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()

@@ -251,12 +251,14 @@ def test_fsdp2_two_processes_packed_equals_padded(model_dir, tmp_path):
         pytest.skip("needs torch's FSDP2 (fully_shard)")
     worker = Path(__file__).with_name("fsdp2_packed_worker.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(GRPO_TEST_DIR=str(tmp_path), OMP_NUM_THREADS="1",
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack
+    env.update(GRPO_TEST_DIR=str(tmp_path), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), str(worker), model_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = sorted(p.name for p in tmp_path.glob("rank*.json"))
+    assert proc.returncode == 0, f"results written: {written}\n{proc.stderr[-3000:]}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in results:
         assert r["head_sharded"]
