@@ -122,7 +122,7 @@ def record(args, argv, provider: str, length: int | None, probes: list[dict]) ->
     import torch
 
     from benchmarks import device_label, device_slug, git_commit
-    from benchmarks.trainer_step import append_row, versions
+    from benchmarks.step_row import append_row, versions
 
     device = torch.device(args.device)
     row = {
