@@ -49,3 +49,86 @@ def test_one_real_probe_at_the_tiny_size():
     args.budget_gib = 0.05  # below the process' own RSS: stopped, a miss
     result = capacity.probe(args, "trl-kernels", 64)
     assert not result["fits"] and result["status"].startswith("stopped")
+
+
+OLD_HEADER = ("timestamp,provider,budget_gib,memory_kind,capacity_tokens,model,num_generations,"
+              "prompt_tokens,beta,probes,device,torch,transformers,trl,commit,command")
+
+
+def test_long_tailed_search_per_layout_appends_rows_that_say_profile_and_layout(
+        monkeypatch, tmp_path):
+    """--length_profile long_tailed --layouts packed padded: each probe's trainer_step command
+    parses to the long-tailed profile at the probed cap, the same seed, the asked layout; the
+    row says the profile and the layout that ran, and the lengths drawn at the capacity vary
+    under the cap. trainer_step itself is replaced by its argument parser and row description,
+    with memory growing with the rows' positions (padded: G x the longest completion)."""
+    import csv
+    import json
+    import statistics
+    import subprocess
+
+    import torch
+
+    from benchmarks import device_slug, lengths, step_row, trainer_step
+
+    commands, real_run = [], subprocess.run
+
+    def fake_trainer_step(cmd, **kwargs):
+        if cmd[1:3] != ["-m", "benchmarks.trainer_step"]:  # git, for the row's commit
+            return real_run(cmd, **kwargs)
+        a = trainer_step.parse_args(cmd[3:])
+        commands.append(a)
+        drawn = lengths.draw_lengths(a.length_profile, a.num_generations, a.completion_tokens,
+                                     a.seed, call=0)
+        body = (a.num_generations * max(drawn) if a.padding_free == "off" else sum(drawn))
+        peak = (a.num_generations * a.prompt_tokens + body) / 4096  # GiB
+        row = {**step_row.describe(a, False), "status": "ok",
+               "completion_tokens_mean": round(statistics.mean(drawn), 1),
+               "scoring_peak_gib": peak / 2, "loss_peak_gib": peak, "malloc": "fixed"}
+        return subprocess.CompletedProcess(cmd, 0, "log line\n" + json.dumps(row, indent=1), "")
+
+    monkeypatch.setattr(capacity.subprocess, "run", fake_trainer_step)
+    path = tmp_path / f"{device_slug(torch.device('cpu'))}-capacity.csv"
+    old_row = ("2026-01-01T00:00:00+00:00,trl,6.0,RSS,1920,model,2,64,0.0,1024:4.0:fit,cpu,"
+               "2,5,1,abc,python -m benchmarks.capacity")
+    path.write_text(OLD_HEADER + "\n" + old_row + "\n")
+    status = capacity.main(["--providers", "fused", "--layouts", "packed", "padded",
+                            "--length_profile", "long_tailed", "--num_generations", "8",
+                            "--budget_gib", "4", "--start", "1024", "--out", str(tmp_path)])
+    assert status == 0
+    assert {a.length_profile for a in commands} == {"lognormal"}
+    assert {a.seed for a in commands} == {0} and all(a.synthetic for a in commands)
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        header, rows = reader.fieldnames, list(reader)
+    assert header[:16] == OLD_HEADER.split(",")  # new columns at the end only
+    assert {"length_profile", "layout", "capacity_lengths"} <= set(header[16:])
+    assert rows[0]["capacity_tokens"] == "1920" and rows[0]["layout"] == ""  # the old row
+    packed, padded = rows[1], rows[2]
+    assert (packed["layout"], padded["layout"]) == ("packed", "padded")
+    for row in (packed, padded):
+        assert row["length_profile"] == "lognormal" and row["num_generations"] == "8"
+        cap, drawn = int(row["capacity_tokens"]), [int(x) for x in row["capacity_lengths"].split()]
+        assert len(drawn) == 8 and len(set(drawn)) > 1 and max(drawn) <= cap
+        assert statistics.mean(drawn) < 0.75 * cap  # long-tailed: most well under the cap
+        assert drawn == lengths.draw_lengths("lognormal", 8, cap, 0, call=0)
+    assert int(packed["capacity_tokens"]) > int(padded["capacity_tokens"])
+    # a layout the provider cannot run is refused before any probe
+    commands.clear()
+    with pytest.raises(SystemExit) as refused:
+        capacity.main(["--providers", "trl", "--layouts", "packed", "--budget_gib", "4",
+                       "--no_record"])
+    assert refused.value.code == 2 and commands == []
+
+
+@pytest.mark.slow
+def test_real_long_tailed_probes_draw_under_the_cap_in_the_asked_layout():
+    args = SimpleNamespace(num_generations=4, prompt_tokens=16, device="cpu", beta=0.0, seed=0,
+                           num_layers=None, tiny=True, budget_gib=16.0,
+                           length_profile="long_tailed")
+    for layout in ("packed", "padded"):
+        args.layout = layout
+        result = capacity.probe(args, "fused", 64)
+        assert result["status"] == "ok" and result["fits"] and result["layout"] == layout
+        drawn = result["lengths"]
+        assert len(drawn) == 4 and len(set(drawn)) > 1 and max(drawn) <= 64 > min(drawn)
