@@ -13,12 +13,17 @@ continuous batching is faster only for long completions of varied length (docs/t
 Generation paths). The path that ran is logged once.
 
 Benchmarks can force completion lengths on either path (`forced_lengths`).
+
+What generation reads comes from the trainer's run state (`run_state.RunState`): cfg, tokenizer,
+eos_ids, autocast, say, and accel for `evaluate`; the path chosen on the first call is kept
+there too. Direct calls may pass a dict with those keys instead (benchmarks/generation.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 
@@ -26,7 +31,7 @@ from . import continuous, sharding
 from .models import completion_mask, encode_prompts, render_prompts
 from .rewards import accuracy
 
-_forced_draw = None  # the `forced_lengths` hook in effect outside a ctx that names one
+_forced_draw = None  # the `forced_lengths` hook in effect outside a run that names its own
 
 
 @contextlib.contextmanager
@@ -35,9 +40,10 @@ def forced_lengths(draw):
 
     draw(B) -> B ints, one per sequence of the call in batch order (the G completions of prompt 0
     first): sequence i samples with EOS banned for its first L_i - 1 tokens and then emits EOS
-    (ctx["eos_ids"][0]) as token L_i, so its completion is exactly L_i tokens; L_i above
+    (eos_ids[0]) as token L_i, so its completion is exactly L_i tokens; L_i above
     max_new_tokens gives a truncated completion of max_new_tokens tokens. It overrides
-    min_new_tokens. ctx["forced_lengths"] = draw does the same for one ctx."""
+    min_new_tokens. A run state's `forced_lengths = draw` (a dict's "forced_lengths" key) does
+    the same for the calls given that run."""
     global _forced_draw
     previous, _forced_draw = _forced_draw, draw
     try:
@@ -64,8 +70,29 @@ class EosSchedule:
         return torch.where(t == lengths - 1, only_eos, scores)
 
 
-def _draw_lengths(ctx: dict, B: int, max_new_tokens: int) -> list[int] | None:
-    draw = ctx.get("forced_lengths", _forced_draw)
+class _DictRun:
+    """A dict read as a run state: attribute reads give its keys (None when absent), writes go
+    back into it, so a dict passed to several calls keeps the path decided on the first one."""
+
+    def __init__(self, values: dict):
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # copy, pickle and the like probe dunders: not keys
+            raise AttributeError(name)
+        return self._values.get(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._values[name] = value
+
+
+def _as_run(run):
+    """The run state as generation reads it: a `RunState` as it is, a dict through `_DictRun`."""
+    return _DictRun(run) if isinstance(run, dict) else run
+
+
+def _draw_lengths(run, B: int, max_new_tokens: int) -> list[int] | None:
+    draw = run.forced_lengths if run.forced_lengths is not None else _forced_draw
     if draw is None:
         return None
     lengths = [int(n) for n in draw(B)]
@@ -74,14 +101,14 @@ def _draw_lengths(ctx: dict, B: int, max_new_tokens: int) -> list[int] | None:
     return [min(n, max_new_tokens + 1) for n in lengths]  # beyond the cap: truncated anyway
 
 
-def _say(ctx: dict, msg: str) -> None:
-    (ctx.get("say") or print)(msg)
+def _say(run, msg: str) -> None:
+    (run.say or print)(msg)
 
 
-def _wants_continuous(model, ctx: dict, sampling: dict) -> bool:
-    """Decided on the first call and kept in ctx; a refusal is logged then."""
-    if "_continuous" not in ctx:
-        cfg = ctx["cfg"]
+def _wants_continuous(model, run, sampling: dict) -> bool:
+    """Decided on the first call and kept in `run.continuous`; a refusal is logged then."""
+    if run.continuous is None:
+        cfg = run.cfg
         mode = cfg.generation
         reason = None if mode != "padded" else "--generation padded"
         if reason is None:
@@ -89,16 +116,18 @@ def _wants_continuous(model, ctx: dict, sampling: dict) -> bool:
         device = next(model.parameters()).device
         if reason is None and mode == "auto" and device.type == "cpu":
             reason = "auto on CPU: continuous batching only pays off for long, varied completions"
-        ctx["_continuous"] = reason is None
+        run.continuous = reason is None
         if reason is not None:
-            _say(ctx, f"generation: padded ({reason})")
-    return ctx["_continuous"]
+            _say(run, f"generation: padded ({reason})")
+    return run.continuous
 
 
 @torch.no_grad()
-def generate(model, examples: list[dict], ctx: dict, greedy: bool = False) -> dict:
-    """G sampled completions per prompt (1 greedy one with greedy=True), with EOS handling."""
-    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
+    """G sampled completions per prompt (1 greedy one with greedy=True), with EOS handling.
+    run: the `RunState` (or a dict with its cfg, tokenizer, eos_ids, autocast, say keys)."""
+    run = _as_run(run)
+    cfg, tok = run.cfg, run.tokenizer
     G = 1 if greedy else cfg.num_generations
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(
@@ -107,39 +136,39 @@ def generate(model, examples: list[dict], ctx: dict, greedy: bool = False) -> di
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0)  # [B, Lp], groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
     B = prompt_ids.shape[0]
-    lengths = _draw_lengths(ctx, B, cfg.max_new_tokens)
+    lengths = _draw_lengths(run, B, cfg.max_new_tokens)
     sampling = dict(do_sample=False) if greedy else dict(
         do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     was_training = model.training
     model.eval()
     completion_ids = None  # [B, T], right-padded with pad_token_id
     try:
-        with sharding.full_parameters(model), ctx["autocast"]:  # FSDP: gathered once per call
-            if _wants_continuous(model, ctx, sampling):
-                completion_ids = _continuous(model, prompts, G, sampling, lengths, ctx, device)
+        with sharding.full_parameters(model), run.autocast:  # FSDP: gathered once per call
+            if _wants_continuous(model, run, sampling):
+                completion_ids = _continuous(model, prompts, G, sampling, lengths, run, device)
             if completion_ids is None:
-                completion_ids = _padded(model, prompt_ids, prompt_mask, sampling, lengths, ctx)
+                completion_ids = _padded(model, prompt_ids, prompt_mask, sampling, lengths, run)
     finally:
         model.train(was_training)
-    return _batch(examples, ctx, G, prompt_ids, prompt_mask, completion_ids)
+    return _batch(examples, run, G, prompt_ids, prompt_mask, completion_ids)
 
 
-def _continuous(model, prompts, G, sampling, lengths, ctx, device) -> torch.Tensor | None:
+def _continuous(model, prompts, G, sampling, lengths, run, device) -> torch.Tensor | None:
     """[B, T] completion ids from continuous batching; None (logged, and the padded path for
     the rest of the run) if it failed."""
-    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+    cfg, tok = run.cfg, run.tokenizer
     try:
         rows, attn = continuous.generate(
-            model, prompts, G, sampling, cfg.max_new_tokens, cfg.min_new_tokens, ctx["eos_ids"],
+            model, prompts, G, sampling, cfg.max_new_tokens, cfg.min_new_tokens, run.eos_ids,
             tok.pad_token_id, lengths)
     except Exception as err:  # noqa: BLE001 - any failure of the engine: fall back, say why
-        ctx["_continuous"] = False
-        _say(ctx, f"generation: padded (continuous batching failed: {type(err).__name__}: "
+        run.continuous = False
+        _say(run, f"generation: padded (continuous batching failed: {type(err).__name__}: "
                   f"{err})")
         return None
-    if not ctx.get("_continuous_logged"):
-        ctx["_continuous_logged"] = True
-        _say(ctx, f"generation: continuous batching ({attn})")
+    if not run.continuous_logged:
+        run.continuous_logged = True
+        _say(run, f"generation: continuous batching ({attn})")
     T = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -147,15 +176,15 @@ def _continuous(model, prompts, G, sampling, lengths, ctx, device) -> torch.Tens
     return out.to(device)
 
 
-def _padded(model, prompt_ids, prompt_mask, sampling, lengths, ctx) -> torch.Tensor:
-    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+def _padded(model, prompt_ids, prompt_mask, sampling, lengths, run) -> torch.Tensor:
+    cfg, tok = run.cfg, run.tokenizer
     extra = {}
     if lengths is not None:
-        extra["logits_processor"] = [EosSchedule(torch.tensor(lengths), ctx["eos_ids"],
+        extra["logits_processor"] = [EosSchedule(torch.tensor(lengths), run.eos_ids,
                                                  prompt_ids.shape[1])]
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                          max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                         eos_token_id=ctx["eos_ids"], pad_token_id=tok.pad_token_id,
+                         eos_token_id=run.eos_ids, pad_token_id=tok.pad_token_id,
                          use_cache=True, **sampling, **extra)
     completion_ids = out[:, prompt_ids.shape[1]:]  # [B, T]
     if completion_ids.shape[1] == 0:  # nothing generated at all: keep one masked column
@@ -163,13 +192,13 @@ def _padded(model, prompt_ids, prompt_mask, sampling, lengths, ctx) -> torch.Ten
     return completion_ids
 
 
-def _batch(examples, ctx, G, prompt_ids, prompt_mask, completion_ids) -> dict:
+def _batch(examples, run, G, prompt_ids, prompt_mask, completion_ids) -> dict:
     """The step's batch from [B, Lp] prompts and [B, T] completions (either path)."""
-    cfg, tok = ctx["cfg"], ctx["tokenizer"]
+    cfg, tok = run.cfg, run.tokenizer
     device = completion_ids.device
-    comp_mask = completion_mask(completion_ids, ctx["eos_ids"])  # [B, T]
+    comp_mask = completion_mask(completion_ids, run.eos_ids)  # [B, T]
     lengths = comp_mask.sum(dim=1)
-    is_eos = torch.isin(completion_ids, torch.tensor(ctx["eos_ids"], device=device))
+    is_eos = torch.isin(completion_ids, torch.tensor(run.eos_ids, device=device))
     truncated = ~is_eos.any(dim=1)
     if cfg.mask_truncated_completions:
         comp_mask = comp_mask * (~truncated).unsqueeze(1).long()
@@ -188,16 +217,18 @@ def _batch(examples, ctx, G, prompt_ids, prompt_mask, completion_ids) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, examples: list[dict], ctx: dict) -> float:
+def evaluate(model, examples: list[dict], run) -> float:
     """Held-out accuracy: one greedy completion per prompt, scored by the built-in accuracy;
-    the prompts are split over the processes and the counts summed."""
-    accel, cfg = ctx["accel"], ctx["cfg"]
+    the prompts are split over the processes and the counts summed. run: as for `generate`,
+    with accel."""
+    run = _as_run(run)
+    accel, cfg = run.accel, run.cfg
     mine = examples[accel.process_index::accel.num_processes]
     correct, total = 0.0, 0.0
     with sharding.full_parameters(model):  # FSDP: one gather, whatever each process' count
         for i in range(0, len(mine), cfg.eval_batch_size):
             chunk = mine[i:i + cfg.eval_batch_size]
-            batch = generate(model, chunk, ctx, greedy=True)
+            batch = generate(model, chunk, run, greedy=True)
             scores = accuracy(None, batch["texts"], answer=[ex["answer"] for ex in chunk])
             correct += sum(s for s in scores if s is not None)
             total += sum(s is not None for s in scores)

@@ -124,10 +124,12 @@ def plot_curves(output_dir) -> str:
     return f"curves written to {out}"
 
 
-def step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_total, grad_norms,
-                 scheduler, t0, device) -> dict:
-    """One record: rewards over all processes; loss metrics token-weighted over all processes."""
-    accel, cfg = ctx["accel"], ctx["cfg"]
+def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms, t0) -> dict:
+    """One record: rewards over all processes; loss metrics token-weighted over all processes.
+    run: the `RunState` (accel, cfg, device, acc_col, scheduler); all_rewards: [P·G, F] of all
+    processes, rewards: [P·G] their weighted sums (NaN = unscored); sums: metric sums weighted
+    by loss tokens, with their "_tokens"; t0: the step's start (time.perf_counter)."""
+    accel, cfg, device = run.accel, run.cfg, run.device
     keys = sorted(k for k in sums if k != "_tokens")
     local = [sums[k] for k in keys] + [sums["_tokens"], batch["lengths"].float().sum().item(),
                                        batch["truncated"].float().sum().item(),
@@ -146,15 +148,15 @@ def step_metrics(step, ctx, batch, all_rewards, rewards, acc_col, sums, loss_tot
         "reward": scored.mean().item() if scored.numel() else math.nan,
         "reward_std": scored.std().item() if scored.numel() > 1 else math.nan,
     }
-    if acc_col is not None:
-        record["accuracy"] = torch.nanmean(all_rewards[:, acc_col]).item()
+    if run.acc_col is not None:
+        record["accuracy"] = torch.nanmean(all_rewards[:, run.acc_col]).item()
     record.update({k: v / n_tok for k, v in zip(keys, total)})
     record.update({
         "completion_length": comp_tokens / n_seq,
         "truncated_ratio": truncated / n_seq,
         "loss": loss_sum / accel.num_processes,
         "grad_norm": sum(grad_norms) / len(grad_norms),
-        "lr": scheduler.get_last_lr()[0],
+        "lr": run.scheduler.get_last_lr()[0],
         "tokens_per_s": (comp_tokens + prompt_tokens) / elapsed,
         "step_time_s": elapsed,
         "peak_memory_gib": peak.item() / 2**30,

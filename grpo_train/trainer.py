@@ -1,8 +1,9 @@
 """The GRPO training loop, to be read top to bottom.
 
-`train(cfg)` sets up (`_setup`: processes, data, models, optimizer, the resumed checkpoint),
-evaluates at step 0 (`_first_eval`), then runs `cfg.steps` steps (`_step`), each followed by its
-log line, eval, stop check and checkpoint, and ends with `_finish`. One step:
+`train(cfg)` builds the run state (`run_state.setup`: processes, data, models, optimizer, the
+resumed checkpoint), evaluates at step 0 (`_first_eval`), then runs `cfg.steps` steps (`_step`),
+each followed by its log line, eval, stop check and checkpoint, and ends with `_finish`. Every
+helper below reads what it needs from that one `RunState`. One step:
   1. sample P prompts (this process takes P / processes of them) and generate G completions each;
   2. score them with the reward functions (NaN = unscored);
   3. gather the rewards of all processes and compute group-normalized advantages (`_advantages`);
@@ -19,40 +20,19 @@ import contextlib
 import functools
 import math
 import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from grpo_kernels import FusedLinearGRPOLoss, force_backend, hf
+from grpo_kernels import force_backend, hf
 from grpo_kernels import reference as reference_impl
 
 from . import batching, sharding
-from .checkpoint import (
-    StopOnSignal,
-    clear_run_files,
-    find_checkpoint,
-    resume_run,
-    save_run,
-    seed_everything,
-)
-from .checks import grad_filter_value
-from .config import grpo_params, lr_factor
-from .data import PromptSampler, load_examples
-from .flags import UsageError
+from .checkpoint import StopOnSignal, save_run
 from .generation import evaluate, generate
-from .logs import (
-    MetricsLog,
-    format_line,
-    plot_curves,
-    printer,
-    progress_bar,
-    read_metrics,
-    show,
-    step_metrics,
-)
-from .models import build_models, save_model
-from .rewards import accuracy, combine, group_advantages, parse_reward_spec, score
+from .logs import format_line, plot_curves, progress_bar, read_metrics, show, step_metrics
+from .models import save_model
+from .rewards import combine, group_advantages, score
+from .run_state import RunState, setup
 
 
 class NoPhases:
@@ -80,7 +60,7 @@ def train(cfg, phases=None) -> dict:
 
 
 def _train(cfg, phases) -> dict:
-    run = _setup(cfg)  # processes, data, rewards, models, optimizer; the checkpoint's state
+    run = setup(cfg)  # processes, data, rewards, models, optimizer; the checkpoint's state
     history = _first_eval(run)  # step -> held-out accuracy, including the evals before a resume
     bar = progress_bar(cfg, run.accel.is_main_process, run.start)
     step, last_saved, interrupted = run.start, run.start, False
@@ -88,7 +68,7 @@ def _train(cfg, phases) -> dict:
         for step in range(run.start + 1, cfg.steps + 1):
             record = _step(run, step, phases)  # generate, score, optimize: the step's metrics
             if cfg.eval_every and run.eval_ex and (step % cfg.eval_every == 0 or step == cfg.steps):
-                record["eval_accuracy"] = history[step] = evaluate(run.model, run.eval_ex, run.ctx)
+                record["eval_accuracy"] = history[step] = evaluate(run.model, run.eval_ex, run)
             run.log.write(record)
             show(bar, run.say, format_line(record))
             if _stop_requested(run, stop):
@@ -104,86 +84,17 @@ def _train(cfg, phases) -> dict:
     return _finish(run, step, interrupted, history)
 
 
-# ---- set-up -------------------------------------------------------------------------------------
+# ---- before the first step ----------------------------------------------------------------------
 
 
-def _setup(cfg) -> SimpleNamespace:
-    """Everything the steps read, built in this order (it fixes what the seeds give): processes
-    and batch geometry, rewards, examples, models, optimizer, prompt sampler, and the state of
-    the checkpoint being resumed (`start`: its step, else 0)."""
-    accel, say = _start_processes(cfg)
-    rank, world, device = accel.process_index, accel.num_processes, accel.device
-    P_local, B, micro = batching.batch_sizes(cfg, world)
-    specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
-    train_ex, eval_ex = load_examples(cfg)
-    eval_ex = [ex for ex in eval_ex if ex.get("answer") is not None]  # scorable ones only
-    out_dir = Path(cfg.output_dir)
-    ckpt_path = find_checkpoint(cfg.resume, out_dir)
-    model, ref_model, tokenizer, eos_ids, layout = build_models(
-        cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
-    sampler = PromptSampler(len(train_ex), cfg.seed)
-    seed_everything(cfg.seed + rank)  # each process samples different completions
-    start = 0
-    if ckpt_path is not None:
-        start = resume_run(ckpt_path, model, optimizer, scheduler, sampler, rank, world, say)
-    # DistributedDataParallel when several processes; FSDP: the sharded model as it is
-    ddp_model = model if cfg.fsdp else accel.prepare_model(model)
-    # every process must run as many forwards as the others (batching.py)
-    agree = None if world == 1 else (
-        lambda n: int(accel.reduce(torch.tensor(n, device=device), "max").item()))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-    return SimpleNamespace(
-        cfg=cfg, accel=accel, say=say, rank=rank, world=world, device=device, P_local=P_local,
-        B=B, micro=micro, specs=specs, weights=torch.tensor([s.weight for s in specs]),
-        acc_col=next((j for j, s in enumerate(specs) if s.fn is accuracy), None),
-        train_ex=train_ex, eval_ex=eval_ex, out_dir=out_dir, model=model, ref_model=ref_model,
-        ddp_model=ddp_model, tokenizer=tokenizer, layout=layout, agree=agree,
-        # the rows' width and the shared rows' mask follow the attention implementation
-        model_config=model.config,
-        optimizer=optimizer, scheduler=scheduler, sampler=sampler, start=start,
-        loss_fn=FusedLinearGRPOLoss(params=grpo_params(cfg),
-                                    grad_filter=grad_filter_value(cfg.grad_filter)),
-        autocast=autocast,
-        log=MetricsLog(out_dir, accel.is_main_process, resume_step=start or None),
-        ctx=dict(cfg=cfg, accel=accel, tokenizer=tokenizer, eos_ids=eos_ids, autocast=autocast,
-                 say=say),  # say: generation logs the path it runs once
-        head=dict(head_dtype=torch.float32) if cfg.fp32_lm_head else {})  # fused calls' head
-
-
-def _start_processes(cfg):
-    """(accelerate.Accelerator, say: print on the main process); --overwrite's deletions done."""
-    from accelerate import Accelerator
-
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
-    if cfg.fsdp:
-        sharding.require_process_group()
-    say = printer(accel.is_main_process)
-    if cfg.overwrite and accel.is_main_process:
-        deleted = clear_run_files(cfg.output_dir)
-        if deleted:
-            say(f"--overwrite: deleted the previous run's {', '.join(deleted)} in "
-                f"{cfg.output_dir}")
-    accel.wait_for_everyone()
-    return accel, say
-
-
-def _first_eval(run) -> dict:
+def _first_eval(run: RunState) -> dict:
     """{step: held-out accuracy}: a resumed run's earlier evals, or the eval at step 0."""
     history = {}
     if run.start and run.log.path.exists():
         history = {r["step"]: r["eval_accuracy"] for r in read_metrics(run.log.path)
                    if "eval_accuracy" in r}
     if run.start == 0 and run.cfg.eval_every and run.eval_ex:
-        history[0] = evaluate(run.model, run.eval_ex, run.ctx)
+        history[0] = evaluate(run.model, run.eval_ex, run)
         run.log.write({"step": 0, "eval_accuracy": history[0]})
         run.say(f"step 0 | eval_acc {history[0]:.3f} (held-out, greedy, {len(run.eval_ex)} "
                 "prompts)")
@@ -193,7 +104,7 @@ def _first_eval(run) -> dict:
 # ---- one step -----------------------------------------------------------------------------------
 
 
-def _step(run, step: int, phases) -> dict:
+def _step(run: RunState, step: int, phases) -> dict:
     """One step (the module docstring's 1.-5.); returns its metrics record, eval not included."""
     from accelerate.utils import gather_object
 
@@ -206,7 +117,7 @@ def _step(run, step: int, phases) -> dict:
     with phases.step():
         # 1. generate G completions per prompt: [B, Lp + T]
         with phases.phase("generation"):
-            batch = generate(run.model, examples, run.ctx)
+            batch = generate(run.model, examples, run)
         with phases.phase("scoring"):
             # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
             rewards_per_func, failures = score(run.specs, batch["prompts"], batch["texts"],
@@ -220,8 +131,7 @@ def _step(run, step: int, phases) -> dict:
         # 5. optimize: micro-batches, accumulation normalized as TRL does
         sums, loss_total, grad_norms = _optimize(run, batch, mbs, advantages, old_logps,
                                                  ref_logps, phases)
-    record = step_metrics(step, run.ctx, batch, all_rewards, rewards, run.acc_col, sums,
-                          loss_total, grad_norms, run.scheduler, t0, run.device)
+    record = step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms, t0)
     fails = {k: v for d in gather_object([failures]) for k, v in d.items()}
     if fails:
         record["reward_failures"] = fails
@@ -229,7 +139,7 @@ def _step(run, step: int, phases) -> dict:
     return record
 
 
-def _advantages(run, rewards_per_func):
+def _advantages(run: RunState, rewards_per_func):
     """(all processes' rewards [P·G, F], their weighted sum [P·G], this process' advantages
     [B] on its device) from this process' rewards [B, F] (NaN = unscored)."""
     all_rewards = run.accel.gather(rewards_per_func.to(run.device)).cpu()  # [P*G, F]
@@ -238,7 +148,7 @@ def _advantages(run, rewards_per_func):
     return all_rewards, rewards, advantages[run.rank * run.B:(run.rank + 1) * run.B].to(run.device)
 
 
-def _scoring_logprobs(run, mbs):
+def _scoring_logprobs(run: RunState, mbs):
     """(reference, old) log-probs of each micro-batch ([b, T] or [N], float32, no grad, no
     logits), None where beta = 0 / num_iterations = 1. The policy in train mode, as in the loss,
     so the first ratio is exactly 1."""
@@ -255,7 +165,7 @@ def _scoring_logprobs(run, mbs):
     return ref_logps, old_logps
 
 
-def _optimize(run, batch, mbs, advantages, old_logps, ref_logps, phases):
+def _optimize(run: RunState, batch, mbs, advantages, old_logps, ref_logps, phases):
     """num_iterations optimizer steps on the same micro-batches; returns (metric sums weighted
     by loss tokens, with their "_tokens", the mean loss, each optimizer step's gradient norm)."""
     cfg = run.cfg
@@ -282,7 +192,7 @@ def _optimize(run, batch, mbs, advantages, old_logps, ref_logps, phases):
     return sums, loss_total, grad_norms
 
 
-def _backward(run, mb, sync: bool, adv, old, ref, num_items, sums: dict) -> float:
+def _backward(run: RunState, mb, sync: bool, adv, old, ref, num_items, sums: dict) -> float:
     """Forward + backward of one micro-batch, gradients synchronized across processes only if
     `sync` (the last one); adds its metrics x its loss tokens into `sums`; returns its loss /
     num_iterations. adv: [b] of its sequences; old/ref: from `_logprobs` or None."""
@@ -375,19 +285,19 @@ def _reference_policy(model, ref_model):
 # ---- after a step, and the end ------------------------------------------------------------------
 
 
-def _stop_requested(run, stop) -> bool:
+def _stop_requested(run: RunState, stop) -> bool:
     """Whether any process got Ctrl-C or SIGTERM: all of them then stop after the same step."""
     stop_now = run.accel.reduce(torch.tensor(float(stop.requested), device=run.device), "max")
     return stop_now.item() > 0
 
 
-def _checkpoint(run, step: int) -> None:
+def _checkpoint(run: RunState, step: int) -> None:
     """Save the run's state at `step` (every process calls it; see checkpoint.save_run)."""
     save_run(step, run.cfg, run.accel, run.model, run.optimizer, run.scheduler, run.sampler,
              run.say)
 
 
-def _finish(run, step: int, interrupted: bool, history: dict) -> dict:
+def _finish(run: RunState, step: int, interrupted: bool, history: dict) -> dict:
     """train()'s result; the final model saved and the curves plotted unless interrupted."""
     cfg, accel = run.cfg, run.accel
     model = sharding.export_model(run.model)  # FSDP: a plain full model on the main process
