@@ -86,11 +86,11 @@ class GRPOTerms(NamedTuple):
     entropy: torch.Tensor  # per token, float32, differentiable
     ratio: torch.Tensor  # importance ratio w, detached: per token, or per sequence (GSPO)
     kl: torch.Tensor | None  # k3 KL per token, detached; None when beta == 0
-    seq_weight: torch.Tensor | None = None  # vespo's φ per sequence, detached; else None
+    vespo_phi: torch.Tensor | None = None  # vespo's φ per sequence, detached; else None
     entropy_mask: torch.Tensor | None = None  # top_entropy_quantile < 1: kept tokens (0/1)
 
 
-def _fused(backend: str, params: GRPOParams) -> bool:
+def _takes_terms_op(backend: str, params: GRPOParams) -> bool:
     """Does the call take the token-terms op (the GRPO epilogue inside the forward kernel)?
     Not for options that need a whole sequence or the batch before any token's loss."""
     return backend == "triton" and not params.needs_whole_sequences
@@ -98,16 +98,17 @@ def _fused(backend: str, params: GRPOParams) -> bool:
 
 def _terms_args(inputs: LossInputs, params: GRPOParams) -> tuple:
     """A token-terms op's GRPO arguments: [N] float32 weights, advantages, old/ref log-probs
-    and rollout ratios in the kernels' token order, then the hyperparameters."""
+    and rollout ratios in the kernels' token order, then what the per-token loss reads
+    (TokenLossArgs, the only hyperparameters an op takes)."""
     layout = layout_of(inputs.mask, inputs.cu_seqlens)
     weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
     flat = lambda x: None if x is None else layout.flat(x)  # noqa: E731
     return (flat(weights), flat(inputs.advantages), flat(inputs.old_logps),
             flat(inputs.ref_logps), flat(inputs.importance_sampling_ratio),
-            *params.to_op_args())
+            *params.token_loss_args.to_op_args())
 
 
-def _fused_terms(outputs, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
+def _terms_from_op(outputs, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
     """GRPOTerms from a token-terms op's [N] outputs."""
     logp, ent, _, token_loss, _, kl, ratio = outputs
     shape = inputs.mask.shape  # [B, T], or [N] packed
@@ -124,12 +125,12 @@ def _unfused_terms(logp, ent, inputs: LossInputs, params: GRPOParams,
     shape = inputs.mask.shape  # [B, T], or [N] packed
     logp, ent = logp.reshape(shape), ent.reshape(shape)
     t = policy_loss(logp, inputs, params, entropy=ent, entropy_gather=entropy_gather)
-    return GRPOTerms(t.loss, logp, ent, t.ratio, t.kl, t.seq_weight, t.entropy_mask)
+    return GRPOTerms(t.loss, logp, ent, t.ratio, t.kl, t.vespo_phi, t.entropy_mask)
 
 
 def _loss_and_metrics(terms: GRPOTerms, inputs: LossInputs, params: GRPOParams):
     return finish_loss(terms.policy_loss, terms.entropy, terms.ratio, terms.kl, inputs, params,
-                       seq_weight=terms.seq_weight, entropy_mask=terms.entropy_mask)
+                       vespo_phi=terms.vespo_phi, entropy_mask=terms.entropy_mask)
 
 
 # ---- selective log-probs ----------------------------------------------------------------------
@@ -237,10 +238,10 @@ def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, o
     eps = check_grad_filter(grad_filter, hidden.dtype)
     backend = backend_for(hidden)
     head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
-    if _fused(backend, params):
-        outputs = OPS.linear_grpo_terms(*head, ids.reshape(-1), eps, backend,
-                                        *_terms_args(inputs, params), *transform)
-        return _fused_terms(outputs, inputs, params), inputs
+    if _takes_terms_op(backend, params):
+        outputs = OPS.linear_grpo_terms(*head, ids.reshape(-1), params.temperature, eps,
+                                        backend, *_terms_args(inputs, params), *transform)
+        return _terms_from_op(outputs, inputs, params), inputs
     logp, ent, _ = OPS.linear_logprobs(*head, ids.reshape(-1), params.temperature, eps, backend,
                                        "completion_ids", *transform)
     return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
@@ -330,10 +331,11 @@ def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps
                                            cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     x = _as_btv(logits)  # [N, V] -> [1, N, V]
     backend = backend_for(x)
-    if _fused(backend, params):
-        outputs = OPS.logits_grpo_terms(x, ids.reshape(-1), backend, _eager(inplace),
-                                        *_terms_args(inputs, params), *transform)
-        return _fused_terms(outputs, inputs, params), inputs
+    if _takes_terms_op(backend, params):
+        outputs = OPS.logits_grpo_terms(x, ids.reshape(-1), params.temperature, backend,
+                                        _eager(inplace), *_terms_args(inputs, params),
+                                        *transform)
+        return _terms_from_op(outputs, inputs, params), inputs
     logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
                                        "completion_ids", _eager(inplace), *transform)
     return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs

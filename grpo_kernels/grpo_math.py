@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .grpo_options import gamma_weights, high_entropy_mask, off_policy_mask
+from .grpo_options import compute_vespo_phi, high_entropy_mask, off_policy_mask
 from .layouts import PaddedLayout, layout_of
 from .params import GRPOParams
 from .validation import LossInputs
@@ -100,12 +100,12 @@ def per_token_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     layout=None,
     *,
-    phi: torch.Tensor | None = None,
+    vespo_phi: torch.Tensor | None = None,
     token_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """ℓ of docs/semantics.md, differentiable w.r.t. logp.
 
-    vespo uses `phi` (its sequence weights, [B, 1]; computed here when None). token_scale
+    vespo uses `vespo_phi` (its sequence weights, [B, 1]; computed here when None). token_scale
     ([B, T] or [B, 1], 0/1) multiplies the policy term before the rollout ratio and the KL: the
     off-policy and entropy masks of `policy_loss`.
 
@@ -121,10 +121,10 @@ def per_token_loss(
     objective = params.spec.objective
     if objective == "vespo":
         # φ comes from the token log-ratios whatever the level; the rollout ratio goes into φ
-        if phi is None:
-            phi = gamma_weights(logp - old, mask, advantages, importance_sampling_ratio, params,
-                                layout)
-        loss = -layout.expand(phi) * A * logp
+        if vespo_phi is None:
+            vespo_phi = compute_vespo_phi(logp - old, mask, advantages,
+                                          importance_sampling_ratio, params, layout)
+        loss = -layout.expand(vespo_phi) * A * logp
     elif objective == "gmpo":
         loss = layout.expand(gmpo_sequence_loss(logp - old, advantages, mask,
                                                 importance_sampling_ratio, params, layout))
@@ -263,7 +263,7 @@ def metric_sums(
     mask: torch.Tensor,
     params: GRPOParams,
     layout=None,
-    seq_weight: torch.Tensor | None = None,
+    vespo_phi: torch.Tensor | None = None,
     old_logps: torch.Tensor | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (sum, count), 0-dim float32 each; the metric is sum / max(count, 1).
@@ -272,7 +272,7 @@ def metric_sums(
     with one value per sequence ([B, 1]: the clip flags at importance_sampling_level="sequence")
     is summed over all B sequences, fully masked ones included (count B). Sums and counts, not
     means, so that a trainer can add them up across processes before dividing. Packed: [N]
-    per token, [S, 1] per sequence (zero-length sequences included). seq_weight: vespo's φ.
+    per token, [S, 1] per sequence (zero-length sequences included). vespo_phi: vespo's φ.
     """
     layout = layout or PaddedLayout(mask)
     with torch.no_grad():
@@ -289,8 +289,8 @@ def metric_sums(
             sums["kl"] = terms(kl)
         for name, flag in clip_indicators(ratio, advantages, params, layout, old_logps).items():
             sums[name] = terms(flag)
-        if seq_weight is not None:
-            sums[VESPO_WEIGHT] = terms(seq_weight)
+        if vespo_phi is not None:
+            sums[VESPO_WEIGHT] = terms(vespo_phi)
     return sums
 
 
@@ -307,7 +307,7 @@ class PolicyTerms(NamedTuple):
     loss: torch.Tensor  # Σ weight·ℓ, 0-dim, differentiable
     ratio: torch.Tensor  # importance ratio w, detached
     kl: torch.Tensor | None  # k3 KL per token (beta != 0)
-    seq_weight: torch.Tensor | None = None  # vespo's φ, detached
+    vespo_phi: torch.Tensor | None = None  # vespo's φ, detached
     entropy_mask: torch.Tensor | None = None  # top_entropy_quantile < 1: kept tokens, 0/1
 
 
@@ -341,12 +341,12 @@ def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layo
     old = logp.detach() if inputs.old_logps is None else inputs.old_logps
     phi = None
     if params.spec.objective == "vespo":
-        phi = gamma_weights(logp - old, inputs.mask, inputs.advantages,
-                            inputs.importance_sampling_ratio, params, layout)
+        phi = compute_vespo_phi(logp - old, inputs.mask, inputs.advantages,
+                                inputs.importance_sampling_ratio, params, layout)
     token_scale, ent_mask = option_masks(logp, entropy, inputs, params, layout, entropy_gather)
     loss_tok, ratio, kl = per_token_loss(
         logp, inputs.old_logps, inputs.ref_logps, inputs.advantages, inputs.mask, params,
-        inputs.importance_sampling_ratio, layout, phi=phi, token_scale=token_scale,
+        inputs.importance_sampling_ratio, layout, vespo_phi=phi, token_scale=token_scale,
     )
     weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
     return PolicyTerms((weights * loss_tok).sum(), ratio, kl, phi, ent_mask)
@@ -354,7 +354,7 @@ def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layo
 
 def finish_loss(policy: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor,
                 kl: torch.Tensor | None, inputs: LossInputs, params: GRPOParams, layout=None, *,
-                seq_weight: torch.Tensor | None = None,
+                vespo_phi: torch.Tensor | None = None,
                 entropy_mask: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) from the policy loss Σ weight·ℓ (0-dim) and the per-token values of
@@ -367,7 +367,7 @@ def finish_loss(policy: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor
         bonus_mask = inputs.mask if entropy_mask is None else inputs.mask * entropy_mask
         loss = loss + entropy_bonus(entropy, bonus_mask, params.entropy_coef)
     return loss, grpo_metrics(entropy.detach(), ratio, kl, inputs.advantages, inputs.mask, params,
-                              layout, seq_weight=seq_weight, old_logps=inputs.old_logps)
+                              layout, vespo_phi=vespo_phi, old_logps=inputs.old_logps)
 
 
 def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
@@ -378,4 +378,4 @@ def grpo_loss_from_logps(logp: torch.Tensor, entropy: torch.Tensor, inputs: Loss
     layout = layout_of(inputs.mask, inputs.cu_seqlens)
     terms = policy_loss(logp, inputs, params, layout, entropy=entropy)
     return finish_loss(terms.loss, entropy, terms.ratio, terms.kl, inputs, params, layout,
-                       seq_weight=terms.seq_weight, entropy_mask=terms.entropy_mask)
+                       vespo_phi=terms.vespo_phi, entropy_mask=terms.entropy_mask)

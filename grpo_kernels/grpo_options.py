@@ -3,12 +3,12 @@
 `grpo_math` (the per-token loss, weights, bonus and metrics) calls these; the semantics are in
 docs/semantics.md ("Sequence and batch options"). None of them can run in the per-token Triton
 epilogue, so a loss that uses one takes the selective log-prob op and `grpo_math`
-(`functional._fused`):
+(`functional._takes_terms_op`):
 
-    gamma_weights       vespo's per-sequence weight φ(w) of the summed log-ratio
-    off_policy_mask     drops negative-advantage sequences that drifted too far from the sampler
-    high_entropy_mask   keeps the tokens at or above an entropy quantile of the batch
-    EntropyController   the adaptive entropy coefficient (trainer state lives with the caller)
+    compute_vespo_phi  vespo's per-sequence weight φ(w) of the summed log-ratio
+    off_policy_mask    drops negative-advantage sequences that drifted too far from the sampler
+    high_entropy_mask  keeps the tokens at or above an entropy quantile of the batch
+    EntropyController  the adaptive entropy coefficient (trainer state lives with the caller)
 
 Shapes as in `grpo_math`: per-token [B, T] (packed [N]), per-sequence [B, 1] (packed [S, 1]);
 each function takes the batch's `layout` (`layouts.py`).
@@ -30,7 +30,7 @@ _LAMBDA_FLOOR = 1e-4
 
 
 @torch.no_grad()
-def gamma_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+def compute_vespo_phi(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                   importance_sampling_ratio: torch.Tensor | None, params, layout) -> torch.Tensor:
     """vespo's φ = exp(λ + k·log w − λ·w), detached, with log w the sequence's summed (not
     averaged) token log-ratio plus the summed log rollout ratios; k, λ by the sign of A.

@@ -1,17 +1,19 @@
 """GRPO hyperparameters: one frozen dataclass, the single source of every setting.
 
 Everything else derives from `GRPOParams`: the keyword arguments of the public functions and
-modules (`signature_with_params`), the hyperparameter part of the custom operators' schema
-(`op_schema`, `to_op_args`, `from_op_args`), and the mapping from a trainer's configuration
-(`from_config`, used by grpo_train and the TRL subclass). Names and defaults are TRL's; the
-semantics of each field are in docs/semantics.md.
+modules (`signature_with_params`), the mapping from a trainer's configuration (`from_config`,
+used by grpo_train and the TRL subclass), and `TokenLossArgs`, the few values the per-token loss
+reads (the Triton epilogue's scalars and flags), which is all a token-terms custom operator
+takes (`TokenLossArgs.op_schema`). Names and defaults are TRL's; the semantics of each field are
+in docs/semantics.md.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, astuple, dataclass, fields
+from typing import ClassVar
 
 from .loss_specs import ALL_LOSS_TYPES, LOSS_TYPES, TRL_LOSS_TYPES, LossSpec, spec_of  # noqa: F401
 
@@ -150,17 +152,6 @@ class GRPOParams:
             raise TypeError(f"unexpected GRPOParams field {unknown[0]!r}")
         return cls(**values)
 
-    # ---- custom-operator arguments --------------------------------------------------------
-
-    def to_op_args(self) -> tuple:
-        """The fields in FIELD_NAMES order: the hyperparameter arguments of a custom op."""
-        return tuple(getattr(self, name) for name in FIELD_NAMES)
-
-    @classmethod
-    def from_op_args(cls, values) -> GRPOParams:
-        """Inverse of `to_op_args`."""
-        return cls(**dict(zip(FIELD_NAMES, values)))
-
     # ---- derived quantities ---------------------------------------------------------------
 
     @property
@@ -176,6 +167,13 @@ class GRPOParams:
     def spec(self) -> LossSpec:
         """The loss type's registry entry (`loss_specs.py`)."""
         return spec_of(self.loss_type)
+
+    @property
+    def token_loss_args(self) -> TokenLossArgs:
+        """The values the per-token loss of a token-level type reads (see TokenLossArgs)."""
+        return TokenLossArgs(self.loss_type, self.epsilon_low, self.eps_high, self.delta,
+                             self.beta, self.use_bias_correction_kl, self.sapo_temperature_pos,
+                             self.sapo_temperature_neg)
 
     @property
     def needs_whole_sequences(self) -> bool:
@@ -196,13 +194,57 @@ VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_
 FIELD_NAMES = tuple(f.name for f in fields(GRPOParams))
 
 # Field annotation -> torch.library schema type (the annotations are strings: `from __future__`).
-_SCHEMA_TYPES = {"float": "float", "float | None": "float?", "int | None": "int?",
-                 "str": "str", "bool": "bool"}
+_SCHEMA_TYPES = {"float": "float", "float | None": "float?", "str": "str", "bool": "bool"}
 
 
-def op_schema() -> str:
-    """The hyperparameter arguments of a custom op's schema, e.g. "float beta, float? delta"."""
-    return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in fields(GRPOParams))
+@dataclass(frozen=True)
+class TokenLossArgs:
+    """What ℓ of a token-level loss type reads, and nothing else: the Triton epilogue's scalars
+    and flags (`ops.launch.epilogue_args`), the hyperparameter arguments of the token-terms
+    custom operators, and what `grpo_math.per_token_loss` reads on their chunked path. Built
+    from a validated GRPOParams (`GRPOParams.token_loss_args`), once per call; the operator
+    gets it as plain arguments (`to_op_args`, in `op_schema`'s order) and rebuilds it
+    (`of_op_args`). Its attribute names are GRPOParams' (epsilon_high resolved), so
+    grpo_math reads either."""
+
+    loss_type: str  # a type with a per-token epilogue (its spec's kernel_code is set)
+    epsilon_low: float
+    epsilon_high: float  # GRPOParams.eps_high: never None here
+    delta: float | None
+    beta: float
+    use_bias_correction_kl: bool
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    importance_sampling_level: ClassVar[str] = "token"  # the token-terms ops are token level
+
+    def __post_init__(self) -> None:
+        if self.spec.kernel_code is None:
+            raise ValueError(f"loss_type={self.loss_type!r} has no per-token epilogue (its loss "
+                             "needs whole sequences)")
+
+    @property
+    def spec(self) -> LossSpec:
+        return spec_of(self.loss_type)
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon_high
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        return 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
+
+    def to_op_args(self) -> tuple:
+        return astuple(self)
+
+    @classmethod
+    def of_op_args(cls, values) -> TokenLossArgs:
+        return cls(*values)
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """Its part of an operator schema, e.g. "str loss_type, float epsilon_low, ..."."""
+        return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in fields(cls))
 
 
 def signature_with_params(fn):

@@ -32,15 +32,6 @@ KIND_SAPO = tl.constexpr(loss_specs.KERNEL_SAPO)
 KIND_DPPO = tl.constexpr(loss_specs.KERNEL_DPPO)
 
 
-def loss_kind(loss_type: str) -> int:
-    """The epilogue's LOSS_KIND of a loss type; a ValueError for a type without one."""
-    code = loss_specs.spec_of(loss_type).kernel_code
-    if code is None:
-        raise ValueError(f"loss_type={loss_type!r} has no per-token epilogue (its loss needs "
-                         "whole sequences)")
-    return code
-
-
 @triton.jit
 def grpo_token_epilogue(
     logp, old, ref, adv, isr,

@@ -16,14 +16,15 @@ for the backward op.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
-from ..params import FIELD_NAMES
+from ..params import TokenLossArgs
 
 # A token-terms op's GRPO arguments: weights, advantages, old/ref log-probs, the rollout ratios,
-# then GRPOParams' fields; the logit transform (softcap, logit_scale) follows them.
-N_GRPO_ARGS = 5 + len(FIELD_NAMES)
-_TEMPERATURE_AT = 5 + FIELD_NAMES.index("temperature")
+# then TokenLossArgs' fields; the logit transform (softcap, logit_scale) follows them.
+N_GRPO_ARGS = 5 + len(fields(TokenLossArgs))
 
 # ---- autograd formulas of the custom ops (custom_ops.py registers them) ----------------------
 # Forward saves the inputs and per-token statistics (lse, entropy [N]); backward turns the
@@ -121,11 +122,6 @@ def split_terms_args(args) -> tuple:
     return (tuple(args[:N_GRPO_ARGS]), *_transform(args[N_GRPO_ARGS:]))
 
 
-def temperature_of(grpo_args) -> float:
-    """The temperature among a token-terms op's GRPO arguments (`split_terms_args`)."""
-    return grpo_args[_TEMPERATURE_AT]
-
-
 def _save_terms(ctx, tensors, output, n_inputs: int):
     """Saves (kernel tensors, targets, lse, entropy, coef_logp)."""
     _, ent, lse, _, coef_logp, kl, ratio = output
@@ -144,10 +140,10 @@ def _token_grads(ctx, g_logp, g_token_loss):
 
 
 def setup_linear_terms(ctx, inputs, output):
-    hidden, weight, bias, targets, grad_filter, backend, *rest = inputs
-    grpo, softcap, logit_scale = split_terms_args(rest)
+    hidden, weight, bias, targets, temperature, grad_filter, backend, *rest = inputs
+    _, softcap, logit_scale = split_terms_args(rest)
     _save_terms(ctx, (hidden, weight, bias, targets), output, len(inputs))
-    ctx.config = (temperature_of(grpo), grad_filter, backend, softcap, logit_scale)
+    ctx.config = (temperature, grad_filter, backend, softcap, logit_scale)
 
 
 def linear_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
@@ -156,10 +152,10 @@ def linear_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
 
 
 def setup_logits_terms(ctx, inputs, output):
-    logits, targets, backend, inplace, *rest = inputs
-    grpo, softcap, logit_scale = split_terms_args(rest)
+    logits, targets, temperature, backend, inplace, *rest = inputs
+    _, softcap, logit_scale = split_terms_args(rest)
     _save_terms(ctx, (logits, targets), output, len(inputs))
-    ctx.config = (temperature_of(grpo), backend, inplace, softcap, logit_scale)
+    ctx.config = (temperature, backend, inplace, softcap, logit_scale)
 
 
 def logits_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):

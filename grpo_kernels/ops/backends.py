@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from ..chunked import launchers as chunked
-from ..kernels import linear_backward_gemm
+from ..kernels import linear_backward_atomic, linear_backward_gemm
 from ..kernels import linear_logprobs as triton_impl
 from ..kernels import logits_logprobs as logits_impl
 from ..kernels.tile_configs import INTERPRET
@@ -34,7 +34,7 @@ FORMER_NAMES = {"torch": "chunked"}
 # tiles, the one case the cost model says it can be faster.
 LINEAR_BACKWARDS = {
     "gemm": linear_backward_gemm.linear_logprob_backward_gemm,
-    "atomic": triton_impl.linear_logprob_backward,
+    "atomic": linear_backward_atomic.linear_logprob_backward_atomic,
 }
 BACKWARD_ENV = "GRPO_KERNELS_LINEAR_BACKWARD"  # "auto" (unset), "gemm" or "atomic"
 

@@ -19,9 +19,10 @@ without them is the call it was before they existed.
 The public functions keep the checks that need only shapes and dtypes in Python (traceable);
 value checks (token ids in range, finite advantages) run inside the ops' eager implementations
 (or, for code traced around them, as in-graph assertions), so nothing reads a tensor's value
-while tracing. Hyperparameters are the plain float/int/bool/str op arguments that the schema
-derives from GRPOParams (`params.op_schema`): a GRPOParams is flattened once into them and
-rebuilt once inside the op.
+while tracing. A token-terms op's hyperparameters are only what the per-token loss reads, the
+plain str/float/bool arguments of `params.TokenLossArgs` (its `op_schema`), which the public
+function builds once from its GRPOParams; the temperature is the op's own argument, as in the
+selective log-prob ops.
 
 The eager implementations run the launchers through `launch.LinearHeadOp`/`LogitsOp` (with the
 fallback of `fallback.py`) on the backend the public function chose (`backends.py`). Backward
@@ -36,7 +37,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..params import GRPOParams, op_schema
+from ..params import TokenLossArgs
 from ..validation import check_finite_advantages, check_token_id_values
 from . import autograd
 from .backends import IMPLS
@@ -164,47 +165,46 @@ def _logits_logprobs_backward_inplace_fake(logits, *args):
 
 # ---- GRPO token terms -------------------------------------------------------------------------
 # The GRPO arguments of a token-terms op, each [N] float32 in the kernels' token order, then the
-# hyperparameters (GRPOParams' fields). Outputs, each [N] float32: logp and entropy
+# hyperparameters (TokenLossArgs' fields). Outputs, each [N] float32: logp and entropy
 # (differentiable), lse, weight·ℓ (differentiable), weight·dℓ/dlogp, kl (0 when beta == 0) and
 # the importance ratio.
 TERMS_ARGS = ("Tensor weights, Tensor advantages, Tensor? old_logps, Tensor? ref_logps, "
-              "Tensor? importance_sampling_ratio, " + op_schema())
+              "Tensor? importance_sampling_ratio, " + TokenLossArgs.op_schema())
 TERMS_OUT = ("(Tensor logp, Tensor entropy, Tensor lse, Tensor token_loss, Tensor coef_logp, "
              "Tensor kl, Tensor ratio)")
 torch.library.define(
     "grpo_kernels::linear_grpo_terms",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float? grad_filter, "
-    f"str backend, {TERMS_ARGS}, {TRANSFORM_ARGS}) -> {TERMS_OUT}")
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float temperature, "
+    f"float? grad_filter, str backend, {TERMS_ARGS}, {TRANSFORM_ARGS}) -> {TERMS_OUT}")
 torch.library.define(
     "grpo_kernels::logits_grpo_terms",
-    f"(Tensor logits, Tensor targets, str backend, bool inplace, {TERMS_ARGS}, "
+    "(Tensor logits, Tensor targets, float temperature, str backend, bool inplace, "
+    f"{TERMS_ARGS}, "
     f"{TRANSFORM_ARGS}) -> {TERMS_OUT}")
 
 
 def _terms(op, targets, tensors, grpo_args):
-    weights, advantages, old, ref, isr, *hyper = grpo_args
+    weights, advantages, old, ref, isr, *values = grpo_args
     check_finite_advantages(advantages)
-    params = GRPOParams.from_op_args(hyper)  # the one rebuild the op schema requires
-    return grpo_token_terms(op, targets, tensors, params, weights, advantages, old, ref, isr)
+    rule = TokenLossArgs.of_op_args(values)
+    return grpo_token_terms(op, targets, tensors, rule, weights, advantages, old, ref, isr)
 
 
 @torch.library.impl("grpo_kernels::linear_grpo_terms", "default")
-def _linear_grpo_terms(hidden, weight, bias, targets, grad_filter, backend, *args):
+def _linear_grpo_terms(hidden, weight, bias, targets, temperature, grad_filter, backend, *args):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)."""
     check_token_id_values("completion_ids", targets, weight.shape[0], "weight.shape[0]")
     grpo_args, softcap, logit_scale = autograd.split_terms_args(args)
-    op = LinearHeadOp(IMPLS[backend], autograd.temperature_of(grpo_args), grad_filter, softcap,
-                      logit_scale)
+    op = LinearHeadOp(IMPLS[backend], temperature, grad_filter, softcap, logit_scale)
     return _terms(op, targets, (hidden, weight, bias), grpo_args)
 
 
 @torch.library.impl("grpo_kernels::logits_grpo_terms", "default")
-def _logits_grpo_terms(logits, targets, backend, inplace, *args):
+def _logits_grpo_terms(logits, targets, temperature, backend, inplace, *args):
     """logits [B, T, V] (unit last stride), targets [B·T]."""
     check_token_id_values("completion_ids", targets, logits.shape[-1], "logits.shape[-1]")
     grpo_args, softcap, logit_scale = autograd.split_terms_args(args)
-    op = LogitsOp(IMPLS[backend], autograd.temperature_of(grpo_args), inplace, softcap,
-                  logit_scale)
+    op = LogitsOp(IMPLS[backend], temperature, inplace, softcap, logit_scale)
     return _terms(op, targets, (logits,), grpo_args)
 
 

@@ -18,8 +18,7 @@ import torch
 
 from ..chunked import launchers as chunked
 from ..grpo_math import per_token_loss
-from ..kernels.epilogue import loss_kind
-from ..params import GRPOParams
+from ..params import TokenLossArgs
 from . import fallback
 
 
@@ -133,7 +132,7 @@ class LogitsOp(BoundOp):
 # ---- the GRPO token-terms ops' body ------------------------------------------------------------
 
 
-def epilogue_args(params: GRPOParams, weights, advantages, old_logps, ref_logps,
+def epilogue_args(rule: TokenLossArgs, weights, advantages, old_logps, ref_logps,
                   importance_sampling_ratio) -> dict:
     """The forward kernels' GRPO epilogue (`kernels/epilogue.py: grpo_token_outputs`): the [N]
     float32 inputs, four fresh [N] outputs the kernel fills, the scalars and the flags. An
@@ -145,19 +144,19 @@ def epilogue_args(params: GRPOParams, weights, advantages, old_logps, ref_logps,
         tensors=[given(old_logps), given(ref_logps), advantages,
                  given(importance_sampling_ratio), weights,
                  *outs],  # weight·ℓ, weight·dℓ/dlogp, kl, ratio
-        scalars=[params.epsilon_low, params.eps_high,
-                 params.delta if params.delta is not None else 0.0, params.beta,
-                 params.sapo_temperature_pos, params.sapo_temperature_neg],
-        LOSS_KIND=loss_kind(params.loss_type),
+        scalars=[rule.epsilon_low, rule.epsilon_high,
+                 rule.delta if rule.delta is not None else 0.0, rule.beta,
+                 rule.sapo_temperature_pos, rule.sapo_temperature_neg],
+        LOSS_KIND=rule.spec.kernel_code,
         HAS_OLD=old_logps is not None,
-        HAS_DELTA=params.delta is not None,
-        HAS_KL=params.beta != 0.0,
-        BIAS_CORRECT_KL=params.use_bias_correction_kl,
+        HAS_DELTA=rule.delta is not None,
+        HAS_KL=rule.beta != 0.0,
+        BIAS_CORRECT_KL=rule.use_bias_correction_kl,
         HAS_ISR=importance_sampling_ratio is not None,
     )
 
 
-def grpo_token_terms(op: BoundOp, targets, tensors, params: GRPOParams, weights, advantages,
+def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights, advantages,
                      old_logps=None, ref_logps=None, importance_sampling_ratio=None):
     """Token-level GRPO on a bound op: (logp, entropy, lse, weight·ℓ, weight·dℓ/dlogp, kl,
     ratio), each [N] float32 (kl is 0 when beta == 0).
@@ -171,7 +170,7 @@ def grpo_token_terms(op: BoundOp, targets, tensors, params: GRPOParams, weights,
     derivative. That branch runs eagerly only (inside the operator's body)."""
     x = tensors[0]
     if op.on_triton and not op.failed(x):
-        epilogue = epilogue_args(params, weights, advantages, old_logps, ref_logps,
+        epilogue = epilogue_args(rule, weights, advantages, old_logps, ref_logps,
                                  importance_sampling_ratio)
         try:
             logp, ent, lse = op.forward(targets, epilogue, *tensors)
@@ -187,7 +186,7 @@ def grpo_token_terms(op: BoundOp, targets, tensors, params: GRPOParams, weights,
     logp, ent, lse = op.forward(targets, None, *tensors)
 
     def weighted_loss(lp):  # Σ weight·ℓ over [N] (token level: no layout needed)
-        loss, ratio, kl = per_token_loss(lp, old_logps, ref_logps, advantages, weights, params,
+        loss, ratio, kl = per_token_loss(lp, old_logps, ref_logps, advantages, weights, rule,
                                          importance_sampling_ratio)
         lossw = weights * loss
         return lossw.sum(), (lossw, ratio, kl)

@@ -73,7 +73,7 @@ class LossBookkeeping:
             return norm, norm.clamp(min=1.0) / norm
         return None, 1.0 / accumulation
 
-    def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages, seq_weight=None) -> None:
+    def _log_metrics(self, mode, maskf, entropy, ratio, kl, advantages, vespo_phi=None) -> None:
         """TRL's loss metrics: `grpo_math.metric_sums` added up across processes, and the
         per-sequence min/max of the clip fractions."""
         metrics = self._metrics[mode]
@@ -83,7 +83,7 @@ class LossBookkeeping:
         p = self._grpo_params
         A = advantages.to(ratio.device)
         sums = metric_sums(on_tokens(entropy.float()), ratio, None if kl is None else
-                           on_tokens(kl.float()), A, maskf, p, seq_weight=seq_weight)
+                           on_tokens(kl.float()), A, maskf, p, vespo_phi=vespo_phi)
         names = list(sums)
         totals = self.accelerator.reduce(
             torch.stack([torch.stack(sums[k]) for k in names]), reduction="sum")  # [K, 2]

@@ -257,7 +257,7 @@ def test_custom_ops_take_the_transform(backend):
         params = GRPOParams(beta=0.04, entropy_coef=0.01)
         grpo = _terms_args(LossInputs(mask, adv.reshape(-1, 1), old, ref, None, None), params)
         cases.append((OPS.linear_grpo_terms.default,
-                      (h, w, b, ids[0], None, backend, *grpo, CAP, None)))
+                      (h, w, b, ids[0], 1.0, None, backend, *grpo, CAP, None)))
     for op, args in cases:
         result = torch.library.opcheck(op, args, test_utils=tests)
         assert all(v == "SUCCESS" for v in result.values()), (op, result)

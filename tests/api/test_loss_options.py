@@ -22,7 +22,7 @@ from helpers import triton_unavailable
 from trl_compute_loss import assert_close_to_trl, trl_loss
 
 from grpo_kernels import GRPOParams, force_backend, fused_linear_grpo_loss, reference
-from grpo_kernels.functional import _fused
+from grpo_kernels.functional import _takes_terms_op
 from grpo_kernels.grpo_options import EntropyController
 from grpo_kernels.reference import logprobs_from_logits
 
@@ -178,10 +178,10 @@ def test_packed_batch_equals_padded():
 
 
 def test_whole_sequence_options_leave_the_epilogue():
-    assert _fused("triton", GRPOParams())
+    assert _takes_terms_op("triton", GRPOParams())
     for kw in (dict(loss_type="vespo"), dict(top_entropy_quantile=0.5),
                dict(off_policy_mask_threshold=0.5), dict(importance_sampling_level="sequence")):
-        assert not _fused("triton", GRPOParams(**kw)), kw
+        assert not _takes_terms_op("triton", GRPOParams(**kw)), kw
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -411,5 +411,5 @@ def test_fsdp_forward_method_keeps_the_terms_named():
     x = torch.arange(6.0).reshape(2, 3)
     terms = GRPOTerms(x.sum(), x[:, 1:], x, x[:, :1], None)
     out = _call_forward(None, lambda _: terms, None)
-    assert type(out) is GRPOTerms and out.kl is None and out.seq_weight is None
+    assert type(out) is GRPOTerms and out.kl is None and out.vespo_phi is None
     assert not out.logp._is_view() and torch.equal(out.logp, x[:, 1:])

@@ -246,10 +246,10 @@ def test_opcheck_loss_ops(backend):
     h = leaf(hidden.reshape(-1, 4))
     fused = True
     _opcheck(custom_ops.OPS.linear_grpo_terms.default,
-             (h, leaf(weight), leaf(bias), ids.reshape(-1), None, backend, *grpo), fused)
+             (h, leaf(weight), leaf(bias), ids.reshape(-1), 1.0, None, backend, *grpo), fused)
     logits = leaf(hidden @ weight.T)
     _opcheck(custom_ops.OPS.logits_grpo_terms.default,
-             (logits, ids.reshape(-1), backend, False, *grpo), fused)
+             (logits, ids.reshape(-1), 1.0, backend, False, *grpo), fused)
 
 
 def test_reference_and_unfused_paths_compile_with_in_graph_checks():
