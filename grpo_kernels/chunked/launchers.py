@@ -1,6 +1,6 @@
 """Chunked PyTorch path for CPUs without the Triton interpreter.
 
-Same contract as the Triton launchers in `kernels/linear_logprobs.py` and
+Same contract as the Triton launchers in `kernels/linear_logprobs.py`, its backwards and
 `kernels/logits_logprobs.py`: selective log-prob and entropy, and their backward, from per-token
 statistics only (lse and entropy are saved, logits are not: the one exception is a problem whose
 logits fit one tile, which a forward asked to `keep` it holds for its backward, KEEP_ELEMENTS).
@@ -136,7 +136,8 @@ def linear_logprob_backward(
     needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
     softcap=None, logit_scale=None,
 ):
-    """Gradients of Σ g_logp·logp + Σ g_ent·H (see linear_logprobs.linear_logprob_backward).
+    """Gradients of Σ g_logp·logp + Σ g_ent·H (see
+    `linear_backward_atomic.linear_logprob_backward_atomic`).
 
     Always exact: gradient filtering (`grad_filter`) saves work only in the Triton atomic
     backward; here every tile is one dense matmul either way.

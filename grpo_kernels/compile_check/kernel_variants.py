@@ -18,6 +18,7 @@ import torch
 import triton
 
 from ..kernels import accumulate_mm as amm
+from ..kernels import linear_backward_atomic as atomic
 from ..kernels import linear_backward_gemm as gemm
 from ..kernels import linear_logprobs as lin
 from ..kernels import logits_logprobs as lgt
@@ -240,8 +241,9 @@ def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
                     FILTER=filt, COMPUTE_DH=dh, COMPUTE_DW=dw, COMPUTE_DB=bias and dw,
                     DOT_PREC=prec, **bcfg, **_transform_args(tr))
         yield Variant(f"linear_bwd[{dt},{prec},dh={dh},dw={dw},bias={bias},gent={gent},"
-                      f"filter={filt},{vtag}{_transform_tag(tr)}]", lin._linear_logprob_bwd_kernel,
-                      args, bopts, "linear_bwd", "linear_bwd" in defaults and not filt)
+                      f"filter={filt},{vtag}{_transform_tag(tr)}]",
+                      atomic._linear_logprob_bwd_kernel, args, bopts, "linear_bwd",
+                      "linear_bwd" in defaults and not filt)
     yield from _gemm_backward(arch, N, D, V, hdt, wdt, prec, quick, defaults, heads, grads,
                               vtag, dt)
 

@@ -131,36 +131,23 @@ def pick_orientation(N, V, D, rows, cols, need_dh, need_dw) -> str:
 
 
 def linear_logprob_backward_gemm(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    ent: torch.Tensor,
-    g_logp: torch.Tensor,
-    g_ent: torch.Tensor | None,
-    temperature: float,
-    needs: tuple = (True, True, True),
-    grad_filter: float | None = None,
-    buffer_bytes: int | None = None,
-    orientation: str | None = None,
-    config: dict | None = None,
-    softcap: float | None = None,
-    logit_scale: float | None = None,
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,
+    temperature: float, needs: tuple = (True, True, True), grad_filter: float | None = None,
+    buffer_bytes: int | None = None, orientation: str | None = None, config: dict | None = None,
+    softcap: float | None = None, logit_scale: float | None = None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
-    Same contract as `linear_logprobs.linear_logprob_backward`: lse, ent, g_logp, g_ent are [N]
-    float32; needs says which of (hidden, weight, bias) want a gradient; returns (d hidden,
-    d weight, d bias) in the inputs' dtypes, None where not needed. grad_filter (None = exact)
-    drops a [BLOCK_N, BLOCK_V] tile's d logits as the atomic backward does (same numbers, no
-    work saved: the GEMMs stay dense). buffer_bytes (default `dz_budget_bytes`) and
+    Same contract as `linear_backward_atomic.linear_logprob_backward_atomic`: lse, ent, g_logp,
+    g_ent are [N] float32; needs says which of (hidden, weight, bias) want a gradient; returns
+    (d hidden, d weight, d bias) in the inputs' dtypes, None where not needed. grad_filter
+    (None: exact) drops a [BLOCK_N, BLOCK_V] tile's d logits as the atomic backward does (same
+    numbers, no work saved: the GEMMs stay dense). buffer_bytes (default `dz_budget_bytes`) and
     orientation ("tokens" / "vocab", default from `pick_orientation`) exist for tests.
     softcap, logit_scale: the forward's logit transform (`logit_transform_args`).
     """
-    N, D = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
+    (N, D), V, dev = hidden.shape, weight.shape[0], hidden.device
     need_dh, need_dw, need_db = bool(needs[0]), bool(needs[1]), bias is not None and needs[2]
     # the GEMMs' dtype: the inputs' (16-bit dz, as the atomic kernel's dots take), float32 when
     # either input is float32 (a 16-bit hidden with a float32 head weight)
@@ -174,14 +161,10 @@ def linear_logprob_backward_gemm(
     if N == 0 or not (need_dh or need_dw or need_db):
         return (None if dh is None else dh.zero_(), None if dw is None else dw.zero_(),
                 None if db32 is None else db32.to(bias.dtype))
-    budget = dz_budget_bytes(N, V) if buffer_bytes is None else buffer_bytes
     # per d-logits element: dz itself, plus the d-bias partials (one float per BLOCK_N rows)
-    rows, cols = chunk_sizes(N, V, BN, BV, common.itemsize + (4 / BN if need_db else 0), budget)
-    if orientation is None:
-        orientation = pick_orientation(N, V, D, rows, cols, need_dh, need_dw)
-    elif orientation not in ("tokens", "vocab"):
-        raise ValueError(f"orientation must be 'tokens' or 'vocab', got {orientation!r}")
-    by_tokens = orientation == "tokens"
+    bytes_per = common.itemsize + (4 / BN if need_db else 0)
+    rows, cols, by_tokens = _chunking(N, V, D, BN, BV, bytes_per, buffer_bytes, orientation,
+                                      need_dh, need_dw)
     chunk = rows if by_tokens else cols
     dz = torch.empty((min(rows, N), V) if by_tokens else (N, min(cols, V)), device=dev,
                      dtype=common)
@@ -189,20 +172,16 @@ def linear_logprob_backward_gemm(
                       dtype=torch.float32) if need_db else lse
     # with more than one chunk, one product is summed over the chunks in a float32
     # accumulator: the output itself when it is float32
-    summed = (need_dw if by_tokens else need_dh) and chunk < (N if by_tokens else V)
+    summed_out = dw if by_tokens else dh  # None when not needed
     acc = None
-    if summed:
-        out = dw if by_tokens else dh
-        acc = out.zero_() if out.dtype == torch.float32 else torch.zeros(
-            out.shape, device=dev, dtype=torch.float32)
+    if summed_out is not None and chunk < (N if by_tokens else V):
+        acc = summed_out.zero_() if summed_out.dtype == torch.float32 else torch.zeros(
+            summed_out.shape, device=dev, dtype=torch.float32)
     h_c, w_c = hidden.to(common), weight.to(common)  # no copy when the dtypes agree
-    v_blocks_all = triton.cdiv(V, BV)
     for start in range(0, N if by_tokens else V, chunk):
-        n0, v0 = (start, 0) if by_tokens else (0, start)
-        nc = min(chunk, N - start) if by_tokens else N
-        vc = V if by_tokens else min(chunk, V - start)
-        n_blocks = triton.cdiv(nc, BN)
-        v_blocks = v_blocks_all if by_tokens else triton.cdiv(vc, BV)
+        n0, nc, v0, vc = (start, min(chunk, N - start), 0, V) if by_tokens else (
+            0, N, start, min(chunk, V - start))
+        n_blocks, v_blocks = triton.cdiv(nc, BN), triton.cdiv(vc, BV)
         d = dz[:nc, :vc]
         _linear_dz_kernel[(n_blocks * v_blocks,)](
             hidden, weight, bias if bias is not None else hidden, targets, lse, ent, g_logp,
@@ -216,25 +195,49 @@ def linear_logprob_backward_gemm(
             DOT_PREC=dot_precision(hidden.dtype), **cfg,
             **logit_transform_args(softcap, logit_scale),
         )
-        if by_tokens:
-            if need_dh:  # complete for these rows: one GEMM, rounded once
-                _mm_into(dh[n0:n0 + nc], d, w_c)
-            if need_dw:
-                _sum_or_mm(acc, dw, d.T, h_c[n0:n0 + nc])
-            if need_db:
-                db32 += dbp[:n_blocks].sum(0)
-        else:
-            if need_dw:
-                _mm_into(dw[v0:v0 + vc], d.T, h_c)
-            if need_dh:
-                _sum_or_mm(acc, dh, d, w_c[v0:v0 + vc])
-            if need_db:
-                db32[v0:v0 + vc] = dbp[:n_blocks, :vc].sum(0)
-    if acc is not None:
-        out = dw if by_tokens else dh
-        if out.data_ptr() != acc.data_ptr():
-            out.copy_(acc)
+        _add_chunk_products(d, slice(n0, n0 + nc), slice(v0, v0 + vc), h_c, w_c,
+                            (dh, dw, db32), acc, dbp[:n_blocks], by_tokens)
+    if acc is not None and summed_out.data_ptr() != acc.data_ptr():
+        summed_out.copy_(acc)
     return dh, dw, None if db32 is None else db32.to(bias.dtype)
+
+
+def _chunking(N: int, V: int, D: int, BN: int, BV: int, bytes_per: float,
+              buffer_bytes: int | None, orientation: str | None, need_dh: bool, need_dw: bool
+              ) -> tuple[int, int, bool]:
+    """(rows, cols, by_tokens): the d-logits chunk under the buffer budget and its orientation
+    (`pick_orientation` unless given)."""
+    budget = dz_budget_bytes(N, V) if buffer_bytes is None else buffer_bytes
+    rows, cols = chunk_sizes(N, V, BN, BV, bytes_per, budget)
+    if orientation is None:
+        orientation = pick_orientation(N, V, D, rows, cols, need_dh, need_dw)
+    elif orientation not in ("tokens", "vocab"):
+        raise ValueError(f"orientation must be 'tokens' or 'vocab', got {orientation!r}")
+    return rows, cols, orientation == "tokens"
+
+
+def _add_chunk_products(d, rows: slice, cols: slice, h_c, w_c, grads, acc, dbp,
+                        by_tokens: bool) -> None:
+    """The GEMMs of one chunk's d logits d [rows, cols] (hidden rows × vocabulary columns): the
+    gradient that is complete within the chunk is written once (one rounding); the other is
+    summed over the chunks (`acc`, float32; or written when there is one chunk). grads:
+    (d hidden, d weight, d bias float32), None where not needed; dbp: the chunk's d-bias
+    partials [n_blocks, cols], one row per BLOCK_N tokens."""
+    dh, dw, db32 = grads
+    if by_tokens:
+        if dh is not None:  # complete for these rows: one GEMM, rounded once
+            _mm_into(dh[rows], d, w_c)
+        if dw is not None:
+            _sum_or_mm(acc, dw, d.T, h_c[rows])
+        if db32 is not None:
+            db32 += dbp.sum(0)
+    else:
+        if dw is not None:
+            _mm_into(dw[cols], d.T, h_c)
+        if dh is not None:
+            _sum_or_mm(acc, dh, d, w_c[cols])
+        if db32 is not None:
+            db32[cols] = dbp[:, :d.shape[1]].sum(0)
 
 
 def _sum_or_mm(acc, out, a, b) -> None:

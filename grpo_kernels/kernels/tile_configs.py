@@ -132,7 +132,7 @@ def combine(n_splits: int, device: torch.device | None, arch: int | None = None)
 
 def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
                       arch: int | None = None, weight_dtype: torch.dtype | None = None) -> dict:
-    """Atomic backward (`linear_logprobs._linear_logprob_bwd_kernel`); `dtype` is the hidden
+    """Atomic backward (`linear_backward_atomic._linear_logprob_bwd_kernel`); `dtype` is the hidden
     states', `weight_dtype` the head's when it differs (a float32 head under 16-bit hidden)."""
     cc = target_arch(device, arch)
     if cc is None:

@@ -11,6 +11,7 @@ import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.chunked import launchers as chunked
 from grpo_kernels.kernels import linear_logprobs
+from grpo_kernels.kernels.linear_backward_atomic import linear_logprob_backward_atomic
 
 BACKENDS = ["triton", "chunked"]
 # (B, T, D, V): an odd shape, and one spanning 10 vocabulary tiles (BLOCK_V=32) and 2 D tiles
@@ -76,9 +77,9 @@ def test_backward_vocab_chunks_match_single_chunk():
     logp, ent, lse = linear_logprobs.linear_logprob_forward(h2, weight, b, ids2, 1.0)
     g = torch.randn(26)
     gh = torch.randn(26)
-    whole = linear_logprobs.linear_logprob_backward(h2, weight, b, ids2, lse, ent, g, gh, 1.0)
+    whole = linear_logprob_backward_atomic(h2, weight, b, ids2, lse, ent, g, gh, 1.0)
     bytes_for_two_tiles = 2 * 32 * 20 * 4
-    parts = linear_logprobs.linear_logprob_backward(h2, weight, b, ids2, lse, ent, g, gh, 1.0,
+    parts = linear_logprob_backward_atomic(h2, weight, b, ids2, lse, ent, g, gh, 1.0,
                                                     scratch_bytes=bytes_for_two_tiles)
     for x, y in zip(whole, parts):
         assert max_err(x, y) < 1e-3
@@ -167,7 +168,7 @@ def test_frozen_weight_or_hidden_skip_their_gradient(backend):
 def test_gemm_backward_matches_atomic_backward(dtype):
     """GRPO_KERNELS_LINEAR_BACKWARD=gemm (d logits per token chunk + GEMMs) gives the atomic
     kernel's gradients, over several chunks, with bias, entropy gradient and masked tokens."""
-    from grpo_kernels.kernels import linear_backward_gemm, linear_logprobs
+    from grpo_kernels.kernels import linear_backward_gemm
 
     hidden, weight, b, ids = make_head(3, 31, 24, 150, dtype, "cpu", seed=12, bias=True)
     h2, ids2 = hidden.reshape(-1, 24), ids.reshape(-1)
@@ -175,7 +176,7 @@ def test_gemm_backward_matches_atomic_backward(dtype):
     g, gh = torch.randn(93), torch.randn(93)
     g[20:52] = 0.0
     gh[20:52] = 0.0  # two all-masked token blocks of 16
-    atomic = linear_logprobs.linear_logprob_backward(h2, weight, b, ids2, lse, ent, g, gh, 0.8)
+    atomic = linear_logprob_backward_atomic(h2, weight, b, ids2, lse, ent, g, gh, 0.8)
     one_chunk_rows = 16 * 150 * h2.element_size()
     for buffer in (one_chunk_rows, 3 * one_chunk_rows, 2**30):
         gemm = linear_backward_gemm.linear_logprob_backward_gemm(

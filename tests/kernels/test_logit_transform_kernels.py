@@ -10,6 +10,7 @@ import torch
 from helpers import make_head, max_err, transformed_head
 
 from grpo_kernels.compile_check import kernel_variants
+from grpo_kernels.kernels import linear_backward_atomic as atomic
 from grpo_kernels.kernels import linear_backward_gemm as gemm
 from grpo_kernels.kernels import linear_logprobs as lin
 from grpo_kernels.kernels import logits_logprobs as lgt
@@ -57,7 +58,8 @@ def test_linear_forward_and_both_backwards(softcap, logit_scale):
             _bound(f"{name} (splits={splits})", o, s, t)
             _changed(t, p, name)
     backwards = {
-        "atomic": lambda: lin.linear_logprob_backward(h, w, b, ids, lse, ent, g, gh, 0.8, **tr),
+        "atomic": lambda: atomic.linear_logprob_backward_atomic(h, w, b, ids, lse, ent, g, gh, 0.8,
+                                                                **tr),
         # 3 token chunks (by tokens) or 3 vocabulary chunks: the float32 accumulation
         "tokens": lambda: gemm.linear_logprob_backward_gemm(
             h, w, b, ids, lse, ent, g, gh, 0.8, buffer_bytes=16 * 75 * 4,
@@ -82,7 +84,7 @@ def test_backward_without_entropy_grad_and_partial_needs(backward):
     tr = dict(softcap=CAP, logit_scale=0.7)
     truth = transformed_head((h, w, b), ids, 1.0, CAP, 0.7, g, None)
     _, ent, lse = lin.linear_logprob_forward(h, w, b, ids, 1.0, **tr)
-    fn = lin.linear_logprob_backward if backward == "atomic" else (
+    fn = atomic.linear_logprob_backward_atomic if backward == "atomic" else (
         gemm.linear_logprob_backward_gemm)
     for needs in ((True, False, False), (False, True, True)):
         grads = fn(h, w, b, ids, lse, ent, g, None, 1.0, needs=needs, **tr)
@@ -115,7 +117,7 @@ def test_grad_filter_threshold_follows_the_logit_scale():
         _, ent, lse = lin.linear_logprob_forward(h, w, b, ids, 1.0, logit_scale=s)
 
         def run(eps, lse=lse, ent=ent, s=s):
-            return lin.linear_logprob_backward(h, w, b, ids, lse, ent, g, None, 1.0,
+            return atomic.linear_logprob_backward_atomic(h, w, b, ids, lse, ent, g, None, 1.0,
                                                logit_scale=s, grad_filter=eps)
 
         exact = run(None)

@@ -57,7 +57,7 @@ def test_atomic_backward_tiles_follow_a_float32_head(arch, hidden_dtype):
 
 
 def test_atomic_backward_launcher_passes_the_head_dtype(monkeypatch):
-    from grpo_kernels.kernels import linear_logprobs
+    from grpo_kernels.kernels import linear_backward_atomic
 
     seen = []
     real = tile_configs.linear_bwd_atomic
@@ -76,7 +76,7 @@ def test_atomic_backward_launcher_passes_the_head_dtype(monkeypatch):
     log_p = z.log_softmax(-1)
     lse, ent = z.logsumexp(-1).float(), -(log_p.exp() * log_p).sum(-1).float()
     g_logp = torch.randn(N, generator=g)
-    dh, dw, _ = linear_logprobs.linear_logprob_backward(
+    dh, dw, _ = linear_backward_atomic.linear_logprob_backward_atomic(
         hidden, weight, None, targets, lse, ent, g_logp, None, 1.0)
     assert seen == [(torch.float16, torch.float32)]
     # d logits = g (onehot - p): the gradients the tiles computed, against float64

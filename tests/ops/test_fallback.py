@@ -17,7 +17,12 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import InterpreterError, OutOfResources
 
 import grpo_kernels as gk
-from grpo_kernels.kernels import linear_backward_gemm, linear_logprobs, logits_logprobs
+from grpo_kernels.kernels import (
+    linear_backward_atomic,
+    linear_backward_gemm,
+    linear_logprobs,
+    logits_logprobs,
+)
 from grpo_kernels.ops import fallback
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,7 +120,7 @@ def test_backward_launch_failure_falls_back_for_that_op(monkeypatch):
     the Triton forward's statistics; gradients agree with the torch path to float32 rounding."""
     head, grpo = batch(seed=1)
     want = on_torch(linear_loss, head, grpo)
-    for module, name in ((linear_logprobs, "_linear_logprob_bwd_kernel"),
+    for module, name in ((linear_backward_atomic, "_linear_logprob_bwd_kernel"),
                          (linear_backward_gemm, "_linear_dz_kernel")):  # either backward
         monkeypatch.setattr(module, name,
                             FailingKernel(OutOfResources(300000, 232448, "shared memory")))
