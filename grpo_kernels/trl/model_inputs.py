@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf import completion_hidden_states, hidden_logprobs, load_balancing_loss
+from ..hf import completion_hidden_states, hidden_logprobs
 from ..hf.packed_rows import completion_targets
 
 # The multimodal keywords of TRL 1.16's scoring method (and batch keys of its VLM batches)
@@ -74,19 +74,8 @@ def multimodal_inputs(start: int, end: int, pixel_values=None, image_grid_thw=No
 
 class ModelInputs:
     """The body's extra inputs and outputs (mixed into the TRL subclass); reads TRL's attributes
-    aux_loss_enabled, router_aux_loss_coef, accelerator, temperature, _metrics."""
-
-    _aux_loss = None  # fn(router_logits, attention_mask): the model's load-balancing loss
-
-    def _moe_unsupported(self) -> str | None:
-        """Binds the model's auxiliary loss when TRL asks for one; else why it cannot."""
-        if not self.aux_loss_enabled:
-            return None
-        try:
-            self._aux_loss = load_balancing_loss(self.model)
-        except NotImplementedError as exc:
-            return f"the MoE auxiliary loss of this model is not known ({exc})"
-        return None
+    router_aux_loss_coef, accelerator, temperature, _metrics, and the subclass's _support
+    (`model_support.ModelSupport`: the bound MoE loss) and _head_dtype."""
 
     def _body_hidden(self, model, input_ids, attention_mask, logits_to_keep, multimodal: dict,
                      compute_aux_loss: bool, start: int = 0, end: int | None = None):
@@ -99,7 +88,7 @@ class ModelInputs:
         if not compute_aux_loss:
             return out, None
         hidden, router_logits = out
-        return hidden, self._aux_loss(router_logits, am)
+        return hidden, self._support.aux_loss(router_logits, am)
 
     def _score_model_inputs(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
                             compute_entropy: bool, compute_aux_loss: bool, multimodal: dict):

@@ -23,20 +23,18 @@ normalization, metrics and accumulation see the batch TRL built.
 
 Exact where the model's attention reads packed position_ids (`check_packed_attention`) and, for
 shared rows, takes a 4-D mask (`check_shared_prompt`); both are checked once per model at the
-trainer's construction, and one log line says which layout runs and why. A batch whose
+trainer's construction (`model_support.ModelSupport`), and one log line says which layout runs
+and why. A batch whose
 completion mask is not a prefix of each row (1s then 0s) cannot be packed without changing what
 the kept tokens attend to: it runs padded.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..functional import fused_linear_grpo_loss
 from ..hf import (
-    choose_layout,
     completion_hidden_states,
     completion_logprobs,
     fsdp2_root,
@@ -48,9 +46,8 @@ from ..hf import (
 from ..hf.packed_rows import boundaries_of, row_layout
 from ..hf.shared_prompt import prompt_groups
 
-__all__ = ["PaddingFree", "packable", "packed_completion_hidden", "packed_grpo_terms",
+__all__ = ["equal_count_across", "packable", "packed_completion_hidden", "packed_grpo_terms",
            "packed_scores"]
-logger = logging.getLogger("grpo_kernels.trl.trainer")  # the trainer's one log line
 
 
 def packable(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
@@ -232,46 +229,13 @@ def _shared_scores(model, input_ids, attention_mask, T, batch_size, return_entro
     return logp, ent
 
 
-class PaddingFree:
-    """The trainer's row layout (mixed into the TRL subclass); reads TRL's attributes model,
-    accelerator and the subclass's _model_fallback."""
+def equal_count_across(accelerator, model):
+    """For packed scoring of a sharded model (FSDP2, DeepSpeed ZeRO-3), whose every forward is a
+    collective: a function giving the largest chunk count over the processes; None otherwise."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    _layout: str = "padded"  # "shared", "packed" or "padded" (`grpo_kernels.hf.LAYOUTS`)
-
-    def _layout_decision(self, padding_free: bool, share_prompt: bool) -> str:
-        """The layout of scoring and loss forwards (`grpo_kernels.hf.choose_layout`), said in
-        one log line with the reason."""
-        if getattr(self, "_zero3_check_pending", False):
-            # a model sharded by deepspeed.zero.Init runs no forward before DeepSpeed's engine
-            # wraps it: `_batch_unsupported` decides on the first batch, on every process
-            layout, reason = "padded", "not decided before the first batch (DeepSpeed ZeRO-3)"
-        elif self._model_fallback is not None:
-            layout = "padded"
-            reason = f"the model runs TRL's own implementation ({self._model_fallback})"
-        else:
-            choice = choose_layout(self.model, padding_free=padding_free,
-                                   share_prompt=padding_free and share_prompt)
-            layout, reason = choice.layout, choice.reason
-        quiet = layout != "padded" or not padding_free
-        (logger.info if quiet else logger.warning)(
-            "grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run %s rows: %s "
-            "(padding_free=%s, share_prompt=%s)", layout, reason, padding_free, share_prompt)
-        return layout
-
-    def _packs(self, attention_mask, completion_mask, multimodal: dict) -> bool:
-        """Whether this batch runs as packed or shared rows: a text batch (no image inputs)
-        whose masks pack exactly."""
-        return (self._layout != "padded" and not multimodal
-                and packable(attention_mask, completion_mask))
-
-    def _equal_chunk_count(self, model):
-        """For packed scoring of a sharded model (FSDP2, DeepSpeed ZeRO-3), whose every forward
-        is a collective:
-        a function giving the largest chunk count over the processes; None otherwise."""
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-        sharded = fsdp2_root(model) is not None or is_deepspeed_zero3_enabled()
-        if self.accelerator.num_processes == 1 or not sharded:
-            return None
-        device = self.accelerator.device
-        return lambda n: int(self.accelerator.gather(torch.tensor([n], device=device)).max())
+    sharded = fsdp2_root(model) is not None or is_deepspeed_zero3_enabled()
+    if accelerator.num_processes == 1 or not sharded:
+        return None
+    device = accelerator.device
+    return lambda n: int(accelerator.gather(torch.tensor([n], device=device)).max())

@@ -47,23 +47,14 @@ Fallbacks (a one-time warning at the caller's line names the reason and what run
 - TRL's loss math on our log-probs (still no logits): a loss_type grpo-kernels lacks (none in
   TRL 1.16), or a configuration GRPOParams rejects.
 - TRL's own implementation entirely, where the body's output under the head and the logit
-  transform its config names (`hf.logit_transform`: Gemma-2's soft-capping, Cohere's or
-  Granite's scale, which the kernels apply) is not the model's logits, or the full head weight
-  is not there:
-  - logits that are not the head's output under that transform (checked on one short forward;
-    a config naming a transform its model does not apply, or another transform);
-  - an output head with its own transform before the output embedding (BERT-style heads):
-    the body's output is not the head's input;
-  - a head sharded by FSDP1: the fused backward needs the full weight after the forward;
-  - a PEFT adapter on a head sharded by DeepSpeed ZeRO-3 (its factors are sharded too);
-  - an MoE model with the aux loss on whose modeling module has no Mixtral-style
-    `load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)` (Doge's takes
-    other arguments): its aux loss is not known to `grpo_kernels.hf.load_balancing_loss`.
+  transform its config names is not the model's logits, the full head weight is not there
+  (FSDP1; a PEFT adapter on a ZeRO-3-sharded head), or the MoE auxiliary loss is not known:
+  `model_support.py` lists each model-family quirk with its detection and its check.
 Under DeepSpeed ZeRO-3 the fused path stays on: `hf/zero3.py` gathers the head's weight (and bias)
 for the fused call and hands its full gradient to DeepSpeed's gradient hook, which reduce-scatters
 it; a model loaded under deepspeed.zero.Init gets its one-forward head and packing checks on the
-first batch (`_batch_unsupported`), inside DeepSpeed's engine. Tested against TRL's own trainer
-under ZeRO-3 with two CPU processes (tests/trl/test_trl_zero3.py).
+first batch, inside DeepSpeed's engine. Tested against TRL's own trainer under ZeRO-3 with two
+CPU processes (tests/trl/test_trl_zero3.py).
 Under FSDP2 (`fully_shard`) the fused path stays on: it runs as a registered FSDP forward method
 of the root (`run_as_forward`), so FSDP itself unshards the head for the forward and the backward
 and reduce-scatters its gradient.
@@ -94,24 +85,26 @@ except ImportError as exc:  # TRL is an optional dependency
 from ..functional import fused_linear_grpo_loss
 from ..grpo_options import EntropyController
 from ..hf import (
-    check_output_head,
     completion_logprobs,
-    fsdp2_root,
     has_tuner_adapter,
     head_for,
     logit_transform,
-    resolved_head,
     run_as_forward,
     unwrap_model,
 )
-from ..hf.zero3 import zero3_head
 from ..loss_specs import LOSS_SPECS, TRL_LOSS_TYPES, spec_of
 from ..params import GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
 from .model_inputs import MULTIMODAL_KEYS, ModelInputs
-from .padding_free import PaddingFree, packed_completion_hidden, packed_grpo_terms, packed_scores
+from .model_support import ModelSupport
+from .padding_free import (
+    equal_count_across,
+    packed_completion_hidden,
+    packed_grpo_terms,
+    packed_scores,
+)
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -210,7 +203,7 @@ def _adapter_on_head_allowed(enabled: bool = True):
         module.BaseTunerLayer = original
 
 
-class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
+class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
     """`trl.GRPOTrainer` with grpo-kernels' fused, logits-free loss and log-prob scoring.
 
     Same constructor and config as TRL's; see the module docstring for what changes. Three
@@ -223,7 +216,6 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "grpo-kernels"]
-    _zero3_check_pending = False  # DeepSpeed ZeRO-3: the head's forward check waits for a batch
 
     def __init__(self, *args, padding_free: bool = True, share_prompt: bool = True,
                  grad_filter: float | str | None = None, **kwargs):
@@ -255,15 +247,15 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         self._head_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
         self._entropy_control: EntropyController | None = None
         self._grpo_params, self._loss_fallback = self._build_params()
-        self._model_fallback = self._model_unsupported()
-        self._layout_requested = (padding_free, share_prompt)
-        self._layout = self._layout_decision(padding_free, share_prompt)
+        self._support = ModelSupport(self.model, aux_loss_enabled=self.aux_loss_enabled,
+                                     padding_free=padding_free, share_prompt=share_prompt)
         head = unwrap_model(self.model).get_output_embeddings()
-        if has_tuner_adapter(head) and self._model_fallback is not None:
+        if has_tuner_adapter(head) and self._support.fallback is not None:
             # TRL's own head path would leave the adapter untrained; refuse, as TRL does
             raise ValueError(f"the output embedding carries a PEFT adapter ({type(head).__name__})"
-                             f" and {self._model_fallback}: that case would run TRL's own lm_head "
-                             "code, which ignores the adapter. Remove the head from target_modules")
+                             f" and {self._support.fallback}: that case would run TRL's own "
+                             "lm_head code, which ignores the adapter. Remove the head from "
+                             "target_modules")
 
     def _build_params(self) -> tuple[GRPOParams | None, str | None]:
         """Our hyperparameters from TRL's, or (None, why the loss must be TRL's); sets the
@@ -281,26 +273,6 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
             return None, f"grpo-kernels rejects this configuration ({exc})"
         return params, None
 
-    def _model_unsupported(self) -> str | None:
-        """Why the hidden-state path cannot run this model at all (None if it can)."""
-        if (reason := self._moe_unsupported()) is not None:
-            return reason
-        try:
-            # --- DeepSpeed ZeRO-3 (hf/zero3.py) ---
-            if zero3_head(self.model):
-                # loaded under deepspeed.zero.Init: no forward can run before DeepSpeed's engine
-                # wraps the model; the config checks run now (the head is gathered for them),
-                # the short forward on the first batch (`_batch_unsupported`)
-                with torch.no_grad():
-                    resolved_head(self.model)
-                self._zero3_check_pending = True
-                return None
-            # --- end DeepSpeed ZeRO-3 ---
-            check_output_head(self.model)  # one short forward: the head takes the body's output
-        except (ValueError, NotImplementedError) as exc:
-            return str(exc)
-        return None
-
     def _fallback(self, reason: str, instead: str) -> None:
         """One warning per reason, at the user's line, saying what runs instead."""
         if reason not in self._warned:
@@ -308,19 +280,12 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
             _warn_at_user_frame(f"grpo_kernels.trl.GRPOTrainer: {reason}; {instead}")
 
     def _batch_unsupported(self, model) -> str | None:
-        if self._zero3_check_pending and model is not None:  # --- DeepSpeed ZeRO-3 ---
-            self._zero3_check_pending = False  # the forward checks, deferred from __init__
-            try:
-                check_output_head(model)
-            except (ValueError, NotImplementedError) as exc:
-                self._model_fallback = str(exc)
-            self._layout = self._layout_decision(*self._layout_requested)
-        if self._model_fallback is not None:
-            return self._model_fallback
-        if self.is_fsdp_enabled and fsdp2_root(model) is None:
-            return ("FSDP1 (FullyShardedDataParallel) shards the lm_head weight; use FSDP2 "
-                    "(fsdp_version: 2), whose unshard the fused path uses")
-        return None
+        return self._support.at_batch(model, self.is_fsdp_enabled)
+
+    @property
+    def _layout(self) -> str:
+        """The row layout of scoring and loss forwards (`grpo_kernels.hf.LAYOUTS`)."""
+        return self._support.layout
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False,
@@ -340,14 +305,14 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                 m, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, multimodal))
         T = logits_to_keep
-        if self._packs(attention_mask, attention_mask[:, -T:], multimodal):
+        if self._support.packs(attention_mask, attention_mask[:, -T:], multimodal):
             def packed(model):
                 with self.accelerator.autocast():
                     return packed_scores(
                         model, input_ids, attention_mask, T, batch_size=batch_size,
                         return_entropy=compute_entropy, temperature=self.temperature,
                         head_dtype=self._head_dtype, layout=self._layout,
-                        equal_count_across=self._equal_chunk_count(model))
+                        equal_count_across=equal_count_across(self.accelerator, model))
 
             logps, ents = run_as_forward(model, packed)
             return logps, ents, None
@@ -392,7 +357,7 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
         gather = self._gather_entropies if self.top_entropy_quantile < 1.0 else None
         multimodal = {k: inputs[k] for k in MULTIMODAL_KEYS if inputs.get(k) is not None}
-        packs = self._packs(attention_mask, completion_mask, multimodal)
+        packs = self._support.packs(attention_mask, completion_mask, multimodal)
         aux = []  # the MoE auxiliary loss, when TRL adds one
 
         def terms(model):
@@ -401,7 +366,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
                 if packs:  # the body on packed rows; the head on the kept tokens [N, D]
                     hidden, packed, aux_loss = packed_completion_hidden(
                         model, input_ids, attention_mask, completion_mask,
-                        self._aux_loss if self.aux_loss_enabled else None, self._layout)
+                        self._support.aux_loss if self.aux_loss_enabled else None,
+                        self._layout)
                 else:
                     hidden, aux_loss = self._body_hidden(model, input_ids, attention_mask, T,
                                                          multimodal, self.aux_loss_enabled)
@@ -424,5 +390,5 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, PaddingFree, _TRLGRPOTrainer):
         if self.aux_loss_enabled:
             loss = self._add_aux_loss(loss, aux[-1], mode)
         self._log_metrics(mode, maskf, t.entropy.detach(), t.ratio, t.kl, advantages,
-                          t.seq_weight)
+                          t.vespo_phi)
         return loss

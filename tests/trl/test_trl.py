@@ -204,7 +204,7 @@ def test_softcapped_model_runs_the_fused_path_and_matches_trl(tmp_path, cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning from ours
         ref, ours, loss_ref, loss = run_both(str(tmp_path), **cfg)
-    assert ours._model_fallback is None and ours._layout != "padded"
+    assert ours._support.fallback is None and ours._layout != "padded"
     assert_same(ref, ours, loss_ref, loss)
 
 

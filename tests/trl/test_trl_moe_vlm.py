@@ -223,7 +223,7 @@ def test_moe_compute_loss_matches_trl(moe_dir, cfg):
     """Packed rows (the default for MoE, which does not share prompts; the aux loss over
     their real tokens) and padded batches."""
     ref, ours, loss_ref, loss = run_both(moe_dir, **cfg)
-    assert ref.aux_loss_enabled and ours._model_fallback is None and ours._layout == "packed"
+    assert ref.aux_loss_enabled and ours._support.fallback is None and ours._layout == "packed"
     assert "aux_loss" in ours._metrics["train"]
     assert_same(ref, ours, loss_ref, loss)
     assert_same(*run_both(moe_dir, padding_free=False, **cfg))
@@ -303,7 +303,7 @@ def test_vlm_compute_loss_and_scoring_match_trl(vlm, multi):
     ref, ours = (build_trainer(cls, model_dir, copy.deepcopy(processor),
                                image_dataset(multi=multi), **cfg)
                  for cls in (trl.GRPOTrainer, GRPOTrainer))
-    assert ours._model_fallback is None
+    assert ours._support.fallback is None
     torch.manual_seed(0)
     inputs = vlm_batch(ref, multi)
     assert inputs["pixel_values"].shape[0] == inputs["image_grid_thw"].prod(-1).sum()
