@@ -24,10 +24,22 @@ def _main(argv: list[str] | None) -> int:
     if _run_is_complete(cfg):
         return 0
     result = train(cfg, resolved=True)  # parse_config resolved and validated it
+    _end_processes()
     history = result["eval_accuracy"]
     if history and not result["interrupted"] and result["main_process"]:
         _print_held_out(history)
     return 130 if result["interrupted"] else 0
+
+
+def _end_processes() -> None:
+    """Tear a multi-process run's process group down before the interpreter exits (the command
+    line's run owns it): a gloo process group left to interpreter teardown can abort a process
+    while a peer's last messages are in flight."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _print_held_out(history: dict) -> None:
