@@ -32,7 +32,7 @@ The numbers are TRL 1.16's, and the same as the standalone loss's: both follow d
 which is TRL 1.16's `_compute_loss`, through one implementation (`grpo_math`: per-token loss,
 aggregation weights, entropy bonus, metric sums and clip flags). Tested against TRL's own
 `_compute_loss` to float32 precision (tests/trl/test_trl.py, tests/api/test_semantics_trl.py,
-tests/api/test_loss_options.py).
+tests/api/test_loss_options.py, tests/trl/test_trl_loss_options.py).
 What the trainer adds is TRL's bookkeeping (`bookkeeping.py`): per-micro-batch losses / current
 accumulation steps; dapo/cispo/vespo divide by num_items_in_batch / num_processes · accumulation
 steps / steps_per_generation; metrics (`entropy`, `kl`, `clip_ratio/*` with its per-sequence

@@ -36,7 +36,7 @@ def test_token_loss_args_resolve_epsilon_high_and_refuse_per_sequence_types():
     assert TokenLossArgs.of_op_args(args.to_op_args()) == args
     for loss_type in ("vespo", "gmpo"):
         with pytest.raises(ValueError, match="no per-token epilogue"):
-            GRPOParams(loss_type=loss_type).token_loss_args
+            _ = GRPOParams(loss_type=loss_type).token_loss_args
 
 
 @pytest.mark.parametrize("backend", ["triton", "chunked"])

@@ -135,7 +135,7 @@ def test_old_and_ref_scoring_match_trl(model_dir):
 
 
 def test_unsupported_features_fall_back_to_trl_with_one_warning(model_dir):
-    # every TRL 1.16 loss option runs on our route (tests/api/test_loss_options.py); what still
+    # every TRL 1.16 loss option runs on our route (tests/trl/test_trl_loss_options.py); what still
     # falls back to TRL's loss math is a setting TRL takes and GRPOParams refuses (TRL floors
     # vespo's lambda at 1e-4, GRPOParams asks for > 0)
     for cfg in (dict(loss_type="vespo", vespo_lambda_pos=0.0),):
