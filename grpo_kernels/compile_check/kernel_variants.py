@@ -163,7 +163,8 @@ def _epilogue_args(epi: tuple) -> dict:
     # is no epilogue the launcher passes logp (float32) in their place
     ptrs = dict.fromkeys(("old_ptr", "ref_ptr", "adv_ptr", "isr_ptr", "wt_ptr", "lossw_ptr",
                           "glogp_ptr", "kl_ptr", "ratio_ptr"), Ptr("fp32"))
-    scalars = dict.fromkeys(("eps_low", "eps_high", "delta", "beta", "sapo_pos", "sapo_neg"), 0.2)
+    scalars = dict.fromkeys(("epsilon_low", "epsilon_high", "delta", "beta", "sapo_pos",
+                             "sapo_neg"), 0.2)
     return {**ptrs, **scalars, **dict(zip(EPI_NAMES, epi))}
 
 

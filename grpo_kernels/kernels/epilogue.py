@@ -35,7 +35,7 @@ KIND_DPPO = tl.constexpr(loss_specs.KERNEL_DPPO)
 @triton.jit
 def grpo_token_epilogue(
     logp, old, ref, adv, isr,
-    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
 ):
@@ -45,7 +45,7 @@ def grpo_token_epilogue(
     else:
         w = tl.exp(logp - logp)  # ratio ≡ 1, derivative w·dlogp keeps the A·∇logp gradient
     if LOSS_KIND == KIND_CISPO:
-        cap = tl.minimum(w, eps_high)
+        cap = tl.minimum(w, epsilon_high)
         loss = -cap * adv * logp
         dloss = -cap * adv
     elif LOSS_KIND == KIND_DPPO:
@@ -56,7 +56,7 @@ def grpo_token_epilogue(
         change = p - p  # no old policy: the probability has not moved
         if HAS_OLD:
             change = p - tl.exp(old)
-        inside = tl.where(adv > 0, change <= eps_high, change >= -eps_low)
+        inside = tl.where(adv > 0, change <= epsilon_high, change >= -epsilon_low)
         k = tl.where(inside, k, 0.0)
         loss = -k * adv * logp
         dloss = -k * adv
@@ -66,8 +66,8 @@ def grpo_token_epilogue(
         loss = -(s * 4.0 / t) * adv
         dloss = -4.0 * adv * s * (1.0 - s) * w
     else:  # clipped surrogate
-        lo = 1.0 - eps_low
-        hi = 1.0 + eps_high
+        lo = 1.0 - epsilon_low
+        hi = 1.0 + epsilon_high
         c = tl.minimum(tl.maximum(w, lo), hi)
         dc = tl.where((w >= lo) & (w <= hi), w, 0.0)
         if HAS_DELTA:
@@ -104,7 +104,7 @@ def grpo_token_outputs(
     offs, mask, logp,
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr,
     lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
 ):
@@ -122,7 +122,7 @@ def grpo_token_outputs(
     if HAS_ISR:
         isr = tl.load(isr_ptr + offs, mask=mask, other=1.0)
     loss, dloss, kl, w = grpo_token_epilogue(
-        logp, old, ref, adv, isr, eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+        logp, old, ref, adv, isr, epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
         LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
     )
     tl.store(lossw_ptr + offs, wt * loss, mask=mask)

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .linear_logprobs import grouped_program, loop_bound, transformed_dz
+from .dlogits import token_gradients, transformed_dz
+from .linear_logprobs import grouped_program, loop_bound
 from .logit_transform import grad_filter_scale, logit_transform_args
 from .precision import dot_precision, head_dot, split_dot, tile_dot
 
@@ -82,12 +83,7 @@ def _linear_logprob_bwd_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
-    scale = tl.abs(g)  # [BLOCK_N] the token's gradient scale, |g_logp| + |g_entropy|
-    gh = g
-    if HAS_GENT:
-        gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        scale += tl.abs(gh)
+    g, gh, scale = token_gradients(glogp_ptr, gent_ptr, offs_n, n_mask, HAS_GENT)
     # token blocks with no gradient (masked tokens) cost nothing (a sum, so NaN still flows)
     if tl.sum(scale, axis=0) != 0.0:
         offs_vl = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # row in this vocabulary chunk

@@ -41,7 +41,8 @@ import triton.language as tl
 
 from . import tile_configs
 from .accumulate_mm import accumulate_mm
-from .linear_logprobs import grouped_program, transformed_dz
+from .dlogits import token_gradients, transformed_dz
+from .linear_logprobs import grouped_program
 from .logit_transform import grad_filter_scale, logit_transform_args
 from .precision import dot_precision
 
@@ -73,12 +74,7 @@ def _linear_dz_kernel(
     v_mask = local_v < v_count
     offs_n = n0 + local_n  # token
     offs_v = v0 + local_v  # vocabulary row
-    g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
-    scale = tl.abs(g)  # [BLOCK_N] the token's gradient scale, |g_logp| + |g_entropy|
-    gh = g
-    if HAS_GENT:
-        gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        scale += tl.abs(gh)
+    g, gh, scale = token_gradients(glogp_ptr, gent_ptr, offs_n, n_mask, HAS_GENT)
     dz = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     # token blocks with no gradient (masked tokens) write zeros without the recompute (a sum,
     # so a NaN gradient still takes the recompute and flows into the result)

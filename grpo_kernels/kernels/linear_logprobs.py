@@ -11,8 +11,8 @@ Without either (HAS_SCALE = HAS_SOFTCAP = False, the default) the kernels are th
 
 Forward streams vocabulary tiles through an online log-sum-exp; an optional GRPO epilogue turns
 logp into the per-token loss and its gradient coefficient in the same kernel. The jitted tile
-helpers here (`logit_tile`, `dz_tile`, `transformed_dz`, `grouped_program`, `loop_bound`) are
-shared with the two backwards, which recompute each logit tile from hidden and weight:
+helpers here (`logit_tile`, `grouped_program`, `loop_bound`) are shared with the two backwards,
+which recompute each logit tile from hidden and weight and turn it into d logits (`dlogits.py`):
 `linear_backward_gemm.py` (the default) and `linear_backward_atomic.py`.
 
 Layout: tile helpers, forward kernel, split-combine kernel, launcher. The custom operators and
@@ -30,7 +30,6 @@ from .epilogue import KIND_CLIPPED, grpo_token_outputs
 from .logit_transform import (
     logit_transform_args,
     softcap_logits,
-    softcap_logits_grad,
 )
 from .precision import dot_precision, head_dot
 from .tile_configs import INTERPRET
@@ -58,7 +57,7 @@ def _store_token_results(
     offs_n, n_mask, lse, ent, z_target,
     lse_ptr, ent_ptr, logp_ptr,
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
     EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
     HAS_ISR: tl.constexpr,
@@ -71,7 +70,7 @@ def _store_token_results(
         grpo_token_outputs(
             offs_n, n_mask, logp, old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr,
             lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-            eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+            epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
             LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
         )
 
@@ -98,49 +97,6 @@ def logit_tile(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
     return acc * inv_temp
-
-
-@triton.jit
-def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp,
-            HAS_GENT: tl.constexpr):
-    """d logits of Σ g·logp + Σ g_H·H for one tile of z = logits / τ:
-        dlogp/dz_j = onehot_j - p_j,  dH/dz_j = -p_j·(log p_j + H)
-        d logits = [g·(onehot - p) - g_H·p·(log p + H)] / τ     (zero outside the masks)"""
-    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
-    log_p = z - lse[:, None]
-    p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
-    onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-    dz = g[:, None] * (onehot - p)
-    if HAS_GENT:
-        ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
-        dz -= gh[:, None] * p * (log_p + ent[:, None])
-    return tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_temp, 0.0)
-
-
-@triton.jit
-def transformed_dz(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_n, offs_v, n_mask, v_mask, D,
-                   g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
-                   HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """The backward's d loss / dy tile of the raw logits y = hidden @ weight.T + bias.
-    Without a transform: the logit tile at 1/τ and `dz_tile`, as always. With one
-    (z = cap(s·y), logits z / τ):
-        d loss / dy = dz_tile(z / τ)·dz/dy,   dz_tile = [g·(onehot - p) - g_H·p·(log p + H)] / τ
-        dz/dy = s·(1 - (z / c)²) with a cap, s without (`softcap_logits_grad`)."""
-    if HAS_SCALE or HAS_SOFTCAP:
-        y = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, 1.0,
-                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
-        z, dzdy = softcap_logits_grad(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
-        dz = dz_tile(z * inv_temp, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr,
-                     ent_ptr, inv_temp, HAS_GENT) * dzdy
-    else:
-        z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
-                       HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
-        dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
-                     inv_temp, HAS_GENT)
-    return dz
 
 
 @triton.jit
@@ -212,7 +168,7 @@ def _linear_logprob_fwd_kernel(
     part_ptr,  # [3, S, N] float32, base 2: running max m, Σ 2^(z2-m), Σ 2^(z2-m)(z2-m)
     lse_ptr, ent_ptr, logp_ptr,  # [N] float32 (split: split 0 leaves the target logit in logp)
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
     N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, n_splits, tiles_per_split,
     logit_mul, softcap,  # the logit transform (`softcap_logits`), read only with its flag on
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
@@ -282,7 +238,7 @@ def _linear_logprob_fwd_kernel(
             offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
             lse_ptr, ent_ptr, logp_ptr,
             old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-            eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+            epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
             EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
         )
 
@@ -291,7 +247,7 @@ def _linear_logprob_fwd_kernel(
 def _combine_splits_kernel(
     part_ptr, lse_ptr, ent_ptr, logp_ptr,
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
     N, S,
     EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
@@ -319,7 +275,7 @@ def _combine_splits_kernel(
         offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
         lse_ptr, ent_ptr, logp_ptr,
         old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-        eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+        epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
         EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
     )
 

@@ -34,7 +34,7 @@ def _row_offsets(offs_n, T, stride_b, stride_t):
 def _logits_logprob_fwd_kernel(
     x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
     N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
     EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
@@ -75,7 +75,7 @@ def _logits_logprob_fwd_kernel(
         offs_n, n_mask, m + log_s, log_s - t / tl.where(n_mask, s, 1.0), z_tgt,
         lse_ptr, ent_ptr, logp_ptr,
         old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-        eps_low, eps_high, delta, beta, sapo_pos, sapo_neg,
+        epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
         EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
     )
 
