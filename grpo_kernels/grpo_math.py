@@ -129,7 +129,7 @@ def per_token_loss(
         loss = layout.expand(gmpo_sequence_loss(logp - old, advantages, mask,
                                                 importance_sampling_ratio, params, layout))
     elif objective == "cispo":
-        loss = -torch.clamp(w, max=params.eps_high).detach() * A * logp
+        loss = -torch.clamp(w, max=params.epsilon_high).detach() * A * logp
     elif objective == "dppo":
         coef = capped_ratio(w, params) * dppo_trust_region(logp, old, A, params)
         loss = -coef.detach() * A * logp
@@ -173,7 +173,7 @@ def dppo_trust_region(logp: torch.Tensor, old: torch.Tensor, advantages: torch.T
     advantages broadcastable to them."""
     with torch.no_grad():
         change = torch.exp(logp) - torch.exp(old)
-        inside = torch.where(advantages > 0, change <= params.eps_high,
+        inside = torch.where(advantages > 0, change <= params.epsilon_high,
                              change >= -params.epsilon_low)
         return inside.to(logp.dtype)
 
@@ -188,7 +188,7 @@ def gmpo_sequence_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: 
     ratio [B, T] enters as its geometric mean over the sequence, [B, 1] as it is."""
     A = layout.expand(advantages)
     sign = torch.sign(A)
-    clipped = torch.clamp(log_ratio, -params.epsilon_low, params.eps_high)
+    clipped = torch.clamp(log_ratio, -params.epsilon_low, params.epsilon_high)
     m = sign * torch.minimum(sign * log_ratio, sign * clipped)
     count = layout.seq_sum(mask).clamp(min=1.0)  # [B, 1]
     ratio = torch.exp(layout.seq_sum(m * mask) / count)
@@ -238,7 +238,7 @@ def clip_indicators(
             w = capped_ratio(ratio, params) if objective == "clipped" else ratio
             lo, hi = params.clip_range
             if objective == "gmpo":  # its trust region is in log space
-                lo, hi = math.exp(-params.epsilon_low), math.exp(params.eps_high)
+                lo, hi = math.exp(-params.epsilon_low), math.exp(params.epsilon_high)
             low = (w < lo) & (A < 0)
             high = (w > hi) & (A > 0)
             flags = (low.float(), high.float(), (low | high).float())
@@ -246,10 +246,10 @@ def clip_indicators(
             old = torch.zeros_like(ratio) if old_logps is None else old_logps
             change = torch.exp(old) * (ratio - 1)
             low = (change < -params.epsilon_low) & (A < 0)
-            high = (change > params.eps_high) & (A > 0)
+            high = (change > params.epsilon_high) & (A > 0)
             flags = (low.float(), high.float(), (low | high).float())
         elif objective == "cispo":
-            flags = (((ratio > params.eps_high) & (A > 0)).float(),)
+            flags = (((ratio > params.epsilon_high) & (A > 0)).float(),)
         else:
             flags = ()
         return dict(zip(clip_flag_names(params), flags))

@@ -33,8 +33,9 @@ class GRPOParams:
     # lower clip: ratio >= 1 - epsilon_low (gmpo: log-ratio >= -epsilon_low; dppo: the
     # probability may fall by at most epsilon_low)
     epsilon_low: float = 0.2
-    # upper clip (None -> epsilon_low); cispo: the raw cap; gmpo: log-ratio <= epsilon_high;
-    # dppo: the probability may rise by at most epsilon_high
+    # upper clip (None: epsilon_low, resolved at construction, as TRL's trainer resolves it);
+    # cispo: the raw cap; gmpo: log-ratio <= epsilon_high; dppo: the probability may rise by at
+    # most epsilon_high
     epsilon_high: float | None = None
     # two-sided clipping: ratio capped at delta in the unclipped term (dppo: the cap of its
     # detached ratio coefficient, truncated importance sampling)
@@ -55,6 +56,8 @@ class GRPOParams:
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences drifted beyond this
 
     def __post_init__(self) -> None:
+        if self.epsilon_high is None:  # one upper clip from here on (frozen: set it directly)
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
         spec = spec_of(self.loss_type)
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
@@ -72,10 +75,10 @@ class GRPOParams:
         for name in ("epsilon_high", "off_policy_mask_threshold"):
             if getattr(self, name) is not None:
                 _check_finite(name, getattr(self, name))
-        if self.epsilon_low < 0 or self.eps_high < 0:
+        if self.epsilon_low < 0 or self.epsilon_high < 0:
             raise ValueError(
                 "epsilon_low and epsilon_high must be >= 0, "
-                f"got {self.epsilon_low}, {self.eps_high}"
+                f"got {self.epsilon_low}, {self.epsilon_high}"
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
@@ -155,13 +158,9 @@ class GRPOParams:
     # ---- derived quantities ---------------------------------------------------------------
 
     @property
-    def eps_high(self) -> float:
-        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
-
-    @property
     def clip_range(self) -> tuple[float, float]:
         """(1 - epsilon_low, 1 + epsilon_high): the trust region of the clipped ratio."""
-        return 1.0 - self.epsilon_low, 1.0 + self.eps_high
+        return 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
 
     @property
     def spec(self) -> LossSpec:
@@ -171,7 +170,7 @@ class GRPOParams:
     @property
     def token_loss_args(self) -> TokenLossArgs:
         """The values the per-token loss of a token-level type reads (see TokenLossArgs)."""
-        return TokenLossArgs(self.loss_type, self.epsilon_low, self.eps_high, self.delta,
+        return TokenLossArgs(self.loss_type, self.epsilon_low, self.epsilon_high, self.delta,
                              self.beta, self.use_bias_correction_kl, self.sapo_temperature_pos,
                              self.sapo_temperature_neg)
 
@@ -204,12 +203,11 @@ class TokenLossArgs:
     custom operators, and what `grpo_math.per_token_loss` reads on their chunked path. Built
     from a validated GRPOParams (`GRPOParams.token_loss_args`), once per call; the operator
     gets it as plain arguments (`to_op_args`, in `op_schema`'s order) and rebuilds it
-    (`of_op_args`). Its attribute names are GRPOParams' (epsilon_high resolved), so
-    grpo_math reads either."""
+    (`of_op_args`). Its attribute names are GRPOParams', so grpo_math reads either."""
 
     loss_type: str  # a type with a per-token epilogue (its spec's kernel_code is set)
     epsilon_low: float
-    epsilon_high: float  # GRPOParams.eps_high: never None here
+    epsilon_high: float
     delta: float | None
     beta: float
     use_bias_correction_kl: bool
@@ -225,10 +223,6 @@ class TokenLossArgs:
     @property
     def spec(self) -> LossSpec:
         return spec_of(self.loss_type)
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon_high
 
     @property
     def clip_range(self) -> tuple[float, float]:

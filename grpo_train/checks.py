@@ -87,7 +87,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-_LOSS_FLAGS = {"beta": "--beta", "epsilon_low": "--epsilon", "epsilon_high": "--epsilon_high",
+_LOSS_FLAGS = {"beta": "--beta", "epsilon_low": "--epsilon_low", "epsilon_high": "--epsilon_high",
                "delta": "--delta", "temperature": "--temperature", "loss_type": "--loss_type",
                "importance_sampling_level": "--importance_sampling_level",
                "max_completion_length": "--max_new_tokens", "entropy_coef": "--entropy_coef"}

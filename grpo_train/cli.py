@@ -130,6 +130,7 @@ def build_parser() -> Parser:
         "line. Exit status: 0 done,\n2 bad arguments or inputs (one line on stderr), "
         "130 interrupted (a checkpoint was saved).",
     )
+    parser.renamed = {"--epsilon": "--epsilon_low"}
     general = parser.add_argument_group("general")
     general.add_argument("--config", metavar="FILE",
                          help="YAML or JSON file of the settings below (field: value)")

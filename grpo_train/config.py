@@ -119,8 +119,9 @@ class TrainConfig:
         "it: anchored to the warm-up policy, the tiny model keeps exploring instead of "
         "collapsing onto the most frequent answer (0.3 learned faster and more reliably than "
         "0.1 there).")
-    epsilon: float = option(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float | None = option(None, "upper clip (none = epsilon)")
+    epsilon_low: float = option(0.2,
+        "lower clip: ratio >= 1 - epsilon_low (TRL's GRPOConfig calls it epsilon)")
+    epsilon_high: float | None = option(None, "upper clip (none = epsilon_low)")
     delta: float | None = option(None, "two-sided clipping cap on the ratio")
     importance_sampling_level: str = option("token", "\"sequence\" = GSPO")
     scale_rewards: str = option("group",
@@ -257,6 +258,5 @@ def lr_factor(cfg: TrainConfig):
 
 def grpo_params(cfg: TrainConfig) -> GRPOParams:
     """The loss' hyperparameters: TrainConfig's fields of GRPOParams' names, with the two that
-    the trainer names otherwise (--epsilon, and --max_new_tokens as dr_grpo's normalizer)."""
-    return GRPOParams.from_config(cfg, epsilon_low=cfg.epsilon,
-                                  max_completion_length=cfg.max_new_tokens)
+    the trainer names otherwise (--max_new_tokens as dr_grpo's normalizer)."""
+    return GRPOParams.from_config(cfg, max_completion_length=cfg.max_new_tokens)

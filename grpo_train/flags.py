@@ -101,8 +101,14 @@ class Parser(argparse.ArgumentParser):
             args = [canonical_flag(a) for a in args]
         return super().parse_known_args(args, namespace)
 
+    # flags of other trainers (TRL's GRPOConfig) that this command line spells otherwise
+    renamed: dict[str, str] = {}
+
     def error(self, message: str):
         # argparse prints the whole usage first (dozens of lines here); one line is enough
+        for old, new in self.renamed.items():
+            if message.startswith("unrecognized arguments") and old in message.split():
+                message += f" ({old} is TRL's GRPOConfig name of {new})"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -41,7 +41,7 @@ def test_defaults_are_the_embedded_run_and_trl_for_a_model():
         assert getattr(embedded, name) == tiny
         assert getattr(pretrained, name) == real
     assert pretrained.beta == 0.0 and pretrained.num_iterations == 1  # TRL's defaults
-    assert embedded.loss_type == "dapo" and embedded.epsilon == 0.2
+    assert embedded.loss_type == "dapo" and embedded.epsilon_low == 0.2
 
 
 def test_flags_override_config_file(tmp_path):
