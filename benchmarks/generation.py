@@ -24,7 +24,6 @@ continuous / padded speedup. The header gives machine, date, load average and co
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import math
@@ -88,12 +87,12 @@ def draw_lengths(kind: str, B: int, max_new: int) -> list[int]:
 
 def time_path(model, tok, examples, cfg, path: str, lengths: list[int], repeats: int):
     """(median seconds, completion tokens) of `generate` on one path."""
-    from grpo_train.generation import forced_lengths, generate
+    from grpo_train.generation import GenerationSetup, forced_lengths, generate
     from grpo_train.models import eos_token_ids
 
-    ctx = dict(cfg=dataclasses.replace(cfg, generation=path), tokenizer=tok,
-               eos_ids=eos_token_ids(model, tok), autocast=contextlib.nullcontext(),
-               say=lambda msg: print(f"  {msg}", flush=True))
+    ctx = GenerationSetup(cfg=dataclasses.replace(cfg, generation=path), tokenizer=tok,
+                          eos_ids=eos_token_ids(model, tok),
+                          say=lambda msg: print(f"  {msg}", flush=True))
     times, tokens = [], 0
     with forced_lengths(lambda B: lengths):
         for i in range(repeats + 1):  # the first call is not timed

@@ -16,13 +16,15 @@ Benchmarks can force completion lengths on either path (`forced_lengths`).
 
 What generation reads comes from the trainer's run state (`run_state.RunState`): cfg, tokenizer,
 eos_ids, autocast, say, and accel for `evaluate`; the path chosen on the first call is kept
-there too. Direct calls may pass a dict with those keys instead (benchmarks/generation.py).
+there too. Direct calls pass a `GenerationSetup` holding the same (benchmarks/generation.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,8 +44,8 @@ def forced_lengths(draw):
     first): sequence i samples with EOS banned for its first L_i - 1 tokens and then emits EOS
     (eos_ids[0]) as token L_i, so its completion is exactly L_i tokens; L_i above
     max_new_tokens gives a truncated completion of max_new_tokens tokens. It overrides
-    min_new_tokens. A run state's `forced_lengths = draw` (a dict's "forced_lengths" key) does
-    the same for the calls given that run."""
+    min_new_tokens. A run state's (or GenerationSetup's) `forced_lengths = draw` does the same
+    for the calls given that run."""
     global _forced_draw
     previous, _forced_draw = _forced_draw, draw
     try:
@@ -70,25 +72,19 @@ class EosSchedule:
         return torch.where(t == lengths - 1, only_eos, scores)
 
 
-class _DictRun:
-    """A dict read as a run state: attribute reads give its keys (None when absent), writes go
-    back into it, so a dict passed to several calls keeps the path decided on the first one."""
+@dataclass
+class GenerationSetup:
+    """What `generate` reads besides the model and the prompts, for a caller without a run
+    state (benchmarks, tests); the trainer's `run_state.RunState` has the same fields."""
 
-    def __init__(self, values: dict):
-        object.__setattr__(self, "_values", values)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # copy, pickle and the like probe dunders: not keys
-            raise AttributeError(name)
-        return self._values.get(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self._values[name] = value
-
-
-def _as_run(run):
-    """The run state as generation reads it: a `RunState` as it is, a dict through `_DictRun`."""
-    return _DictRun(run) if isinstance(run, dict) else run
+    cfg: Any  # the TrainConfig: generation path, G, sampling, max/min new tokens
+    tokenizer: Any
+    eos_ids: list[int]  # token ids that end a completion; eos_ids[0] ends a forced one
+    autocast: Any = field(default_factory=contextlib.nullcontext)  # a context manager
+    say: Callable[[str], None] | None = None  # one log line (None: print)
+    forced_lengths: Callable[[int], list[int]] | None = None  # see `forced_lengths`
+    continuous: bool | None = None  # the path, decided on the first call and kept
+    continuous_logged: bool = False  # whether the continuous path's log line was printed
 
 
 def _draw_lengths(run, B: int, max_new_tokens: int) -> list[int] | None:
@@ -125,8 +121,7 @@ def _wants_continuous(model, run, sampling: dict) -> bool:
 @torch.no_grad()
 def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
     """G sampled completions per prompt (1 greedy one with greedy=True), with EOS handling.
-    run: the `RunState` (or a dict with its cfg, tokenizer, eos_ids, autocast, say keys)."""
-    run = _as_run(run)
+    run: the `RunState`, or a `GenerationSetup` (cfg, tokenizer, eos_ids, autocast, say)."""
     cfg, tok = run.cfg, run.tokenizer
     G = 1 if greedy else cfg.num_generations
     device = next(model.parameters()).device
@@ -219,9 +214,8 @@ def _batch(examples, run, G, prompt_ids, prompt_mask, completion_ids) -> dict:
 @torch.no_grad()
 def evaluate(model, examples: list[dict], run) -> float:
     """Held-out accuracy: one greedy completion per prompt, scored by the built-in accuracy;
-    the prompts are split over the processes and the counts summed. run: as for `generate`,
-    with accel."""
-    run = _as_run(run)
+    the prompts are split over the processes and the counts summed. run: the `RunState`
+    (accel as well as what `generate` reads)."""
     accel, cfg = run.accel, run.cfg
     mine = examples[accel.process_index::accel.num_processes]
     correct, total = 0.0, 0.0

@@ -4,7 +4,6 @@ forced completion lengths on both paths. Tiny models; each continuous call takes
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -44,9 +43,10 @@ def biased(embedded, bias: dict[int, float]):
 
 
 def make_ctx(model, tok, cfg, path, log=None, eos_ids=None, **fields):
-    return dict(cfg=dataclasses.replace(cfg, generation=path, **fields), tokenizer=tok,
-                eos_ids=eos_ids or eos_token_ids(model, tok), autocast=contextlib.nullcontext(),
-                say=(log.append if log is not None else lambda _m: None))
+    return generation.GenerationSetup(
+        cfg=dataclasses.replace(cfg, generation=path, **fields), tokenizer=tok,
+        eos_ids=eos_ids or eos_token_ids(model, tok),
+        say=(log.append if log is not None else lambda _m: None))
 
 
 def both(model, tok, cfg, greedy=True, seed=0, **fields):
@@ -171,9 +171,9 @@ def test_forced_lengths_on_both_paths(embedded):
         batches.append(batch)
     assert torch.equal(batches[0]["completion_mask"], batches[1]["completion_mask"])
     ctx = make_ctx(m, tok, cfg, "continuous")
-    ctx["forced_lengths"] = lambda n: [2] * n  # a ctx's own hook
+    ctx.forced_lengths = lambda n: [2] * n  # a ctx's own hook
     assert generation.generate(m, EXAMPLES, ctx)["lengths"].tolist() == [2] * B
-    ctx["forced_lengths"] = lambda n: [2] * (n - 1)
+    ctx.forced_lengths = lambda n: [2] * (n - 1)
     with pytest.raises(ValueError, match="forced_lengths"):
         generation.generate(m, EXAMPLES, ctx)
 
