@@ -82,7 +82,11 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     W = choose_row_width(lengths, model_config)
     row, offset, used = _place(lengths, W)
     R = len(used)
-    ids = torch.full((R * W,), pad_token_id, dtype=input_ids.dtype, device=device)
+    # the layout is built on the CPU (no device synchronization per sequence); the token ids
+    # are then gathered on the batch's device in one step: src = each position's flat index
+    # into input_ids [S·L], -1 for filler
+    prompt_cols, comp_cols = prompt.cpu(), comp.cpu()
+    src = torch.full((R * W,), -1, dtype=torch.int64)
     pos = torch.zeros(R * W, dtype=torch.int64)
     doc = torch.full((R * W,), -1, dtype=torch.int64)  # segment id per position
     prefix_of = torch.full((R * W,), -1, dtype=torch.int64)  # the prefix a segment sees
@@ -90,18 +94,21 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     n_doc = 0
     for g, group in enumerate(groups):
         at, first = row[g] * W + offset[g], group[0]
-        prompt_ids = input_ids[first, :L - T][prompt[first]]  # [P]
+        prompt_src = first * L + prompt_cols[first].nonzero().squeeze(1)  # [P]
         n = P[first] - 1
-        ids[at:at + n], pos[at:at + n], doc[at:at + n] = prompt_ids[:-1], torch.arange(n), n_doc
+        src[at:at + n], pos[at:at + n], doc[at:at + n] = prompt_src[:-1], torch.arange(n), n_doc
         prefix, n_doc, at = n_doc, n_doc + 1, at + n
         for s in group:
             k = 1 + C[s]
             seg_start[s] = at
-            ids[at] = prompt_ids[-1]
-            ids[at + 1:at + k] = input_ids[s, L - T:][comp[s]]
+            src[at] = prompt_src[-1]
+            src[at + 1:at + k] = s * L + (L - T) + comp_cols[s].nonzero().squeeze(1)
             pos[at:at + k] = torch.arange(n, n + k)
             doc[at:at + k], prefix_of[at:at + k] = n_doc, prefix
             n_doc, at = n_doc + 1, at + k
+    src = src.to(device)
+    ids = torch.where(src >= 0, input_ids.reshape(-1)[src.clamp(min=0)],
+                      torch.full_like(src, pad_token_id, dtype=input_ids.dtype))
     for r, u in enumerate(used):  # each row's filler tail: its own segment, positions from 0
         doc[r * W + u:(r + 1) * W] = n_doc + r
         pos[r * W + u:(r + 1) * W] = torch.arange(W - u)
@@ -140,14 +147,39 @@ def shared_prompt_mask(doc: torch.Tensor, prefix_of: torch.Tensor, model_config=
             return (k <= q) & (own | (doc[b, k] == prefix_of[b, q]))
 
         return create_block_mask(sees, R, None, W, W, device=doc.device)
-    ar = torch.arange(W, device=doc.device)
-    causal = ar.view(1, W) <= ar.view(W, 1)  # [q, k]
-    sees = (doc.unsqueeze(1) == doc.unsqueeze(2)) | (doc.unsqueeze(1) == prefix_of.unsqueeze(2))
-    allowed = (sees & causal).unsqueeze(1)  # [R, 1, W(q), W(k)]
+    allowed = _allowed_blocks(doc, prefix_of)  # [R, 1, W(q), W(k)]
     if impl == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=doc.device).masked_fill(
         ~allowed, torch.finfo(dtype).min)
+
+
+def _allowed_blocks(doc: torch.Tensor, prefix_of: torch.Tensor) -> torch.Tensor:
+    """The rule of `shared_prompt_mask` as bool [R, 1, W, W], written block by block: segments
+    are contiguous runs of `doc`, so the allowed keys of a segment's queries are a causal
+    triangle on its own run and, with a prefix, the whole prefix run (which lies before it).
+    Only those blocks are written into a zeroed mask: a few writes per segment, instead of
+    comparing W² segment ids per row (seconds on a CPU at W ~ 5,000)."""
+    R, W = doc.shape
+    allowed = torch.zeros(R, 1, W, W, dtype=torch.bool, device=doc.device)
+    d, p = doc.cpu(), prefix_of.cpu()
+    starts = torch.ones(R, W, dtype=torch.bool)
+    starts[:, 1:] = d[:, 1:] != d[:, :-1]
+    longest = 0
+    runs = []  # (row, start, end, prefix segment id)
+    for r in range(R):
+        bounds = starts[r].nonzero().squeeze(1).tolist() + [W]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            runs.append((r, a, b, int(p[r, a])))
+            longest = max(longest, b - a)
+    tri = torch.ones(longest, longest, dtype=torch.bool, device=doc.device).tril()
+    where = {(r, int(d[r, a])): (a, b) for r, a, b, _ in runs}  # a segment's run in its row
+    for r, a, b, prefix in runs:
+        allowed[r, 0, a:b, a:b] = tri[:b - a, :b - a]
+        if prefix >= 0:
+            pa, pb = where[(r, prefix)]
+            allowed[r, 0, a:b, pa:pb] = True
+    return allowed
 
 
 _SHARING_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -17,7 +17,7 @@ from grpo_kernels.hf import (
     pack_sequences,
     share_prompts,
 )
-from grpo_kernels.hf.shared_prompt import prompt_groups
+from grpo_kernels.hf.shared_prompt import _allowed_blocks, prompt_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +75,39 @@ def test_layout_holds_each_prompt_once():
     W = sh.input_ids.shape[1]
     assert doc.reshape(-1)[first] != doc.reshape(-1)[second]
     assert not bool(m.reshape(-1, W, W)[second // W, second % W, first % W])
+
+
+def _mask_by_rule(doc, prefix_of):
+    """The rule, position pair by position pair: k <= q and k's segment is q's or q's prefix."""
+    R, W = doc.shape
+    k, q = torch.arange(W).view(1, W), torch.arange(W).view(W, 1)
+    sees = (doc.unsqueeze(1) == doc.unsqueeze(2)) | (doc.unsqueeze(1) == prefix_of.unsqueeze(2))
+    return (sees & (k <= q)).unsqueeze(1)
+
+
+def test_block_written_mask_equals_the_rule_on_random_layouts():
+    """The mask is written block by block (`_allowed_blocks`); on random rows of segments, some
+    with a prefix segment earlier in the row, it equals the pairwise rule."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        R, W = 3, 40
+        doc = torch.empty(R, W, dtype=torch.long)
+        prefix_of = torch.full((R, W), -1)
+        segment = 0
+        for r in range(R):
+            at, prefix = 0, None
+            while at < W:
+                n = min(int(torch.randint(1, 9, (1,), generator=g)), W - at)
+                doc[r, at:at + n] = segment
+                if prefix is not None and torch.rand(1, generator=g) < 0.6:
+                    prefix_of[r, at:at + n] = prefix
+                elif torch.rand(1, generator=g) < 0.5:
+                    prefix = segment
+                segment, at = segment + 1, at + n
+        assert torch.equal(_allowed_blocks(doc, prefix_of), _mask_by_rule(doc, prefix_of))
+    ids, attn, mask, T = grouped_batch()  # and on a real layout
+    rows = share_prompts(ids, attn, T, mask)
+    assert torch.equal(rows.attention_mask, _mask_by_rule(*rows.segments))
 
 
 def test_groups_are_equal_prompts_wherever_they_are():
