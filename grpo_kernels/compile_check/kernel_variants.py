@@ -23,7 +23,7 @@ from ..kernels import linear_backward_gemm as gemm
 from ..kernels import linear_logprobs as lin
 from ..kernels import logits_logprobs as lgt
 from ..kernels import precision, tile_configs
-from ..loss_specs import KERNEL_CISPO, KERNEL_CLIPPED, KERNEL_DPPO, KERNEL_SAPO
+from ..loss_specs import KERNEL_CLIPPED, LOSS_SPECS
 from ..ops.backends import BACKWARD_ENV, linear_backward_mode
 
 ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -33,18 +33,19 @@ ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HEADS = ((896, 151936), (3584, 151936), (4096, 128256), (4096, 32000), (4096, 32001))
 TOKENS = (16384, 4096)  # N = B·T
 COMPLETION = 1024  # T of the [B, T, V] logits (the logits kernels' batch stride is T·V)
-# (EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR)
 EPI_NAMES = ("EPILOGUE", "LOSS_KIND", "HAS_OLD", "HAS_DELTA", "HAS_KL", "BIAS_CORRECT_KL",
              "HAS_ISR")
+# every per-token objective of the registry with every option on (its heaviest epilogue)
+_OTHER_KINDS = sorted({s.kernel_code for s in LOSS_SPECS.values()} - {None, KERNEL_CLIPPED})
 EPILOGUES = (
     (False, KERNEL_CLIPPED, False, False, False, False, False),  # log-probs only
     (True, KERNEL_CLIPPED, True, True, True, True, True),  # clipped loss, every option on
     (True, KERNEL_CLIPPED, False, False, False, False, False),  # clipped, on-policy, no KL
     (True, KERNEL_CLIPPED, True, False, True, False, False),
-    (True, KERNEL_CISPO, True, False, True, False, False),
-    (True, KERNEL_SAPO, True, False, False, False, True),
-    (True, KERNEL_DPPO, True, True, True, False, False),  # truncated ratio, KL
+    *((True, kind, True, True, True, True, True) for kind in _OTHER_KINDS),
 )
+KIND_TAGS = {s.kernel_code: "clip" if s.objective == "clipped" else s.objective  # in names
+             for s in LOSS_SPECS.values() if s.kernel_code is not None}
 # The logit transform (kernels/logit_transform.py) as (HAS_SCALE, HAS_SOFTCAP): off, a logit scale
 # alone (Cohere), a soft cap (Gemma 2; with a scale too, the same code: the scale rides in
 # logit_mul). Its variants are compiled for a subset of the other flags (TRANSFORM_FWD/BWD),
@@ -189,8 +190,7 @@ def _with_transforms(plain, subset, quick: bool):
 def _tag(epi: tuple) -> str:
     if not epi[0]:
         return "none"
-    kind = {KERNEL_CLIPPED: "clip", KERNEL_CISPO: "cispo", KERNEL_SAPO: "sapo",
-            KERNEL_DPPO: "dppo"}[epi[1]]
+    kind = KIND_TAGS[epi[1]]
     flags = [n for n, on in zip(("old", "delta", "kl", "bckl", "isr"), epi[2:]) if on]
     return "+".join([kind, *flags])
 
