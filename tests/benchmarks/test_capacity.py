@@ -121,6 +121,29 @@ def test_long_tailed_search_per_layout_appends_rows_that_say_profile_and_layout(
     assert refused.value.code == 2 and commands == []
 
 
+def test_probe_takes_the_rounded_mean_of_the_draw(monkeypatch):
+    """trainer_step rounds the row's mean completion length to 0.1 token: a draw whose mean ends
+    in .x5 (2648.75 for G = 8 at cap 6656, seed 0) is the work asked for, not a failure."""
+    import json
+    import subprocess
+
+    from benchmarks import lengths
+
+    drawn = lengths.draw_lengths("lognormal", 8, 6656, 0, call=0)
+    assert sum(drawn) / 8 == 2648.75
+    row = {"status": "ok", "padding_free": "on", "share_prompt": "off", "loss_peak_gib": 5.7,
+           "scoring_peak_gib": 2.0, "completion_tokens_mean": round(sum(drawn) / 8, 1)}
+    monkeypatch.setattr(capacity.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, json.dumps(row, indent=1), ""))
+    args = SimpleNamespace(num_generations=8, prompt_tokens=64, device="cpu", beta=0.0, seed=0,
+                           num_layers=2, tiny=False, budget_gib=6.0,
+                           length_profile="long_tailed", layout="packed")
+    result = capacity.probe(args, "fused", 6656)
+    assert result["status"] == "ok" and result["fits"] and result["lengths"] == drawn
+    row["completion_tokens_mean"] = 6656.0  # every completion at the cap: not the draw
+    assert capacity.probe(args, "fused", 6656)["status"].startswith("failed: completions")
+
+
 @pytest.mark.slow
 def test_real_long_tailed_probes_draw_under_the_cap_in_the_asked_layout():
     args = SimpleNamespace(num_generations=4, prompt_tokens=16, device="cpu", beta=0.0, seed=0,
