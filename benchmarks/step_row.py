@@ -80,7 +80,8 @@ def describe(args, cuda: bool) -> dict:
         "num_generations": args.num_generations, "prompt_tokens": args.prompt_tokens,
         "completion_tokens": args.completion_tokens, "length_profile": args.length_profile,
         "padding_free": "off" if args.provider == "trl" else args.padding_free,
-        "share_prompt": (args.share_prompt if args.provider in ("fused", "reference")
+        "share_prompt": (args.share_prompt if args.provider in ("fused", "reference",
+                                                                "trl-kernels")
                          and args.padding_free == "on" else "off"),
         "generation": "synthetic" if args.synthetic else
         "generate (padded)" if args.provider.startswith("trl") else args.generation,

@@ -156,8 +156,8 @@ def parse_args(argv):
                         help="grpo_train and trl-kernels: packed rows (on, their default) or "
                              "padded ones; TRL's own trainer always pads")
     parser.add_argument("--share_prompt", default="on", choices=("on", "off"),
-                        help="grpo_train with packed rows: the group's prompt once (on, its "
-                             "default) or once per completion")
+                        help="grpo_train and trl-kernels with packed rows: the group's prompt "
+                             "once (on, their default) or once per completion")
     parser.add_argument("--beta", type=float, default=0.0,
                         help="KL coefficient (> 0: a reference model is scored every step)")
     parser.add_argument("--synthetic", action="store_true",

@@ -78,10 +78,13 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
         disable_tqdm=True, report_to="none", save_strategy="no", use_cpu=not cuda,
         seed=args.seed, shuffle_dataset=False, dataloader_num_workers=0)
     base = trainer_class(args.provider)
-    extra = {"padding_free": args.padding_free == "on"} if args.provider == "trl-kernels" else {}
+    extra = dict(padding_free=args.padding_free == "on", share_prompt=args.share_prompt == "on"
+                 ) if args.provider == "trl-kernels" else {}
     trainer = metered(base)(model=model, reward_funcs=reward, args=config,
                             train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[StepMeter()], **extra)
+    if extra:  # the layout the subclass chose for this model (its one log line says why)
+        print(f"trl-kernels: scoring and loss forwards run {trainer._layout} rows", flush=True)
     with phases.recording(recorder):
         trainer.train()
     return per_step, recorder
