@@ -14,9 +14,9 @@ generation does not dominate), beta and the rest as trainer_step. With `--length
 length is the cap (max_completion_length) and the G lengths are drawn under it, the same draw
 (--seed, first call) for every probe, so they scale with the cap. --layouts runs each provider's
 search once per layout: `padded` (--padding_free off), `packed` (--padding_free on,
---share_prompt off) or `shared` (packed with the group's prompt once: grpo_train only); TRL's own
-trainer pads only; without --layouts each provider runs trainer_step's default (TRL padded, the
-others packed, grpo_train with the shared prompt). A probe fits when it finishes and the higher of
+--share_prompt off) or `shared` (packed with the group's prompt once); TRL's own trainer pads
+only; without --layouts each provider runs trainer_step's default (TRL padded, the others shared
+where the model allows it). A probe fits when it finishes and the higher of
 its scoring and loss phase peaks is within the budget: on CUDA `max_memory_allocated`, on CPU the
 process' RSS (trainer_step's --max_rss_gib stops a probe that passes it; each probe runs with
 glibc's malloc thresholds fixed, benchmarks/allocator.py, and the row's `malloc` column says so).
@@ -43,7 +43,7 @@ from grpo_train.flags import Parser, run_cli
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = ("fused", "trl", "trl-kernels")
 LAYOUTS = ("padded", "packed", "shared")
-SUPPORTS = {"fused": LAYOUTS, "trl": ("padded",), "trl-kernels": ("padded", "packed")}
+SUPPORTS = {"fused": LAYOUTS, "trl": ("padded",), "trl-kernels": LAYOUTS}
 LAYOUT_FLAGS = {"padded": ["--padding_free", "off"],
                 "packed": ["--padding_free", "on", "--share_prompt", "off"],
                 "shared": ["--padding_free", "on", "--share_prompt", "on"]}
@@ -155,9 +155,8 @@ def main(argv=None) -> int:
                              "under the probed cap, median a third of it")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=None,
                         help="one search per provider and layout: padded, packed (the prompt "
-                             "per completion) or shared (the group's prompt once; fused only); "
-                             "default: each provider's own (trl padded, trl-kernels packed, "
-                             "fused shared)")
+                             "per completion) or shared (the group's prompt once); default: "
+                             "trainer_step's (trl padded, the others shared)")
     parser.add_argument("--seed", type=int, default=0,
                         help="model weights and (long_tailed) the one draw every probe uses")
     parser.add_argument("--out", default="results", metavar="DIR")
