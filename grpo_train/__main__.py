@@ -1,9 +1,10 @@
 """`python -m grpo_train` / `grpo-train`: parse the configuration, train, report.
 
 With no arguments it runs the embedded default (tiny model, generated arithmetic task, CPU).
-Exit status: 0 when training finished; 2 for a bad argument or input (one line
-`grpo-train: error: ...` on stderr; `--debug` shows the traceback); 130 when it was interrupted
-(after saving a checkpoint).
+Exit status: 0 when training finished; 2 for a bad argument or input, or reward functions that
+scored no completion for --max_unscored_steps steps in a row (one line `grpo-train: error: ...`
+on stderr; `--debug` shows the traceback); 130 when it was interrupted (after saving a
+checkpoint).
 """
 
 from __future__ import annotations

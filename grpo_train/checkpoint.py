@@ -132,10 +132,12 @@ def load_checkpoint(path) -> dict:
 # ---- a run's state ------------------------------------------------------------------------------
 
 
-def save_run(step: int, cfg, accel, model, optimizer, scheduler, sampler, say) -> None:
+def save_run(step: int, cfg, accel, model, optimizer, scheduler, sampler, say,
+             prune: bool = True) -> None:
     """Checkpoint `step` of a run: the model and optimizer states (full tensors, gathered under
     --fsdp), the scheduler, the prompt sampler, every process' RNG states and the config. Every
-    process must call it; the main process writes the file."""
+    process must call it; the main process writes the file. prune=False keeps every older
+    checkpoint (the trainer's save while no completion is scored)."""
     from accelerate.utils import gather_object
 
     from . import sharding  # torch.distributed: loaded when a run saves, not for --resume checks
@@ -146,7 +148,8 @@ def save_run(step: int, cfg, accel, model, optimizer, scheduler, sampler, say) -
         payload = dict(step=step, model=model_sd, optimizer=optim_sd,
                        scheduler=scheduler.state_dict(), data=sampler.state_dict(), rng=rng,
                        config=dataclasses.asdict(cfg))
-        path = save_checkpoint(cfg.output_dir, step, payload, cfg.keep_checkpoints)
+        path = save_checkpoint(cfg.output_dir, step, payload,
+                               cfg.keep_checkpoints if prune else 0)
         say(f"checkpoint {path}")
     accel.wait_for_everyone()
 

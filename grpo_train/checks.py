@@ -71,6 +71,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
     if not cfg.reward:
         raise UsageError("--reward needs at least one reward function")
+    limit = cfg.max_unscored_steps  # a library caller may pass any object: say what it must be
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise UsageError("--max_unscored_steps must be a whole number of steps >= 0 "
+                         f"(0 = never stop), got {limit!r}")
     if cfg.resume and cfg.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: continue the run in "
                          "--output_dir, or delete it and start again, not both")

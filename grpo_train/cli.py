@@ -127,8 +127,9 @@ def build_parser() -> Parser:
         "trains a tiny model\non a generated arithmetic task (CPU, about a minute and a half).\n\n"
         "Every flag is also accepted with hyphens (--num-generations); booleans take --flag / "
         "--no_flag.\nPrecedence: the defaults below < --config FILE < flags on the command "
-        "line. Exit status: 0 done,\n2 bad arguments or inputs (one line on stderr), "
-        "130 interrupted (a checkpoint was saved).",
+        "line. Exit status: 0 done,\n2 bad arguments or inputs, or no completion scored for "
+        "--max_unscored_steps steps in a row\n(one line on stderr), 130 interrupted (a "
+        "checkpoint was saved).",
     )
     parser.renamed = {"--epsilon": "--epsilon_low"}
     general = parser.add_argument_group("general")

@@ -91,6 +91,10 @@ class TrainConfig:
                 "with TRL's signature f(prompts, completions, **columns) -> list[float | None]; "
                 "\":weight\" appended scales it (default 1). The step's reward is the weighted "
                 "sum."})
+    max_unscored_steps: int = option(3,
+        "Stop the run (exit status 2, an error naming each reward function's failure) after "
+        "this many consecutive steps in which no completion was scored: every function raised "
+        "or returned None. The last checkpoint written before them is kept. 0 = never stop.")
 
     num_prompts: int | None = option(None, "P: prompts per step, over all processes")
     num_generations: int = option(8, "G: completions per prompt (a group); must be >= 2")

@@ -191,6 +191,29 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
     return out, failures
 
 
+class RewardsFailedError(UsageError, RuntimeError):
+    """--max_unscored_steps consecutive steps without a single scored completion: the reward
+    functions are broken (or their server is down), and training on all-zero advantages would
+    only spend compute. A UsageError, so the command line prints one line and exits with 2."""
+
+
+def rewards_failed(failures: dict[str, int], steps: int, last_step: int, n: int,
+                   checkpoint) -> RewardsFailedError:
+    """The error that stops a run: what each reward function did at `last_step` (`score`'s
+    failures over all processes: "name: Type: message" for a function that raised, "name" for
+    one that returned None), out of `n` completions, and the checkpoint a resume starts from."""
+    what = "; ".join(f"{key} ({count} of {n} completions)" if ": " in key
+                     else f"{key} returned None for {count} of {n} completions"
+                     for key, count in failures.items()) or "no function scored any completion"
+    kept = (f"the last checkpoint, {checkpoint}, is kept: fix the reward and continue with "
+            "--resume auto" if checkpoint else "no checkpoint was written")
+    span = f"step {last_step}" if steps == 1 else f"steps {last_step - steps + 1}-{last_step}"
+    return RewardsFailedError(
+        f"--reward: no completion was scored in {steps} consecutive steps ({span}, "
+        f"--max_unscored_steps {steps}): {what}. Stopped; {kept} "
+        "(--max_unscored_steps 0 never stops)")
+
+
 def combine(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[N, F] -> [N]: weighted sum of the scored entries; NaN where no function scored it."""
     total = (rewards_per_func * weights).nansum(dim=1)

@@ -2,8 +2,9 @@
 
 `train(cfg)` builds the run state (`run_state.setup`: processes, data, models, optimizer, the
 resumed checkpoint), evaluates at step 0 (`_first_eval`), then runs `cfg.steps` steps (`_step`),
-each followed by its log line, eval, stop check and checkpoint, and ends with `_finish`. Every
-helper below reads what it needs from that one `RunState`. One step:
+each followed by its log line, eval, stop checks (Ctrl-C; --max_unscored_steps steps in a row
+without a scored completion, which raises `rewards.RewardsFailedError`) and checkpoint, and ends
+with `_finish`. Every helper below reads what it needs from that one `RunState`. One step:
   1. sample P prompts (this process takes P / processes of them) and generate G completions each;
   2. score them with the reward functions (NaN = unscored);
   3. gather the rewards of all processes and compute group-normalized advantages (`_advantages`);
@@ -27,11 +28,11 @@ from grpo_kernels import force_backend, hf
 from grpo_kernels import reference as reference_impl
 
 from . import batching, sharding
-from .checkpoint import StopOnSignal, save_run
+from .checkpoint import StopOnSignal, checkpoint_dir, list_checkpoints, save_run
 from .generation import evaluate, generate
 from .logs import format_line, plot_curves, progress_bar, read_metrics, show, step_metrics
 from .models import save_model
-from .rewards import combine, group_advantages, score
+from .rewards import combine, group_advantages, rewards_failed, score
 from .run_state import RunState, setup
 
 
@@ -63,7 +64,7 @@ def _train(cfg, phases) -> dict:
     run = setup(cfg)  # processes, data, rewards, models, optimizer; the checkpoint's state
     history = _first_eval(run)  # step -> held-out accuracy, including the evals before a resume
     bar = progress_bar(cfg, run.accel.is_main_process, run.start)
-    step, last_saved, interrupted = run.start, run.start, False
+    step, last_saved, interrupted, unscored = run.start, run.start, False, 0
     with StopOnSignal(run.say) as stop:
         for step in range(run.start + 1, cfg.steps + 1):
             record = _step(run, step, phases)  # generate, score, optimize: the step's metrics
@@ -71,16 +72,28 @@ def _train(cfg, phases) -> dict:
                 record["eval_accuracy"] = history[step] = evaluate(run.model, run.eval_ex, run)
             run.log.write(record)
             show(bar, run.say, format_line(record))
+            # steps in a row without one scored completion (the same count on every process:
+            # the record's rewards are gathered)
+            all_unscored = record["unscored"] == cfg.num_prompts * cfg.num_generations
+            unscored = unscored + 1 if all_unscored else 0
             if _stop_requested(run, stop):
                 interrupted = True
                 break
-            if cfg.save_every and step % cfg.save_every == 0:
+            if cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
+                break
+            if _save_due(cfg, step, last_saved, unscored):
                 _checkpoint(run, step)
                 last_saved = step
     if bar is not None:
         bar.close()
+    if not interrupted and cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
+        found = list_checkpoints(checkpoint_dir(cfg.output_dir))
+        raise rewards_failed(record.get("reward_failures", {}), unscored, step,
+                             cfg.num_prompts * cfg.num_generations, found[-1] if found else None)
     if step != last_saved and (cfg.save_every or interrupted):
-        _checkpoint(run, step)
+        # the last step's state, to resume from; during unscored steps without deleting the
+        # checkpoints written before them
+        _checkpoint(run, step, prune=not (unscored and cfg.max_unscored_steps))
     return _finish(run, step, interrupted, history)
 
 
@@ -291,10 +304,20 @@ def _stop_requested(run: RunState, stop) -> bool:
     return stop_now.item() > 0
 
 
-def _checkpoint(run: RunState, step: int) -> None:
+def _save_due(cfg, step: int, last_saved: int, unscored: int) -> bool:
+    """Whether `step` writes its checkpoint: a multiple of --save_every has been reached since
+    the last one. While no completion is scored and --max_unscored_steps may stop the run, the
+    save waits for the next scored step: its pruning (--keep_checkpoints) could otherwise
+    delete the last checkpoint written before the rewards failed."""
+    if not cfg.save_every or (unscored and cfg.max_unscored_steps):
+        return False
+    return step // cfg.save_every > last_saved // cfg.save_every
+
+
+def _checkpoint(run: RunState, step: int, prune: bool = True) -> None:
     """Save the run's state at `step` (every process calls it; see checkpoint.save_run)."""
     save_run(step, run.cfg, run.accel, run.model, run.optimizer, run.scheduler, run.sampler,
-             run.say)
+             run.say, prune)
 
 
 def _finish(run: RunState, step: int, interrupted: bool, history: dict) -> dict:
