@@ -1,12 +1,14 @@
 """The GRPO per-token math and aggregation in PyTorch, on [B, T] tensors.
 
 This is the one PyTorch implementation of the per-token loss, aggregation, entropy bonus and
-metrics of docs/semantics.md. The reference (`grpo_kernels.reference`) and the loss route
-(`functional._linear_route`: the chunked CPU path, sequence-level ratios and the options that
-need whole sequences or the batch, from `grpo_options`) call it on top of their own log-probs; the
-fused token-level Triton kernels carry the same per-token loss in a Triton epilogue
-(`kernels/epilogue.py`), its one twin, cross-tested against this file, and leave aggregation,
-the entropy bonus and the metrics to `finish_loss` here.
+metrics of docs/semantics.md; each objective's own formulas (ℓ and its clip flags) are in
+`objectives.py`, looked up by the loss type's `Objective`. The reference
+(`grpo_kernels.reference`) and the loss route (`functional._linear_route`: the chunked CPU path,
+sequence-level ratios and the options that need whole sequences or the batch, from
+`grpo_options`) call it on top of their own log-probs; the fused token-level Triton kernels
+carry the same per-token loss in a Triton epilogue (`kernels/epilogue.py`), its one twin,
+cross-tested against `objectives.py`, and leave aggregation, the entropy bonus and the metrics
+to `finish_loss` here.
 
 Shapes: B sequences, T completion positions. `logp`, `old_logps`, `ref_logps`, `mask` are [B, T];
 `advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T]. A packed batch
@@ -17,13 +19,14 @@ on where tokens sit (per-sequence sums, expanding a per-sequence value to its to
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
+from . import loss_specs as ls
 from .grpo_options import compute_vespo_phi, high_entropy_mask, off_policy_mask
 from .layouts import PaddedLayout, layout_of
+from .objectives import TokenView, math_of
 from .params import GRPOParams
 from .validation import LossInputs
 
@@ -43,21 +46,21 @@ def token_weights(
     layout = layout or PaddedLayout(mask)
     B = layout.num_seqs
     normalizer = params.spec.normalizer
-    if normalizer == "sequence_mean":
+    if normalizer is ls.Normalizer.SEQUENCE_MEAN:
         # mean over sequences of the per-sequence masked mean
         seq_len = layout.seq_sum(mask).clamp(min=1.0)
         return mask / (layout.expand(seq_len) * B)
-    if normalizer == "batch_tokens":
+    if normalizer is ls.Normalizer.BATCH_TOKENS:
         return mask / mask.sum().clamp(min=1.0)
-    if normalizer == "fixed_length":
+    if normalizer is ls.Normalizer.FIXED_LENGTH:
         return mask / float(B * params.max_completion_length)
-    if normalizer == "token_count":
+    if normalizer is ls.Normalizer.TOKEN_COUNT:
         if num_items_in_batch is None:
             norm = mask.sum()
         else:
             norm = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
         return mask / norm.clamp(min=1.0)
-    if normalizer == "sequence_sum":
+    if normalizer is ls.Normalizer.SEQUENCE_SUM:
         # mean over sequences of Σ_t mask·ℓ: a sequence weighs its length (TRL 1.16's luspo)
         return mask / float(max(B, 1))
     raise ValueError(f"unknown normalizer {normalizer!r} of loss_type {params.loss_type!r}")
@@ -116,93 +119,23 @@ def per_token_loss(
     old = logp.detach() if old_logps is None else old_logps
     ratio = torch.exp(importance_log_weights(logp, old, mask, params.importance_sampling_level,
                                              layout))
-    # per-sequence values meet per-token ones: broadcasting when padded, expanded when packed
-    w, A = layout.expand(ratio), layout.expand(advantages)
     objective = params.spec.objective
-    if objective == "vespo":
-        # φ comes from the token log-ratios whatever the level; the rollout ratio goes into φ
-        if vespo_phi is None:
-            vespo_phi = compute_vespo_phi(logp - old, mask, advantages,
-                                          importance_sampling_ratio, params, layout)
-        loss = -layout.expand(vespo_phi) * A * logp
-    elif objective == "gmpo":
-        loss = layout.expand(gmpo_sequence_loss(logp - old, advantages, mask,
-                                                importance_sampling_ratio, params, layout))
-    elif objective == "cispo":
-        loss = -torch.clamp(w, max=params.epsilon_high).detach() * A * logp
-    elif objective == "dppo":
-        coef = capped_ratio(w, params) * dppo_trust_region(logp, old, A, params)
-        loss = -coef.detach() * A * logp
-    elif objective == "sapo":
-        t = torch.where(
-            A > 0,
-            torch.full_like(A, params.sapo_temperature_pos),
-            torch.full_like(A, params.sapo_temperature_neg),
-        )
-        loss = -(torch.sigmoid(t * (w - 1)) * 4 / t) * A
-    elif objective == "clipped":
-        clipped = torch.clamp(w, *params.clip_range)
-        loss = -torch.minimum(capped_ratio(w, params) * A, clipped * A)
-    else:
-        raise ValueError(f"unknown objective {objective!r} of loss_type {params.loss_type!r}")
+    # per-sequence values meet per-token ones: broadcasting when padded, expanded when packed
+    view = TokenView(logp, old, layout.expand(ratio), layout.expand(advantages), advantages,
+                     mask, importance_sampling_ratio, params, layout, vespo_phi)
+    loss = math_of(objective).loss(view)
     if token_scale is not None:
         loss = loss * layout.expand(token_scale)
-    if importance_sampling_ratio is not None and objective not in ("vespo", "gmpo"):
-        loss = loss * layout.expand(importance_sampling_ratio)  # (theirs is inside their weight)
+    if importance_sampling_ratio is not None and not objective.rollout_ratio_inside:
+        loss = loss * layout.expand(importance_sampling_ratio)
     kl = None
     if params.beta != 0.0:
         d = ref_logps - logp
         kl = torch.exp(d) - d - 1
         if params.use_bias_correction_kl:
-            kl = kl * w
+            kl = kl * view.w
         loss = loss + params.beta * kl
     return loss, ratio.detach(), kl
-
-
-def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
-    """The ratio of the unclipped term: capped at `delta` (two-sided clipping) when set; dppo's
-    truncated ratio coefficient."""
-    return ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
-
-
-def dppo_trust_region(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
-                      params: GRPOParams) -> torch.Tensor:
-    """dppo's binary total-variation mask, float 0/1 (detached): a token stays in the trust
-    region while its probability p = e^logp has risen by at most epsilon_high over the old
-    policy's (A > 0) or fallen by at most epsilon_low (A <= 0). logp, old [B, T] (or [N]),
-    advantages broadcastable to them."""
-    with torch.no_grad():
-        change = torch.exp(logp) - torch.exp(old)
-        inside = torch.where(advantages > 0, change <= params.epsilon_high,
-                             change >= -params.epsilon_low)
-        return inside.to(logp.dtype)
-
-
-def gmpo_sequence_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                       importance_sampling_ratio: torch.Tensor | None, params: GRPOParams,
-                       layout) -> torch.Tensor:
-    """gmpo's loss per sequence, [B, 1] (packed [S, 1]): -Â·exp(mean_t m_t), the geometric mean
-    of the token ratios after a pessimistic clip in log space,
-        m_t = sgn(A_t)·min(sgn(A_t)·r_t, sgn(A_t)·clamp(r_t, -epsilon_low, epsilon_high)),
-    r_t the token log-ratio [B, T]; Â the masked mean advantage of the sequence. A rollout
-    ratio [B, T] enters as its geometric mean over the sequence, [B, 1] as it is."""
-    A = layout.expand(advantages)
-    sign = torch.sign(A)
-    clipped = torch.clamp(log_ratio, -params.epsilon_low, params.epsilon_high)
-    m = sign * torch.minimum(sign * log_ratio, sign * clipped)
-    count = layout.seq_sum(mask).clamp(min=1.0)  # [B, 1]
-    ratio = torch.exp(layout.seq_sum(m * mask) / count)
-    seq_adv = layout.seq_sum(A * mask) / count
-    loss = -seq_adv * ratio
-    if importance_sampling_ratio is not None:
-        isr = importance_sampling_ratio
-        if not layout.per_sequence(isr):
-            isr = torch.exp(layout.seq_sum(torch.log(isr) * mask) / count)
-        loss = loss * isr
-    return loss
-
-
-VESPO_WEIGHT = "vespo/phi_seq_mean"
 
 
 def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
@@ -213,7 +146,7 @@ def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
 def metric_names(params: GRPOParams) -> tuple[str, ...]:
     """The keys of `grpo_metrics` for these hyperparameters, in order."""
     return (("entropy",) + (("kl",) if params.beta != 0.0 else ()) + clip_flag_names(params)
-            + ((VESPO_WEIGHT,) if params.spec.objective == "vespo" else ()))
+            + ((ls.SEQUENCE_WEIGHT_METRIC,) if params.spec.objective.sequence_weight else ()))
 
 
 def clip_indicators(
@@ -223,36 +156,17 @@ def clip_indicators(
     """The clip flags TRL 1.16 logs, as float 0/1 tensors (detached).
 
     ratio [B, T] or [B, 1] (sequence level), advantages [B, 1] or [B, T]; each flag has their
-    broadcast shape (packed: [S, 1] if both are per sequence, else [N]). For the clipped types
-    the ratio is the one in the unclipped term, i.e. after the `delta` cap; cispo's flag uses
-    the raw ratio. gmpo flags the tokens its pessimistic clip takes the clipped log-ratio at;
-    dppo the tokens outside its trust region (it needs `old_logps`: p - p_old = p_old·(w - 1)),
-    low for A < 0 and high for A > 0 as for the clipped types.
+    broadcast shape (packed: [S, 1] if both are per sequence, else [N]). Each objective's
+    flags are its own formula (`objectives.py`); dppo's need `old_logps`.
     """
     with torch.no_grad():
         if layout is not None:
             ratio, advantages = layout.align(ratio, advantages)
-        A = advantages
-        objective = params.spec.objective
-        if objective in ("clipped", "gmpo"):
-            w = capped_ratio(ratio, params) if objective == "clipped" else ratio
-            lo, hi = params.clip_range
-            if objective == "gmpo":  # its trust region is in log space
-                lo, hi = math.exp(-params.epsilon_low), math.exp(params.epsilon_high)
-            low = (w < lo) & (A < 0)
-            high = (w > hi) & (A > 0)
-            flags = (low.float(), high.float(), (low | high).float())
-        elif objective == "dppo":
-            old = torch.zeros_like(ratio) if old_logps is None else old_logps
-            change = torch.exp(old) * (ratio - 1)
-            low = (change < -params.epsilon_low) & (A < 0)
-            high = (change > params.epsilon_high) & (A > 0)
-            flags = (low.float(), high.float(), (low | high).float())
-        elif objective == "cispo":
-            flags = (((ratio > params.epsilon_high) & (A > 0)).float(),)
-        else:
-            flags = ()
-        return dict(zip(clip_flag_names(params), flags))
+        formulas = math_of(params.spec.objective)  # raises for an objective it does not know
+        if formulas.flags is None:  # an objective without clip metrics (sapo, vespo)
+            return {}
+        flags = formulas.flags(ratio, advantages, params, old_logps)
+        return dict(zip(clip_flag_names(params), flags, strict=True))
 
 
 def metric_sums(
@@ -290,7 +204,7 @@ def metric_sums(
         for name, flag in clip_indicators(ratio, advantages, params, layout, old_logps).items():
             sums[name] = terms(flag)
         if vespo_phi is not None:
-            sums[VESPO_WEIGHT] = terms(vespo_phi)
+            sums[ls.SEQUENCE_WEIGHT_METRIC] = terms(vespo_phi)
     return sums
 
 
@@ -340,7 +254,7 @@ def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layo
     layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
     old = logp.detach() if inputs.old_logps is None else inputs.old_logps
     phi = None
-    if params.spec.objective == "vespo":
+    if params.spec.objective.sequence_weight:
         phi = compute_vespo_phi(logp - old, inputs.mask, inputs.advantages,
                                 inputs.importance_sampling_ratio, params, layout)
     token_scale, ent_mask = option_masks(logp, entropy, inputs, params, layout, entropy_gather)

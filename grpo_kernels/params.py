@@ -15,7 +15,15 @@ import math
 from dataclasses import MISSING, astuple, dataclass, fields
 from typing import ClassVar
 
-from .loss_specs import ALL_LOSS_TYPES, LOSS_TYPES, TRL_LOSS_TYPES, LossSpec, spec_of  # noqa: F401
+from .loss_specs import (  # noqa: F401
+    ALL_LOSS_TYPES,
+    LOSS_TYPES,
+    TOKEN_LOSS_TYPES,
+    TRL_LOSS_TYPES,
+    LossSpec,
+    Normalizer,
+    spec_of,
+)
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -89,12 +97,12 @@ class GRPOParams:
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be > 0")
         self._check_options()
-        if spec.normalizer == "fixed_length" and self.max_completion_length is None:
+        if spec.normalizer.needs_max_completion_length and self.max_completion_length is None:
             raise ValueError(f"loss_type={self.loss_type!r} needs max_completion_length (its "
                              "normalizer)")
-        if spec.objective == "gmpo" and self.top_entropy_quantile < 1.0:
-            raise ValueError("loss_type='gmpo' has one loss per sequence; top_entropy_quantile < 1"
-                             " selects tokens: use them apart")
+        if spec.objective.one_loss_per_sequence and self.top_entropy_quantile < 1.0:
+            raise ValueError(f"loss_type={self.loss_type!r} has one loss per sequence; "
+                             "top_entropy_quantile < 1 selects tokens: use them apart")
         if self.max_completion_length is not None:
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
@@ -186,7 +194,7 @@ class GRPOParams:
     def normalizes_by_token_count(self) -> bool:
         """Divided by the step's completion-token count (num_items_in_batch): dapo, cispo,
         vespo, dppo."""
-        return self.spec.normalizer == "token_count"
+        return self.spec.normalizer is Normalizer.TOKEN_COUNT
 
 
 VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
@@ -199,7 +207,7 @@ _SCHEMA_TYPES = {"float": "float", "float | None": "float?", "str": "str", "bool
 @dataclass(frozen=True)
 class TokenLossArgs:
     """What ℓ of a token-level loss type reads, and nothing else: the Triton epilogue's scalars
-    and flags (`ops.launch.epilogue_args`), the hyperparameter arguments of the token-terms
+    and flags (`kernels.epilogue.epilogue_args`), the hyperparameter arguments of the token-terms
     custom operators, and what `grpo_math.per_token_loss` reads on their chunked path. Built
     from a validated GRPOParams (`GRPOParams.token_loss_args`), once per call; the operator
     gets it as plain arguments (`to_op_args`, in `op_schema`'s order) and rebuilds it

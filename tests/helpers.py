@@ -6,11 +6,15 @@ import itertools
 
 import torch
 
-from grpo_kernels import LOSS_TYPES, reference
+from grpo_kernels import reference
+from grpo_kernels.loss_specs import TOKEN_LOSS_TYPES, spec_of
 
+# Every loss type with a per-token epilogue (TRL's or not) at every importance-sampling level it
+# is defined at, from the registry: a new per-token type is in every matrix below by itself.
+TYPE_LEVELS = [(t, level) for t in TOKEN_LOSS_TYPES for level in spec_of(t).levels]
 # loss type × importance-sampling level × beta × temperature × delta × bias
-MATRIX = list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04], [1.0, 0.7],
-                                [None, 1.5], [False, True]))
+MATRIX = [(t, level, *rest) for t, level in TYPE_LEVELS
+          for rest in itertools.product([0.0, 0.04], [1.0, 0.7], [None, 1.5], [False, True])]
 
 
 def triton_unavailable() -> str | None:

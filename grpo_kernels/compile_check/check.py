@@ -24,7 +24,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from . import kernel_variants, perf_model, static_report
+from . import kernel_variants, perf_model, specialization, static_report
 
 
 @dataclass
@@ -44,7 +44,7 @@ def _ast_source(variant: kernel_variants.Variant):
     from triton.compiler import ASTSource
 
     kernel = variant.kernel
-    signature, constexprs, attrs = kernel_variants.signature_of(kernel, variant.args)
+    signature, constexprs, attrs = specialization.signature_of(kernel, variant.args)
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 

@@ -4,7 +4,7 @@ runtime sees, for `compile_check`.
 Each `Variant` holds the full argument list of one launch (tensors as `Ptr`, integers, floats and
 the constexpr flags) at a realistic shape, built the way the launcher builds it: tile shapes and
 options from the launchers' own `tile_configs` functions, the dot precision from `precision`.
-`signature_of` then applies Triton's JITFunction specialization (`specialize`), so what is
+`specialization.signature_of` then applies Triton's JITFunction specialization, so what is
 compiled is what the runtime would compile for that launch.
 """
 
@@ -23,8 +23,10 @@ from ..kernels import linear_backward_gemm as gemm
 from ..kernels import linear_logprobs as lin
 from ..kernels import logits_logprobs as lgt
 from ..kernels import precision, tile_configs
-from ..loss_specs import KERNEL_CLIPPED, LOSS_SPECS
+from ..kernels.epilogue import epilogue_flags
+from ..loss_specs import CLIPPED, OBJECTIVES
 from ..ops.backends import BACKWARD_ENV, linear_backward_mode
+from .specialization import Ptr, signature_of
 
 ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # The heads users train (D, V): Qwen2.5-0.5B, Qwen2.5-7B, Llama-3-8B, Llama-2 and a vocabulary
@@ -33,10 +35,11 @@ ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HEADS = ((896, 151936), (3584, 151936), (4096, 128256), (4096, 32000), (4096, 32001))
 TOKENS = (16384, 4096)  # N = B·T
 COMPLETION = 1024  # T of the [B, T, V] logits (the logits kernels' batch stride is T·V)
-EPI_NAMES = ("EPILOGUE", "LOSS_KIND", "HAS_OLD", "HAS_DELTA", "HAS_KL", "BIAS_CORRECT_KL",
-             "HAS_ISR")
+# An epilogue variant: (epilogue on, LOSS_KIND, old, delta, kl, bias-corrected kl, isr), turned
+# into the kernels' EPI_FLAGS by `kernels.epilogue.epilogue_flags` (`_epilogue_args`).
+KERNEL_CLIPPED = CLIPPED.kernel_code
 # every per-token objective of the registry with every option on (its heaviest epilogue)
-_OTHER_KINDS = sorted({s.kernel_code for s in LOSS_SPECS.values()} - {None, KERNEL_CLIPPED})
+_OTHER_KINDS = sorted(o.kernel_code for o in OBJECTIVES if not o.per_sequence and o is not CLIPPED)
 EPILOGUES = (
     (False, KERNEL_CLIPPED, False, False, False, False, False),  # log-probs only
     (True, KERNEL_CLIPPED, True, True, True, True, True),  # clipped loss, every option on
@@ -44,8 +47,8 @@ EPILOGUES = (
     (True, KERNEL_CLIPPED, True, False, True, False, False),
     *((True, kind, True, True, True, True, True) for kind in _OTHER_KINDS),
 )
-KIND_TAGS = {s.kernel_code: "clip" if s.objective == "clipped" else s.objective  # in names
-             for s in LOSS_SPECS.values() if s.kernel_code is not None}
+KIND_TAGS = {o.kernel_code: "clip" if o is CLIPPED else o.name  # in variant names
+             for o in OBJECTIVES if not o.per_sequence}
 # The logit transform (kernels/logit_transform.py) as (HAS_SCALE, HAS_SOFTCAP): off, a logit scale
 # alone (Cohere), a soft cap (Gemma 2; with a scale too, the same code: the scale rides in
 # logit_mul). Its variants are compiled for a subset of the other flags (TRANSFORM_FWD/BWD),
@@ -71,14 +74,6 @@ DTYPE_PAIRS = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                (torch.float16, torch.float32))
 
 
-@dataclass(frozen=True)
-class Ptr:
-    """A tensor argument: element type ("bf16", "fp32", "i64", ...) and its byte offset from a
-    fresh allocation (PyTorch's CUDA allocator returns 512-byte aligned blocks)."""
-    elem: str
-    offset: int = 0
-
-
 @dataclass
 class Variant:
     name: str
@@ -88,55 +83,6 @@ class Variant:
     kind: str  # linear_fwd, combine, linear_bwd, linear_dz, logits_fwd, logits_bwd
     default: bool  # launched by the default configuration (see `variants`)
     shape: tuple = ()  # (N, D, V) it was built for (the first one, when several coincide)
-
-
-def specialize(value, specialize_value: bool = True, align: bool = True) -> tuple:
-    """(type, key) as Triton's JITFunction specializes one non-constexpr argument (Triton 3.4's
-    `specialize_impl` in runtime/jit.py; 3.5-3.9 do the same in C++, `native_specialize_impl`):
-    an int equal to 1 becomes the constant 1, an int or a pointer divisible by 16 gets key "D"
-    (tt.divisibility = 16), floats and bools are never specialized; `do_not_specialize` turns
-    both off, `do_not_specialize_on_alignment` only the "D"."""
-    if isinstance(value, bool):
-        return ("u1", None)
-    if isinstance(value, int):
-        if value == 1 and specialize_value:
-            return ("constexpr", 1)
-        ty = "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
-        if not specialize_value:
-            return (ty, None)
-        return (ty, "D" if align and value % 16 == 0 else "")
-    if isinstance(value, float):
-        return ("fp32", None)
-    if isinstance(value, Ptr):
-        if not specialize_value:
-            return ("*" + value.elem, None)
-        return ("*" + value.elem, "D" if align and value.offset % 16 == 0 else "")
-    raise TypeError(f"cannot specialize {value!r}")
-
-
-def signature_of(kernel, args: dict) -> tuple:
-    """(signature, constexprs, attrs) for `ASTSource`, as `JITFunction._pack_args` makes them."""
-    names = list(kernel.arg_names)
-    missing = [n for n in names if n not in args]
-    extra = [n for n in args if n not in names]
-    if missing or extra:
-        raise TypeError(f"kernel_variants does not match {kernel.__name__}'s parameters: "
-                        f"missing {missing}, unknown {extra} (update kernel_variants.py)")
-    signature, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        value = args[p.name]
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = value
-            continue
-        ty, key = specialize(value, not p.do_not_specialize,
-                             not p.do_not_specialize_on_alignment)
-        signature[p.name] = ty
-        if ty == "constexpr":
-            constexprs[(i,)] = key
-        elif key == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return signature, constexprs, attrs
 
 
 def _split_cfg(cfg: dict) -> tuple:
@@ -160,13 +106,13 @@ def _fp32_precisions() -> tuple:
 
 
 def _epilogue_args(epi: tuple) -> dict:
-    # the epilogue's [N] tensors are float32 (grpo_kernels.ops.launch.epilogue_args); when there
-    # is no epilogue the launcher passes logp (float32) in their place
-    ptrs = dict.fromkeys(("old_ptr", "ref_ptr", "adv_ptr", "isr_ptr", "wt_ptr", "lossw_ptr",
-                          "glogp_ptr", "kl_ptr", "ratio_ptr"), Ptr("fp32"))
-    scalars = dict.fromkeys(("epsilon_low", "epsilon_high", "delta", "beta", "sapo_pos",
-                             "sapo_neg"), 0.2)
-    return {**ptrs, **scalars, **dict(zip(EPI_NAMES, epi))}
+    """The epilogue bundle's kernel arguments (kernels.epilogue.EpilogueArgs): its [N] tensors
+    are float32 (when there is no epilogue the launcher passes logp, float32, in their place),
+    its scalars floats, its flags one constexpr."""
+    on, kind, old, delta, kl, bckl, isr = epi
+    flags = epilogue_flags(kind, old=old, delta=delta, kl=kl, bias_correct_kl=bckl, isr=isr)
+    return dict(epi_tensors=(Ptr("fp32"),) * 9, epi_scalars=(0.2,) * 6,
+                EPI_FLAGS=flags if on else 0)
 
 
 def _transform_args(flags: tuple) -> dict:

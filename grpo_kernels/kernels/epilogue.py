@@ -15,10 +15,24 @@ Gradient algebra (token level: w = exp(logp - old), dw/dlogp = w; old and ref ar
            dℓ = -k·A
   then ℓ, dℓ *= isr (rollout correction), then with β != 0 and d = ref - logp:
   kl = e^d - d - 1, dkl = 1 - e^d; bias-corrected: kl·w, (dkl + kl)·w;  ℓ += β·kl, dℓ += β·dkl.
+
+Its arguments travel as one bundle (`EpilogueArgs`, built by `epilogue_args` from the per-token
+loss's values): the kernels pass it through without naming its parts, so a new scalar or option
+touches the loss's values (`params.TokenLossArgs`), its PyTorch formula (`objectives.py`) and
+this file. In a kernel's signature it is three parameters: `epi_tensors` (a tuple of the nine
+[N] float32 tensors), `epi_scalars` (a tuple of the float32 scalars) and the constexpr
+`EPI_FLAGS`, the option bits below with the loss kind above them (from bit KIND_SHIFT on). A
+bit is tested with the constant first (`HAS_OLD & EPI_FLAGS`): Triton's interpreter holds
+EPI_FLAGS as a plain int, and only the constexpr on the left has the operator. Tuples are
+flattened into the same kernel parameters as separate arguments would be, and constexpr bits are
+resolved at compile time, so the compiled code is what separate arguments gave.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
@@ -26,21 +40,74 @@ from .. import loss_specs
 
 # The LOSS_KIND codes of the kernels, from the loss-type registry (loss_specs.py), as constexprs
 # the jitted code compares by name.
-KIND_CLIPPED = tl.constexpr(loss_specs.KERNEL_CLIPPED)  # grpo, bnpo, dr_grpo, dapo, luspo
-KIND_CISPO = tl.constexpr(loss_specs.KERNEL_CISPO)
-KIND_SAPO = tl.constexpr(loss_specs.KERNEL_SAPO)
-KIND_DPPO = tl.constexpr(loss_specs.KERNEL_DPPO)
+KIND_CLIPPED = tl.constexpr(loss_specs.CLIPPED.kernel_code)  # grpo, bnpo, dr_grpo, dapo, luspo
+KIND_CISPO = tl.constexpr(loss_specs.CISPO.kernel_code)
+KIND_SAPO = tl.constexpr(loss_specs.SAPO.kernel_code)
+KIND_DPPO = tl.constexpr(loss_specs.DPPO.kernel_code)
+
+# EPI_FLAGS: the epilogue's options, one bit each, and the loss kind from bit KIND_SHIFT on.
+# Bit 0 says whether there is an epilogue at all (log-probs only without it).
+EPILOGUE = tl.constexpr(1)
+HAS_OLD = tl.constexpr(2)  # old log-probs given (else on-policy: the ratio is 1)
+HAS_DELTA = tl.constexpr(4)  # the delta cap of two-sided clipping
+HAS_KL = tl.constexpr(8)  # beta != 0
+BIAS_CORRECT_KL = tl.constexpr(16)  # the k3 KL times the ratio
+HAS_ISR = tl.constexpr(32)  # rollout importance-sampling ratios given
+KIND_SHIFT = tl.constexpr(8)
+
+
+class EpilogueArgs(NamedTuple):
+    """The epilogue's arguments as a launcher passes them (see the module docstring)."""
+
+    tensors: tuple  # [N] float32: old, ref, adv, isr, weight in; weight·ℓ, weight·dℓ, kl, ratio
+    scalars: tuple  # epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg
+    flags: int  # EPI_FLAGS
+
+    @property
+    def outputs(self) -> tuple:
+        """(weight·ℓ, weight·dℓ/dlogp, kl, ratio), each [N] float32, filled by the kernel."""
+        return self.tensors[5:]
+
+
+def epilogue_flags(loss_kind: int, *, old: bool = False, delta: bool = False, kl: bool = False,
+                   bias_correct_kl: bool = False, isr: bool = False) -> int:
+    """EPI_FLAGS of an epilogue of this loss kind with these options on."""
+    bits = zip((HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR),
+               (old, delta, kl, bias_correct_kl, isr))
+    return EPILOGUE.value | sum(b.value for b, on in bits if on) | loss_kind << KIND_SHIFT.value
+
+
+def epilogue_args(rule, weights, advantages, old_logps, ref_logps,
+                  importance_sampling_ratio) -> EpilogueArgs:
+    """The bundle for a per-token loss (`rule`: a params.TokenLossArgs): the [N] float32 inputs,
+    four fresh [N] outputs the kernel fills, the scalars and the flags. An absent input is given
+    as `advantages`, a pointer the kernel never reads (its flag is off)."""
+    N = advantages.shape[0]
+    outs = [torch.empty(N, device=advantages.device, dtype=torch.float32) for _ in range(4)]
+    given = lambda x: advantages if x is None else x  # noqa: E731
+    tensors = (given(old_logps), given(ref_logps), advantages, given(importance_sampling_ratio),
+               weights, *outs)
+    scalars = (float(rule.epsilon_low), float(rule.epsilon_high),
+               float(rule.delta) if rule.delta is not None else 0.0, float(rule.beta),
+               float(rule.sapo_temperature_pos), float(rule.sapo_temperature_neg))
+    flags = epilogue_flags(rule.spec.kernel_code, old=old_logps is not None,
+                           delta=rule.delta is not None, kl=rule.beta != 0.0,
+                           bias_correct_kl=rule.use_bias_correction_kl,
+                           isr=importance_sampling_ratio is not None)
+    return EpilogueArgs(tensors, scalars, flags)
+
+
+def no_epilogue(dummy: torch.Tensor) -> EpilogueArgs:
+    """Log-probs only: `dummy` ([N] float32) in every tensor's place, never read or written."""
+    return EpilogueArgs((dummy,) * 9, (0.0,) * 6, 0)
 
 
 @triton.jit
-def grpo_token_epilogue(
-    logp, old, ref, adv, isr,
-    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
-):
-    """Per-token (loss ℓ, dℓ/dlogp, kl, ratio w); every argument is a float32 block."""
-    if HAS_OLD:
+def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.constexpr):
+    """Per-token (loss ℓ, dℓ/dlogp, kl, ratio w); every tensor argument is a float32 block."""
+    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg = epi_scalars
+    LOSS_KIND: tl.constexpr = tl.constexpr(EPI_FLAGS) >> KIND_SHIFT
+    if HAS_OLD & EPI_FLAGS:
         w = tl.exp(logp - old)
     else:
         w = tl.exp(logp - logp)  # ratio ≡ 1, derivative w·dlogp keeps the A·∇logp gradient
@@ -50,11 +117,11 @@ def grpo_token_epilogue(
         dloss = -cap * adv
     elif LOSS_KIND == KIND_DPPO:
         k = w
-        if HAS_DELTA:
+        if HAS_DELTA & EPI_FLAGS:
             k = tl.minimum(w, delta)
         p = tl.exp(logp)
         change = p - p  # no old policy: the probability has not moved
-        if HAS_OLD:
+        if HAS_OLD & EPI_FLAGS:
             change = p - tl.exp(old)
         inside = tl.where(adv > 0, change <= epsilon_high, change >= -epsilon_low)
         k = tl.where(inside, k, 0.0)
@@ -66,11 +133,12 @@ def grpo_token_epilogue(
         loss = -(s * 4.0 / t) * adv
         dloss = -4.0 * adv * s * (1.0 - s) * w
     else:  # clipped surrogate
+        tl.static_assert(LOSS_KIND == KIND_CLIPPED, "grpo_token_epilogue: unknown LOSS_KIND")
         lo = 1.0 - epsilon_low
         hi = 1.0 + epsilon_high
         c = tl.minimum(tl.maximum(w, lo), hi)
         dc = tl.where((w >= lo) & (w <= hi), w, 0.0)
-        if HAS_DELTA:
+        if HAS_DELTA & EPI_FLAGS:
             u = tl.minimum(w, delta)
             du = tl.where(w <= delta, w, 0.0)
         else:
@@ -82,16 +150,16 @@ def grpo_token_epilogue(
         da = -du * adv
         db = -dc * adv
         dloss = tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))
-    if HAS_ISR:
+    if HAS_ISR & EPI_FLAGS:
         loss = loss * isr
         dloss = dloss * isr
     kl = tl.zeros_like(logp)
-    if HAS_KL:
+    if HAS_KL & EPI_FLAGS:
         d = ref - logp
         e = tl.exp(d)
         kl = e - d - 1.0
         dkl = 1.0 - e
-        if BIAS_CORRECT_KL:
+        if BIAS_CORRECT_KL & EPI_FLAGS:
             dkl = (dkl + kl) * w
             kl = kl * w
         loss = loss + beta * kl
@@ -100,31 +168,23 @@ def grpo_token_epilogue(
 
 
 @triton.jit
-def grpo_token_outputs(
-    offs, mask, logp,
-    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr,
-    lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
-):
+def grpo_token_outputs(offs, mask, logp, epi_tensors, epi_scalars, EPI_FLAGS: tl.constexpr):
     """Loads a block of per-token GRPO inputs ([N] float32), applies the epilogue, stores
     weight·ℓ, weight·dℓ/dlogp, kl and the ratio."""
+    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr = \
+        epi_tensors
     adv = tl.load(adv_ptr + offs, mask=mask, other=0.0)
     wt = tl.load(wt_ptr + offs, mask=mask, other=0.0)
     old = logp
     ref = logp
     isr = wt
-    if HAS_OLD:
+    if HAS_OLD & EPI_FLAGS:
         old = tl.load(old_ptr + offs, mask=mask, other=0.0)
-    if HAS_KL:
+    if HAS_KL & EPI_FLAGS:
         ref = tl.load(ref_ptr + offs, mask=mask, other=0.0)
-    if HAS_ISR:
+    if HAS_ISR & EPI_FLAGS:
         isr = tl.load(isr_ptr + offs, mask=mask, other=1.0)
-    loss, dloss, kl, w = grpo_token_epilogue(
-        logp, old, ref, adv, isr, epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-        LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
-    )
+    loss, dloss, kl, w = grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS)
     tl.store(lossw_ptr + offs, wt * loss, mask=mask)
     tl.store(glogp_ptr + offs, wt * dloss, mask=mask)
     tl.store(kl_ptr + offs, kl, mask=mask)

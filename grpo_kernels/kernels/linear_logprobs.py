@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .epilogue import KIND_CLIPPED, grpo_token_outputs
+from .epilogue import EPILOGUE, EpilogueArgs, grpo_token_outputs, no_epilogue
 from .logit_transform import (
     logit_transform_args,
     softcap_logits,
@@ -54,25 +54,17 @@ def loop_bound(x):
 
 @triton.jit
 def _store_token_results(
-    offs_n, n_mask, lse, ent, z_target,
-    lse_ptr, ent_ptr, logp_ptr,
-    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-    EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
-    HAS_ISR: tl.constexpr,
+    offs_n, n_mask, lse, ent, z_target, lse_ptr, ent_ptr, logp_ptr,
+    epi_tensors, epi_scalars, EPI_FLAGS: tl.constexpr,
 ):
+    """Stores a block's lse, entropy and logp [BLOCK_N], then runs the GRPO epilogue (the
+    bundle of `epilogue.py`) on logp when there is one."""
     logp = tl.where(n_mask, z_target - lse, 0.0)  # rows past N stay finite in the epilogue
     tl.store(lse_ptr + offs_n, lse, mask=n_mask)
     tl.store(ent_ptr + offs_n, ent, mask=n_mask)
     tl.store(logp_ptr + offs_n, logp, mask=n_mask)
-    if EPILOGUE:
-        grpo_token_outputs(
-            offs_n, n_mask, logp, old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr,
-            lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-            epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-            LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
-        )
+    if EPILOGUE & EPI_FLAGS:
+        grpo_token_outputs(offs_n, n_mask, logp, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
 # Sizes that vary with the batch are not specialized on: one compile serves every sequence length.
@@ -167,13 +159,10 @@ def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
     part_ptr,  # [3, S, N] float32, base 2: running max m, Σ 2^(z2-m), Σ 2^(z2-m)(z2-m)
     lse_ptr, ent_ptr, logp_ptr,  # [N] float32 (split: split 0 leaves the target logit in logp)
-    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
+    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
     N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, n_splits, tiles_per_split,
     logit_mul, softcap,  # the logit transform (`softcap_logits`), read only with its flag on
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr, HAS_ISR: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EPI_FLAGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -234,24 +223,14 @@ def _linear_logprob_fwd_kernel(
                               logit_mul, softcap, HAS_BIAS, BLOCK_N, BLOCK_D, HAS_SCALE,
                               HAS_SOFTCAP)
         log2_s = tl.log2(s)
-        _store_token_results(
-            offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
-            lse_ptr, ent_ptr, logp_ptr,
-            old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-            epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-            EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
-        )
+        _store_token_results(offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
+                             lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
 @triton.jit(do_not_specialize=["N"])
 def _combine_splits_kernel(
-    part_ptr, lse_ptr, ent_ptr, logp_ptr,
-    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-    N, S,
-    EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
-    HAS_ISR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, S,
+    EPI_FLAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Merge S vocabulary-split partials [3, S, N] (base 2) into lse, entropy and logp (the
     # target logit waits in logp), then the epilogue.
@@ -271,13 +250,8 @@ def _combine_splits_kernel(
     t = tl.sum(scale * (t_i + (m_i - m[:, None]) * s_i), axis=1)
     s = tl.where(n_mask, s, 1.0)  # rows past N have no partials: keep log and t / s finite
     log2_s = tl.log2(s)
-    _store_token_results(
-        offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
-        lse_ptr, ent_ptr, logp_ptr,
-        old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-        epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-        EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
-    )
+    _store_token_results(offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
+                         lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
 def linear_logprob_forward(
@@ -286,7 +260,7 @@ def linear_logprob_forward(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     temperature: float,
-    epilogue: dict | None = None,
+    epilogue: EpilogueArgs | None = None,
     splits: int | None = None,
     config: dict | None = None,
     softcap: float | None = None,
@@ -294,9 +268,8 @@ def linear_logprob_forward(
 ):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (all contiguous).
 
-    Returns float32 [N] tensors (logp, entropy, lse); with `epilogue` (the dict that
-    `grpo_kernels.ops.launch.epilogue_args` builds) it also fills the epilogue's output tensors
-    in place.
+    Returns float32 [N] tensors (logp, entropy, lse); with `epilogue` (the bundle that
+    `epilogue.epilogue_args` builds) it also fills the epilogue's output tensors in place.
     softcap (c > 0) / logit_scale (s != 0): the logits are c·tanh(s·y / c) / τ (see the module
     docstring); None leaves that step out.
     """
@@ -316,30 +289,19 @@ def linear_logprob_forward(
     tiles_per_split = triton.cdiv(n_tiles, S)
     S = triton.cdiv(n_tiles, tiles_per_split)  # no empty split
     part = torch.empty((3, S, N), **f32) if S > 1 else logp
-    ep = epilogue or _NO_EPILOGUE(logp)
-    flags = dict(
-        EPILOGUE=epilogue is not None, LOSS_KIND=ep["LOSS_KIND"], HAS_OLD=ep["HAS_OLD"],
-        HAS_DELTA=ep["HAS_DELTA"], HAS_KL=ep["HAS_KL"], BIAS_CORRECT_KL=ep["BIAS_CORRECT_KL"],
-        HAS_ISR=ep["HAS_ISR"],
-    )
+    ep = epilogue or no_epilogue(logp)
     _linear_logprob_fwd_kernel[(n_blocks * S,)](
         hidden, weight, bias if bias is not None else hidden, targets,
-        part, lse, ent, logp, *ep["tensors"], *ep["scalars"],
+        part, lse, ent, logp, ep.tensors, ep.scalars,
         N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_blocks, S,
         tiles_per_split,
         HAS_BIAS=bias is not None, SPLIT=S > 1, DOT_PREC=dot_precision(hidden.dtype),
-        **flags, **cfg, **logit_transform_args(softcap, logit_scale),
+        EPI_FLAGS=ep.flags, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     if S > 1:
         ccfg = tile_configs.combine(S, dev)
         _combine_splits_kernel[(triton.cdiv(N, ccfg["BLOCK_N"]),)](
-            part, lse, ent, logp, *ep["tensors"], *ep["scalars"], N, S, **flags, **ccfg,
+            part, lse, ent, logp, ep.tensors, ep.scalars, N, S, EPI_FLAGS=ep.flags, **ccfg,
         )
     return logp, ent, lse
 
-
-def _NO_EPILOGUE(dummy: torch.Tensor) -> dict:
-    return dict(
-        tensors=[dummy] * 9, scalars=[0.0] * 6, LOSS_KIND=KIND_CLIPPED.value, HAS_OLD=False,
-        HAS_DELTA=False, HAS_KL=False, BIAS_CORRECT_KL=False, HAS_ISR=False,
-    )

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .linear_logprobs import _NO_EPILOGUE, NEG_BIG, _store_token_results, loop_bound
+from .epilogue import no_epilogue
+from .linear_logprobs import NEG_BIG, _store_token_results, loop_bound
 from .logit_transform import logit_transform_args, softcap_logits, softcap_logits_grad
 
 
@@ -33,12 +34,9 @@ def _row_offsets(offs_n, T, stride_b, stride_t):
 @triton.jit(do_not_specialize=["N", "T"])
 def _logits_logprob_fwd_kernel(
     x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
-    old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-    epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
+    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
     N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
-    EPILOGUE: tl.constexpr, LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_KL: tl.constexpr, BIAS_CORRECT_KL: tl.constexpr,
-    HAS_ISR: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -71,13 +69,8 @@ def _logits_logprob_fwd_kernel(
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
     log_s = tl.log(tl.where(n_mask, s, 1.0))
-    _store_token_results(
-        offs_n, n_mask, m + log_s, log_s - t / tl.where(n_mask, s, 1.0), z_tgt,
-        lse_ptr, ent_ptr, logp_ptr,
-        old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr,
-        epsilon_low, epsilon_high, delta, beta, sapo_pos, sapo_neg,
-        EPILOGUE, LOSS_KIND, HAS_OLD, HAS_DELTA, HAS_KL, BIAS_CORRECT_KL, HAS_ISR,
-    )
+    _store_token_results(offs_n, n_mask, m + log_s, log_s - t / tl.where(n_mask, s, 1.0), z_tgt,
+                         lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
@@ -92,13 +85,11 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
     if N == 0:
         return logp, ent, lse
     cfg = tile_configs.logits(V, logits.device)
-    ep = epilogue or _NO_EPILOGUE(logp)
+    ep = epilogue or no_epilogue(logp)
     _logits_logprob_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-        logits, targets, lse, ent, logp, *ep["tensors"], *ep["scalars"],
+        logits, targets, lse, ent, logp, ep.tensors, ep.scalars,
         N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
-        EPILOGUE=epilogue is not None, LOSS_KIND=ep["LOSS_KIND"], HAS_OLD=ep["HAS_OLD"],
-        HAS_DELTA=ep["HAS_DELTA"], HAS_KL=ep["HAS_KL"], BIAS_CORRECT_KL=ep["BIAS_CORRECT_KL"],
-        HAS_ISR=ep["HAS_ISR"], **cfg, **logit_transform_args(softcap, logit_scale),
+        EPI_FLAGS=ep.flags, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     return logp, ent, lse
 

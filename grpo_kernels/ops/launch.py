@@ -18,6 +18,7 @@ import torch
 
 from ..chunked import launchers as chunked
 from ..grpo_math import per_token_loss
+from ..kernels.epilogue import epilogue_args
 from ..params import TokenLossArgs
 from . import fallback
 
@@ -132,30 +133,6 @@ class LogitsOp(BoundOp):
 # ---- the GRPO token-terms ops' body ------------------------------------------------------------
 
 
-def epilogue_args(rule: TokenLossArgs, weights, advantages, old_logps, ref_logps,
-                  importance_sampling_ratio) -> dict:
-    """The forward kernels' GRPO epilogue (`kernels/epilogue.py: grpo_token_outputs`): the [N]
-    float32 inputs, four fresh [N] outputs the kernel fills, the scalars and the flags. An
-    absent input is given as `advantages`, a pointer the kernel never reads (its flag is off)."""
-    N = advantages.shape[0]
-    outs = [torch.empty(N, device=advantages.device, dtype=torch.float32) for _ in range(4)]
-    given = lambda x: advantages if x is None else x  # noqa: E731
-    return dict(
-        tensors=[given(old_logps), given(ref_logps), advantages,
-                 given(importance_sampling_ratio), weights,
-                 *outs],  # weight·ℓ, weight·dℓ/dlogp, kl, ratio
-        scalars=[rule.epsilon_low, rule.epsilon_high,
-                 rule.delta if rule.delta is not None else 0.0, rule.beta,
-                 rule.sapo_temperature_pos, rule.sapo_temperature_neg],
-        LOSS_KIND=rule.spec.kernel_code,
-        HAS_OLD=old_logps is not None,
-        HAS_DELTA=rule.delta is not None,
-        HAS_KL=rule.beta != 0.0,
-        BIAS_CORRECT_KL=rule.use_bias_correction_kl,
-        HAS_ISR=importance_sampling_ratio is not None,
-    )
-
-
 def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights, advantages,
                      old_logps=None, ref_logps=None, importance_sampling_ratio=None):
     """Token-level GRPO on a bound op: (logp, entropy, lse, weight·ℓ, weight·dℓ/dlogp, kl,
@@ -174,7 +151,7 @@ def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights
                                  importance_sampling_ratio)
         try:
             logp, ent, lse = op.forward(targets, epilogue, *tensors)
-            return (logp, ent, lse, *epilogue["tensors"][-4:])
+            return (logp, ent, lse, *epilogue.outputs)
         except Exception as exc:
             # the epilogue runs only inside the Triton forward: a kernel that fails to compile
             # or launch re-runs unfused on the chunked PyTorch backend

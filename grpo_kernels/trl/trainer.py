@@ -350,8 +350,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items, scale = self._normalizer(inputs, mode, accumulation)
         isr = None
-        # vespo's φ takes the rollout ratios whenever the batch has them
-        if spec_of(self.loss_type).objective == "vespo":
+        # a sequence weight (vespo's φ) takes the rollout ratios whenever the batch has them
+        if spec_of(self.loss_type).objective.sequence_weight:
             isr = inputs.get("importance_sampling_ratio")
         elif self.use_vllm and self.vllm_importance_sampling_correction:
             isr = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]

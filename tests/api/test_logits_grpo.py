@@ -4,7 +4,7 @@ fused linear loss; sliced views read in place; the in-place gradient option."""
 
 import pytest
 import torch
-from helpers import KERNEL_DEVICE, MATRIX, hyper, max_err, on_device
+from helpers import KERNEL_DEVICE, MATRIX, TYPE_LEVELS, hyper, max_err, on_device
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -72,8 +72,7 @@ def test_matrix_fp32(backend, loss_type, level, beta, temperature, delta):
     check(backend, torch.float32, 3, 23, 123, hyper(loss_type, level, beta, temperature, delta))
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", gk.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type,level", TYPE_LEVELS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16(backend, loss_type, level):
     check(backend, torch.float16, 3, 23, 123, hyper(loss_type, level, 0.04, 0.7, 1.5), seed=1)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import leaf, make_grpo_batch, make_head, max_err, on_device
+from helpers import TYPE_LEVELS, leaf, make_grpo_batch, make_head, max_err, on_device
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,10 +65,10 @@ def grpo_case(draw):
     T = draw(st.integers(1, 13))
     D = draw(st.integers(1, 37))
     V = draw(st.integers(2, 150))
-    loss_type = draw(st.sampled_from(gk.LOSS_TYPES))
+    loss_type, level = draw(st.sampled_from(TYPE_LEVELS))
     kw = dict(
         loss_type=loss_type,
-        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        importance_sampling_level=level,
         beta=draw(st.sampled_from([0.0, 0.04, 0.3])),
         temperature=draw(st.floats(0.3, 2.0)),
         epsilon_low=draw(st.floats(0.05, 0.4)),

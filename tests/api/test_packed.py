@@ -9,10 +9,11 @@ The two batches are built independently from the same sequences: padded rows [S,
 
 import pytest
 import torch
-from helpers import leaf
+from helpers import TYPE_LEVELS, leaf
 
 import grpo_kernels as gk
-from grpo_kernels import LOSS_TYPES, reference
+from grpo_kernels import reference
+from grpo_kernels.loss_specs import TOKEN_LOSS_TYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 D, V = 8, 32
@@ -111,12 +112,11 @@ def check_linear(backend, loss_type, level, config, seed=0):
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type,level", TYPE_LEVELS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_equals_padded(backend, loss_type, level, config):
     check_linear(backend, loss_type, level, CONFIGS[config],
-                 seed=LOSS_TYPES.index(loss_type) + 10 * list(CONFIGS).index(config))
+                 seed=TOKEN_LOSS_TYPES.index(loss_type) + 10 * list(CONFIGS).index(config))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,11 +162,10 @@ def run_logits(fn, logits, batch, kw):
     return loss.detach(), metrics, x.grad, []
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type,level", TYPE_LEVELS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_packed_equals_padded(backend, loss_type, level):
-    seed = 40 + LOSS_TYPES.index(loss_type)
+    seed = 40 + TOKEN_LOSS_TYPES.index(loss_type)
     weight, _, padded, packed, real = make_batch(lengths_for(seed), seed, isr="N")
     logits = padded["hidden"] @ weight.T * 2.0  # [S, T, V]
     kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.5,

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from grpo_kernels.compile_check import kernel_variants as kv  # noqa: E402
+from grpo_kernels.compile_check import specialization as sp  # noqa: E402
 from grpo_kernels.compile_check import static_report  # noqa: E402
 
 
@@ -57,7 +57,8 @@ def test_sm90_report_has_its_columns_and_no_default_spills():
 
 
 def test_specialization_matches_triton():
-    """kernel_variants.specialize mirrors the runtime's own specialization function."""
+    """specialization.specialize mirrors the runtime's own specialization function, tuples
+    (the GRPO epilogue's bundle) included."""
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.nvidia.compiler import CUDABackend
@@ -77,12 +78,13 @@ def test_specialization_matches_triton():
     base = torch.empty(64, dtype=torch.bfloat16)
     for value, ptr in [(1, 1), (16, 16), (151936, 151936), (32001, 32001), (0, 0), (-16, -16),
                        (2**31 + 16, 2**31 + 16), (0.5, 0.5), (True, True),
-                       (base, kv.Ptr("bf16")), (base[1:], kv.Ptr("bf16", 2)),
-                       (base[8:], kv.Ptr("bf16", 16))]:
+                       (base, sp.Ptr("bf16")), (base[1:], sp.Ptr("bf16", 2)),
+                       (base[8:], sp.Ptr("bf16", 16)),
+                       ((base, base[1:], 0.5), (sp.Ptr("bf16"), sp.Ptr("bf16", 2), 0.5))]:
         for spec in (True, False):
             for align in (True, False):
                 want = tuple(triton_spec(value, spec, align))
-                got = kv.specialize(ptr, spec, align)
+                got = sp.specialize(ptr, spec, align)
                 assert got == want, (value, spec, align, got, want)
 
 

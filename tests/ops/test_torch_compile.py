@@ -136,13 +136,14 @@ def test_no_recompile_for_new_values_and_value_errors_inside_the_op():
         fn(hidden, weight, bias, ids, mask, adv * float("nan"), old, ref)
 
 
-@pytest.mark.parametrize("loss_type", gk.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", gk.ALL_LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_metric_names_follow_grpo_metrics(loss_type, beta):
     params = GRPOParams(loss_type=loss_type, beta=beta, max_completion_length=4)
     x = torch.rand(2, 3)
+    phi = torch.rand(2, 1) if params.spec.objective.sequence_weight else None  # vespo's φ
     keys = grpo_metrics(x, x + 0.5, x if beta else None, torch.randn(2, 1), torch.ones(2, 3),
-                        params).keys()
+                        params, vespo_phi=phi).keys()
     assert metric_names(params) == tuple(keys)
 
 
