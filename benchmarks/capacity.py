@@ -38,26 +38,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+from grpo_kernels.hf import ROW_LAYOUTS, RowLayout, parse_row_layout
 from grpo_train.flags import Parser, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = ("fused", "trl", "trl-kernels")
-LAYOUTS = ("padded", "packed", "shared")
-SUPPORTS = {"fused": LAYOUTS, "trl": ("padded",), "trl-kernels": LAYOUTS}
-LAYOUT_FLAGS = {"padded": ["--padding_free", "off"],
-                "packed": ["--padding_free", "on", "--share_prompt", "off"],
-                "shared": ["--padding_free", "on", "--share_prompt", "on"]}
+SUPPORTS = {"fused": tuple(RowLayout), "trl": (RowLayout.PADDED,), "trl-kernels": tuple(RowLayout)}
+LAYOUT_FLAGS = {RowLayout.PADDED: ["--padding_free", "off"],
+                RowLayout.PACKED: ["--padding_free", "on", "--share_prompt", "off"],
+                RowLayout.SHARED: ["--padding_free", "on", "--share_prompt", "on"]}
 # --length_profile: long_tailed is trainer_step's lognormal profile (benchmarks/lengths.py)
 PROFILES = {"fixed": "fixed", "long_tailed": "lognormal", "lognormal": "lognormal"}
 
 
-def layout_ran(row: dict) -> str:
-    """The layout a trainer_step row says ran (blank when there is no row)."""
+def layout_ran(row: dict) -> RowLayout | None:
+    """The row layout a trainer_step row says ran (None when there is no row)."""
     if "padding_free" not in row:
-        return ""
+        return None
     if row["padding_free"] == "off":
-        return "padded"
-    return "shared" if row.get("share_prompt") == "on" else "packed"
+        return RowLayout.PADDED
+    return RowLayout.SHARED if row.get("share_prompt") == "on" else RowLayout.PACKED
 
 
 def drawn_lengths(args, length: int) -> list[int]:
@@ -73,6 +73,7 @@ def probe(args, provider: str, length: int) -> dict:
     peak_gib, status, malloc, layout, lengths}; args.layout (None: the provider's default)."""
     profile = PROFILES[getattr(args, "length_profile", "fixed")]
     layout = getattr(args, "layout", None)
+    layout = None if layout is None else parse_row_layout(layout)
     cmd = [sys.executable, "-m", "benchmarks.trainer_step", "--provider", provider,
            "--synthetic", "--length_profile", profile, "--completion_tokens", str(length),
            "--num_generations", str(args.num_generations), "--prompt_tokens",
@@ -101,7 +102,7 @@ def probe(args, provider: str, length: int) -> dict:
                   f"drawn {mean}")
     fits = status == "ok" and peak is not None and peak <= args.budget_gib
     result = dict(length=length, fits=fits, peak_gib=peak, status=status,
-                  malloc=row.get("malloc", ""), layout=ran, lengths=drawn)
+                  malloc=row.get("malloc", ""), layout=ran or "", lengths=drawn)
     print(json.dumps({"provider": provider, **result}), flush=True)
     return result
 
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
                         help="fixed: every completion the probed length; long_tailed (or "
                              "lognormal, its name in benchmarks/lengths.py): lengths drawn "
                              "under the probed cap, median a third of it")
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=None,
+    parser.add_argument("--layouts", nargs="+", choices=ROW_LAYOUTS, default=None,
                         help="one search per provider and layout: padded, packed (the prompt "
                              "per completion) or shared (the group's prompt once); default: "
                              "trainer_step's (trl padded, the others shared)")
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
 
     def run() -> int:
         args = parser.parse_args(argv)
+        args.layouts = [parse_row_layout(x, "--layouts") for x in args.layouts or []] or None
         if args.budget_gib <= 0 or args.start < 64 or args.max_length < args.start:
             parser.error("need --budget_gib > 0, --start >= 64 and --max_length >= --start")
         if args.num_generations < 2:

@@ -42,8 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lengths import draw_lengths
-
-LAYOUTS = ("padded", "packed", "shared")
+from grpo_kernels.hf import ROW_LAYOUTS, RowLayout, parse_row_layout
 
 
 def synthetic_batch(groups: int, G: int, prompt: int, cap: int, vocab: int, seed: int) -> dict:
@@ -76,7 +75,7 @@ def build_model(layers: int, attn: str, dtype: torch.dtype, device: str):
     return model
 
 
-def run_layout(model, batch: dict, layout: str, loss_fn, device: str) -> dict:
+def run_layout(model, batch: dict, layout: RowLayout, loss_fn, device: str) -> dict:
     """One scoring + loss on `layout`; returns seconds, positions and the loss phase's bytes."""
     from grpo_kernels import hf
     from grpo_train import batching
@@ -120,7 +119,7 @@ def run_layout(model, batch: dict, layout: str, loss_fn, device: str) -> dict:
             "body_positions": ids.numel(), "head_positions": head, "loss": loss.item()}
 
 
-def measure(args, layout: str, model, batch, loss_fn) -> dict:
+def measure(args, layout: RowLayout, model, batch, loss_fn) -> dict:
     for _ in range(args.warmup):
         run_layout(model, batch, layout, loss_fn, args.device)
     runs = [run_layout(model, batch, layout, loss_fn, args.device) for _ in range(args.repeats)]
@@ -132,7 +131,7 @@ def measure(args, layout: str, model, batch, loss_fn) -> dict:
             "loss_rise_gib": rise / 2**30, "rise_above_grads_gib": (rise - grads) / 2**30}
 
 
-def fits(args, layout: str, model, prompt: int, loss_fn, budget_gib: float) -> bool:
+def fits(args, layout: RowLayout, model, prompt: int, loss_fn, budget_gib: float) -> bool:
     """Whether scoring + loss at `prompt` tokens stays within the budget (an out-of-memory
     error does not fit)."""
     batch = synthetic_batch(args.groups, args.num_generations, prompt, args.cap,
@@ -146,7 +145,7 @@ def fits(args, layout: str, model, prompt: int, loss_fn, budget_gib: float) -> b
     return rise / 2**30 <= budget_gib
 
 
-def capacity(args, layout: str, model, loss_fn) -> int:
+def capacity(args, layout: RowLayout, model, loss_fn) -> int:
     """The longest prompt (a multiple of 256) that `fits`; 0 if 256 does not."""
     low, high = 0, 256
     while fits(args, layout, model, high, loss_fn, args.capacity):
@@ -175,7 +174,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--groups", type=int, default=1)
     parser.add_argument("--cap", type=int, default=1024)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--layouts", nargs="+", default=list(ROW_LAYOUTS), choices=ROW_LAYOUTS)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -183,6 +182,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--capacity", type=float, default=None, metavar="GIB",
                         help="CUDA: the longest prompt whose loss phase fits GIB, per layout")
     args = parser.parse_args(argv)
+    args.layouts = [parse_row_layout(x, "--layouts") for x in args.layouts]
     if args.capacity is not None and args.device != "cuda":
         parser.error("--capacity measures CUDA memory: use it with --device cuda")
     from grpo_kernels import FusedLinearGRPOLoss

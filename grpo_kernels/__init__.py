@@ -2,7 +2,7 @@
 
 The public API lives in this package's root modules: `functional` (the losses and selective
 log-probs), `modules` (their nn.Module forms), `params` (GRPOParams), `grpo_math` (the PyTorch
-formulas), `layouts` (the padded and packed batch layouts), `reference` (the pure-PyTorch twin
+formulas), `token_layouts` (the padded and packed token layouts), `reference` (the pure-PyTorch twin
 that materializes logits) and `validation`.
 Subpackages hold the layers beneath (`kernels`: the Triton kernels, `chunked`: the chunked
 PyTorch path, for CPU tensors and float64, `ops`: the custom operators and backends), the

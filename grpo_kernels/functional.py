@@ -27,7 +27,7 @@ z = softcap·tanh(logit_scale·y / softcap), then the temperature, z / τ, then 
 (docs/semantics.md, "Logit soft-capping and scale").
 
 A packed batch (`cu_seqlens`, hidden [N, D] or logits [N, V]) takes the same routes: the kernels
-see its N tokens, and `grpo_math` works on [N] with the segment sums of `layouts.py`.
+see its N tokens, and `grpo_math` works on [N] with the segment sums of `token_layouts.py`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import NamedTuple
 import torch
 
 from .grpo_math import finish_loss, policy_loss, token_weights
-from .layouts import layout_of
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS
 from .params import GRPOParams, signature_with_params
+from .token_layouts import layout_of
 from .validation import (
     LossInputs,
     check_finite_advantages,

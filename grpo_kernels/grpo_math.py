@@ -12,7 +12,7 @@ to `finish_loss` here.
 
 Shapes: B sequences, T completion positions. `logp`, `old_logps`, `ref_logps`, `mask` are [B, T];
 `advantages` is [B, 1] or [B, T]; `importance_sampling_ratio` is [B, 1] or [B, T]. A packed batch
-(`cu_seqlens`, see `layouts.py`) has per-token values [N] and per-sequence values [S, 1]; the
+(`cu_seqlens`, see `token_layouts.py`) has per-token values [N] and per-sequence values [S, 1]; the
 functions take its `layout` (default: the padded layout of `mask`) for the few steps that depend
 on where tokens sit (per-sequence sums, expanding a per-sequence value to its tokens).
 """
@@ -25,9 +25,9 @@ import torch
 
 from . import loss_specs as ls
 from .grpo_options import compute_vespo_phi, high_entropy_mask, off_policy_mask
-from .layouts import PaddedLayout, layout_of
 from .objectives import TokenView, math_of
 from .params import GRPOParams
+from .token_layouts import PaddedLayout, layout_of
 from .validation import LossInputs
 
 

@@ -11,7 +11,7 @@ epilogue, so a loss that uses one takes the selective log-prob op and `grpo_math
     EntropyController  the adaptive entropy coefficient (trainer state lives with the caller)
 
 Shapes as in `grpo_math`: per-token [B, T] (packed [N]), per-sequence [B, 1] (packed [S, 1]);
-each function takes the batch's `layout` (`layouts.py`).
+each function takes the batch's token `layout` (`token_layouts.py`).
 """
 
 from __future__ import annotations

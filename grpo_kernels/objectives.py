@@ -36,7 +36,7 @@ class TokenView(NamedTuple):
     mask: torch.Tensor  # [B, T]
     isr: torch.Tensor | None  # the rollout importance ratio as given, or None
     params: GRPOParams
-    layout: object  # grpo_kernels.layouts: where tokens sit (per-sequence sums)
+    layout: object  # a token layout (token_layouts.py): where tokens sit, per-sequence sums
     vespo_phi: torch.Tensor | None  # the sequence weight φ [B, 1] when already computed
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_kernels.hf import LAYOUTS, PackedBatch, plan_rows, row_inputs
+from grpo_kernels.hf import PackedBatch, RowLayout, parse_row_layout, plan_rows, row_inputs
 
 from .flags import UsageError
 from .models import position_ids
@@ -87,10 +87,10 @@ def sequence_costs_of(attention_mask, completion_mask, T: int) -> torch.Tensor:
     return attention_mask[:, :-T].sum(dim=1) + completion_mask.sum(dim=1)
 
 
-def sequence_costs(batch: dict, layout: str) -> list[int]:
+def sequence_costs(batch: dict, layout: RowLayout) -> list[int]:
     """Tokens one forward spends on each sequence: padded, the full row Lp + T; packed (and, as
     an upper bound, shared), its real tokens."""
-    if layout == "padded":
+    if layout is RowLayout.PADDED:
         return [batch["input_ids"].shape[1]] * batch["input_ids"].shape[0]
     return sequence_costs_of(batch["attention_mask"], batch["completion_mask"],
                              batch["T"]).tolist()
@@ -142,16 +142,15 @@ def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
     return P_local, B, micro
 
 
-def micro_batches(batch: dict, layout: str, micro_batch_size: int, max_tokens: int,
+def micro_batches(batch: dict, layout: RowLayout | str, micro_batch_size: int, max_tokens: int,
                   agree=None, model_config=None) -> list[MicroBatch]:
     """The step's micro-batches. batch: `generation.generate`'s dict (input_ids, attention_mask
-    [B, Lp + T], completion_mask [B, T], T); layout: one of LAYOUTS. agree(n) -> the count every
-    process uses (the maximum over processes); None for one process. model_config: the model's
-    config, whose attention implementation sets the rows' width
+    [B, Lp + T], completion_mask [B, T], T); layout: a RowLayout (or its name). agree(n) -> the
+    count every process uses (the maximum over processes); None for one process. model_config:
+    the model's config, whose attention implementation sets the rows' width
     (`grpo_kernels.hf.choose_row_width`), the shared rows' mask and the flash boundaries (None:
     rows as wide as the longest sequence, a boolean mask)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    layout = parse_row_layout(layout)
     chunks = cut(sequence_costs(batch, layout), micro_batch_size, max_tokens)
     if agree is not None and max_tokens > 0:  # sequence-count chunks are the same everywhere
         chunks = split_to(chunks, agree(len(chunks)))
@@ -159,7 +158,7 @@ def micro_batches(batch: dict, layout: str, micro_batch_size: int, max_tokens: i
                           batch["completion_mask"], batch["T"])
     out = []
     for s in chunks:
-        if layout == "padded":
+        if layout is RowLayout.PADDED:
             out.append(MicroBatch(s, (ids[s], attn[s], T), position_ids(attn[s]),
                                   mask[s].float(), None, mask[s]))
             continue

@@ -17,6 +17,7 @@ import torch
 
 from grpo_kernels import selective_logprobs
 from grpo_kernels.hf import (
+    RowLayout,
     choose_layout,
     completion_hidden_states,
     logit_transform,
@@ -118,14 +119,15 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
     return model, ref_model, tokenizer, eos_ids, layout
 
 
-def micro_batch_layout(model, cfg, say) -> str:
+def micro_batch_layout(model, cfg, say) -> RowLayout:
     """How micro-batches are laid out (`grpo_kernels.hf.choose_layout`): "shared" (each group's
     prompt once, --share_prompt), "packed" (--padding_free) or "padded", as far as the flags
     ask and the model allows; one line says which and why. Checks the bare model, once."""
     choice = choose_layout(model, padding_free=cfg.padding_free,
                            share_prompt=cfg.padding_free and getattr(cfg, "share_prompt", False))
-    flags = {"padded": "--no_padding_free" if not cfg.padding_free else "--padding_free",
-             "packed": "--padding_free", "shared": "--share_prompt"}[choice.layout]
+    padded = "--no_padding_free" if not cfg.padding_free else "--padding_free"
+    flags = {RowLayout.PADDED: padded, RowLayout.PACKED: "--padding_free",
+             RowLayout.SHARED: "--share_prompt"}[choice.layout]
     say(f"micro-batches: {choice.layout} rows, {choice.reason} ({flags})")
     return choice.layout
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # heavy imports, for the annotations only
     from accelerate import Accelerator
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from grpo_kernels.hf import RowLayout
+
 
 @dataclass
 class RunState:
@@ -69,7 +71,7 @@ class RunState:
     # the packed rows' width and the shared rows' mask
     tokenizer: PreTrainedTokenizerBase  # with a pad token; left padding for prompts
     eos_ids: list[int]  # token ids that end a completion; eos_ids[0] ends a forced one
-    layout: str  # micro-batch rows: "padded", "packed" or "shared" (batching.py)
+    layout: RowLayout  # micro-batch rows: padded, packed or shared (batching.py)
     head: dict[str, torch.dtype]  # extra keyword of the fused calls: {"head_dtype": float32}
     # with --fp32_lm_head, else {}
     autocast: torch.autocast  # bf16 autocast with --bf16, else a disabled one

@@ -22,7 +22,8 @@ first, and W is a multiple of 16):
   at the next width would cost more than the best so far;
 - eager materializes [R, heads, W, W] attention weights in float32: rows as narrow as the
   longest sequence (rounded to 16), as for implementations this module does not know.
-Without a config the narrow rows are used. The rounding is for the attention kernels: PyTorch's
+Without a config the narrow rows are used (`row_width_rule` names the three rules:
+`RowWidthRule` ONE_ROW, COST and NARROW). The rounding is for the attention kernels: PyTorch's
 CPU sdpa took 2.6x longer on rows of 15 positions than of 16 (512 rows, 4 heads of 16, one
 thread, torch 2.13).
 
@@ -43,11 +44,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-__all__ = ["PackedBatch", "check_packed_attention", "choose_row_width", "pack_sequences"]
+if TYPE_CHECKING:
+    from .row_plan import RowLayout
+
+__all__ = ["PackedBatch", "RowWidthRule", "check_packed_attention", "choose_row_width",
+           "pack_sequences", "row_width_rule", "takes_boundaries"]
 
 
 @dataclass
@@ -79,14 +86,17 @@ class PackedBatch:
         return self.input_ids.numel()
 
     @property
-    def layout(self) -> str:
-        """"shared" (the group's prompt once, a 4-D mask) or "packed" (position_ids only)."""
-        return "packed" if self.attention_mask is None else "shared"
+    def layout(self) -> RowLayout:
+        """The rows' `row_plan.RowLayout`: SHARED (the group's prompt once, a 4-D mask) or
+        PACKED (position_ids only)."""
+        from .row_plan import RowLayout  # row_plan builds on this module
+
+        return RowLayout.PACKED if self.attention_mask is None else RowLayout.SHARED
 
     def boundaries(self) -> dict:
         """The sequence boundaries of packed rows as flash implementations take them
         (`boundaries_of` their position_ids)."""
-        if self.layout != "packed":
+        if self.attention_mask is not None:
             raise ValueError("shared-prefix rows have no flash boundaries (a segment also sees "
                              "its prefix): they take their 4-D attention_mask")
         return boundaries_of(self.position_ids)
@@ -160,23 +170,40 @@ def pair_cost(config) -> float | None:
     return 4 * H * hd / (2 * layer_params)
 
 
-def row_layout(config) -> str:
-    """How rows suit the config's attention: "one_row" (flash), "cost" (sdpa: the cost rule) or
-    "narrow" (eager, unknown implementations, no config)."""
+class RowWidthRule(str, Enum):
+    """How wide packed rows are for an attention implementation (module docstring): one row
+    holding everything (flash), the cost rule (sdpa) or as narrow as the longest sequence."""
+
+    ONE_ROW = "one_row"
+    COST = "cost"
+    NARROW = "narrow"
+
+
+def row_width_rule(config) -> RowWidthRule:
+    """The width rule for the config's attention: ONE_ROW (flash), COST (sdpa, a config with
+    the sizes `pair_cost` needs) or NARROW (eager, unknown implementations, no config)."""
     impl = str(getattr(config, "_attn_implementation", None) or "")
     if "flash" in impl:  # flash_attention_2/3 and Hub kernels named after flash attention
-        return "one_row"
-    return "cost" if impl == "sdpa" and pair_cost(config) is not None else "narrow"
+        return RowWidthRule.ONE_ROW
+    if impl == "sdpa" and pair_cost(config) is not None:
+        return RowWidthRule.COST
+    return RowWidthRule.NARROW
+
+
+def takes_boundaries(config) -> bool:
+    """Whether packed rows under the config's attention are handed their sequence boundaries
+    (`boundaries_of`): flash implementations, whose rows are ONE_ROW."""
+    return row_width_rule(config) is RowWidthRule.ONE_ROW
 
 
 def choose_row_width(lengths: list[int], config=None) -> int:
     """W for sequences of `lengths` real tokens under the config's attention (module
     docstring); at least the longest sequence."""
     longest, total = max(lengths), sum(lengths)
-    layout = "narrow" if config is None else row_layout(config)
-    if layout == "one_row":
+    rule = row_width_rule(config)
+    if rule is RowWidthRule.ONE_ROW:
         return total
-    if layout == "narrow":
+    if rule is RowWidthRule.NARROW:
         return _round16(longest)
     ratio = pair_cost(config)
 

@@ -1,7 +1,7 @@
 """One row plan for both trainers: which layout a model's forwards take, and the rows of a batch.
 
 A padded GRPO batch [S, L] (prompts left-padded, completions right-padded) reaches the model body
-in one of three layouts:
+in one of three row layouts (`RowLayout`):
 
     padded   as it is: S rows of L positions, with its attention mask
     packed   the real tokens end to end in rows [R, W], position_ids restarting per sequence,
@@ -13,29 +13,63 @@ in one of three layouts:
 All three give the same log-probs, loss and gradients. `choose_layout` decides once per model,
 with the reason as one phrase for the caller's one log line; `plan_rows` lays out a batch and
 `row_inputs` gives the model keywords that go with the rows. grpo_train (its micro-batches) and
-the TRL subclass (its scoring and loss forwards) both go through these three functions.
+the TRL subclass (its scoring and loss forwards) both go through these three functions. A row
+layout named by a string (a command-line flag, a results row) becomes a `RowLayout` through
+`parse_row_layout`, the one place that reads the names; everything else compares members.
+
+Not to be confused with the token layouts of `grpo_kernels/token_layouts.py` (where a loss's
+per-token values sit: padded [B, T] or packed [N]) or with the width rule of packed rows
+(`packed_rows.RowWidthRule`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
-from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, row_layout
+from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, takes_boundaries
 from .shared_prompt import check_shared_prompt, share_prompts
 from .unwrap import unwrap_model
 
-__all__ = ["LAYOUTS", "LayoutChoice", "choose_layout", "plan_rows", "row_inputs"]
+__all__ = ["ROW_LAYOUTS", "LayoutChoice", "RowLayout", "choose_layout", "parse_row_layout",
+           "plan_rows", "row_inputs"]
 
-LAYOUTS = ("padded", "packed", "shared")
+
+class RowLayout(str, Enum):
+    """How a batch's rows reach the model body (module docstring). A member is its name as a
+    string: it equals it, and prints it in log lines, JSON and CSV rows."""
+
+    PADDED = "padded"
+    PACKED = "packed"
+    SHARED = "shared"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+ROW_LAYOUTS = tuple(layout.value for layout in RowLayout)  # the names, e.g. for argparse choices
+
+
+def parse_row_layout(value, argument: str = "layout") -> RowLayout:
+    """The RowLayout a name stands for ("padded", "packed" or "shared"; a member passes as it
+    is); a ValueError naming `argument` and the accepted names otherwise."""
+    try:
+        return RowLayout(value)
+    except ValueError:
+        raise ValueError(f"{argument} must be one of {', '.join(ROW_LAYOUTS)}, got "
+                         f"{value!r}") from None
 
 
 @dataclass(frozen=True)
 class LayoutChoice:
-    """layout: one of LAYOUTS; reason: why this one, a phrase for a log line."""
+    """layout: the row layout chosen; reason: why this one, a phrase for a log line."""
 
-    layout: str
+    layout: RowLayout
     reason: str
 
 
@@ -46,32 +80,35 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
     `check_packed_attention` allows it, else padded. Checks run once per model (cached); pass
     the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
     if not padding_free:
-        return LayoutChoice("padded", "padding-free rows turned off")
+        return LayoutChoice(RowLayout.PADDED, "padding-free rows turned off")
     inner = unwrap_model(model)
     reason = check_packed_attention(inner)
     if reason is not None:
-        return LayoutChoice("padded", f"not packed: {reason}")
+        return LayoutChoice(RowLayout.PADDED, f"not packed: {reason}")
     if not share_prompt:
-        return LayoutChoice("packed", "shared prompts turned off")
+        return LayoutChoice(RowLayout.PACKED, "shared prompts turned off")
     reason = check_shared_prompt(inner)
     if reason is not None:
-        return LayoutChoice("packed", f"the prompt not shared: {reason}")
-    return LayoutChoice("shared", "each group's prompt once")
+        return LayoutChoice(RowLayout.PACKED, f"the prompt not shared: {reason}")
+    return LayoutChoice(RowLayout.SHARED, "each group's prompt once")
 
 
 def plan_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-              completion_mask: torch.Tensor | None, layout: str, model_config=None
-              ) -> PackedBatch:
+              completion_mask: torch.Tensor | None, layout: RowLayout | str,
+              model_config=None) -> PackedBatch:
     """The packed or shared rows of a padded batch (input_ids, attention_mask [S, L]; the last
     logits_to_keep = T columns are the completion, completion_mask [S, T] a prefix of each
-    row). model_config: the model's config (its attention sets widths, mask and boundaries)."""
-    if layout == "shared":
+    row). layout: RowLayout.PACKED or SHARED (or its name). model_config: the model's config
+    (its attention sets widths, mask and boundaries)."""
+    layout = parse_row_layout(layout)
+    if layout is RowLayout.SHARED:
         return share_prompts(input_ids, attention_mask, logits_to_keep, completion_mask,
                              model_config=model_config)
-    if layout == "packed":
+    if layout is RowLayout.PACKED:
         return pack_sequences(input_ids, attention_mask, logits_to_keep, completion_mask,
                               model_config=model_config)
-    raise ValueError(f"plan_rows lays out 'packed' or 'shared' rows, got layout {layout!r}")
+    raise ValueError(f"plan_rows lays out 'packed' or 'shared' rows, got layout "
+                     f"{layout.value!r}")
 
 
 def row_inputs(rows: PackedBatch, model_config=None) -> dict:
@@ -79,7 +116,6 @@ def row_inputs(rows: PackedBatch, model_config=None) -> dict:
     (`rows.attention_mask`, None for packed rows): position_ids, and for packed rows under a
     flash implementation the boundaries (`PackedBatch.boundaries`)."""
     kwargs = dict(position_ids=rows.position_ids)
-    flash = model_config is not None and row_layout(model_config) == "one_row"
-    if flash and rows.layout == "packed":
+    if takes_boundaries(model_config) and rows.layout is RowLayout.PACKED:
         kwargs.update(rows.boundaries())
     return kwargs

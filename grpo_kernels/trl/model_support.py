@@ -35,7 +35,14 @@ import logging
 
 import torch
 
-from ..hf import check_output_head, choose_layout, fsdp2_root, load_balancing_loss, resolved_head
+from ..hf import (
+    RowLayout,
+    check_output_head,
+    choose_layout,
+    fsdp2_root,
+    load_balancing_loss,
+    resolved_head,
+)
 from ..hf.zero3 import zero3_head
 from .padding_free import packable
 
@@ -82,19 +89,20 @@ class ModelSupport:
             return str(exc)
         return None
 
-    def _decide_layout(self, model) -> str:
+    def _decide_layout(self, model) -> RowLayout:
         """The layout of scoring and loss forwards, said in one log line with the reason."""
         padding_free, share_prompt = self.padding_free, self.share_prompt
         if self.forward_check_pending:
-            layout, reason = "padded", "not decided before the first batch (DeepSpeed ZeRO-3)"
+            layout = RowLayout.PADDED
+            reason = "not decided before the first batch (DeepSpeed ZeRO-3)"
         elif self.fallback is not None:
-            layout = "padded"
+            layout = RowLayout.PADDED
             reason = f"the model runs TRL's own implementation ({self.fallback})"
         else:
             choice = choose_layout(model, padding_free=padding_free,
                                    share_prompt=padding_free and share_prompt)
             layout, reason = choice.layout, choice.reason
-        quiet = layout != "padded" or not padding_free
+        quiet = layout is not RowLayout.PADDED or not padding_free
         (logger.info if quiet else logger.warning)(
             "grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run %s rows: %s "
             "(padding_free=%s, share_prompt=%s)", layout, reason, padding_free, share_prompt)
@@ -121,5 +129,5 @@ class ModelSupport:
     def packs(self, attention_mask, completion_mask, multimodal: dict) -> bool:
         """Whether this batch runs as packed or shared rows: a text batch (no image inputs)
         whose masks pack exactly."""
-        return (self.layout != "padded" and not multimodal
+        return (self.layout is not RowLayout.PADDED and not multimodal
                 and packable(attention_mask, completion_mask))

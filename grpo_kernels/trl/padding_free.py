@@ -35,6 +35,7 @@ import torch
 
 from ..functional import fused_linear_grpo_loss
 from ..hf import (
+    RowLayout,
     completion_hidden_states,
     completion_logprobs,
     fsdp2_root,
@@ -43,7 +44,7 @@ from ..hf import (
     row_inputs,
     unwrap_model,
 )
-from ..hf.packed_rows import boundaries_of, row_layout
+from ..hf.packed_rows import boundaries_of, takes_boundaries
 from ..hf.shared_prompt import prompt_groups
 
 __all__ = ["equal_count_across", "packable", "packed_completion_hidden", "packed_grpo_terms",
@@ -67,10 +68,11 @@ def _config(model):
 
 
 def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             completion_mask: torch.Tensor, aux_loss=None, layout="packed"):
+                             completion_mask: torch.Tensor, aux_loss=None,
+                             layout=RowLayout.PACKED):
     """(hidden, packed, aux): the body's hidden states [N, D] of the positions that predict the
     N kept completion tokens (completion_mask's 1s, in sequence order), from one forward of the
-    batch's `layout` rows ("packed" or "shared") `packed` (a PackedBatch). aux: None, or with
+    batch's `layout` rows (RowLayout.PACKED or SHARED) `packed` (a PackedBatch). aux: None, or with
     `aux_loss` (fn(router_logits, attention_mask), e.g. `grpo_kernels.hf.load_balancing_loss(
     model)`) the MoE auxiliary loss over the rows' real tokens, which are the padded batch's
     unmasked ones: the same statistics (packed rows only: MoE models do not share prompts).
@@ -133,21 +135,21 @@ def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[ra
 
 def packed_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   logits_to_keep: int, *, batch_size: int | None, return_entropy: bool,
-                  equal_count_across=None, layout="packed", **logprob_kwargs):
+                  equal_count_across=None, layout=RowLayout.PACKED, **logprob_kwargs):
     """Log-probs (and entropies) [S, T] float32 of the last logits_to_keep = T tokens, zero at
-    masked completion positions, from `layout` rows ("packed" or "shared") in forwards of at
+    masked completion positions, from `layout` rows (RowLayout.PACKED or SHARED) in forwards of at
     most batch_size · L positions (batch_size None: one forward). TRL's
     `_get_per_token_logps_and_entropies` on the padded batch gives the same values.
     logprob_kwargs: `completion_logprobs`' (temperature, head_dtype). equal_count_across: see
     `_row_chunks` (a chunk with nothing to score runs `_idle_forward`)."""
-    if layout == "shared":
+    if layout == RowLayout.SHARED:
         return _shared_scores(model, input_ids, attention_mask, logits_to_keep, batch_size,
                               return_entropy, equal_count_across, **logprob_kwargs)
     S, L = input_ids.shape
     T = logits_to_keep
     config = _config(model)
     packed = pack_sequences(input_ids, attention_mask, T, model_config=config)
-    flash = config is not None and row_layout(config) == "one_row"
+    flash = takes_boundaries(config)
     rows, positions = packed.input_ids, packed.logits_to_keep  # [R, W], [N]
     R, W = rows.shape
     row_of = positions // W
@@ -214,7 +216,8 @@ def _shared_scores(model, input_ids, attention_mask, T, batch_size, return_entro
         rows = None
         if seqs:
             idx = torch.tensor(seqs, device=input_ids.device)
-            rows = plan_rows(input_ids[idx], attention_mask[idx], T, None, "shared", config)
+            rows = plan_rows(input_ids[idx], attention_mask[idx], T, None, RowLayout.SHARED,
+                             config)
         if rows is None or rows.logits_to_keep.numel() == 0:  # no chunk here, or no kept token
             if equal_count_across is not None:  # a sharded forward is a collective: run one
                 _idle_forward(model, input_ids, **logprob_kwargs)

@@ -85,6 +85,7 @@ except ImportError as exc:  # TRL is an optional dependency
 from ..functional import fused_linear_grpo_loss
 from ..grpo_options import EntropyController
 from ..hf import (
+    RowLayout,
     completion_logprobs,
     has_tuner_adapter,
     head_for,
@@ -283,8 +284,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
         return self._support.at_batch(model, self.is_fsdp_enabled)
 
     @property
-    def _layout(self) -> str:
-        """The row layout of scoring and loss forwards (`grpo_kernels.hf.LAYOUTS`)."""
+    def _layout(self) -> RowLayout:
+        """The row layout of scoring and loss forwards (`grpo_kernels.hf.RowLayout`)."""
         return self._support.layout
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,

@@ -7,6 +7,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks import shared_prompt
 from grpo_kernels import FusedLinearGRPOLoss
+from grpo_kernels.hf import RowLayout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,7 +23,7 @@ def test_layouts_agree_and_shared_computes_fewer_positions():
     assert not torch.equal(batch["input_ids"][0, :48], batch["input_ids"][4, :48])
     fn = FusedLinearGRPOLoss(beta=0.04)
     got = {layout: shared_prompt.run_layout(model, batch, layout, fn, "cpu")
-           for layout in shared_prompt.LAYOUTS}
+           for layout in RowLayout}
     assert got["shared"]["loss"] == pytest.approx(got["padded"]["loss"], rel=1e-5, abs=1e-7)
     assert got["packed"]["loss"] == pytest.approx(got["padded"]["loss"], rel=1e-5, abs=1e-7)
     real = int(batch["attention_mask"].sum())

@@ -9,7 +9,7 @@ from transformers import Qwen2Config
 from benchmarks.lengths import draw_lengths
 from benchmarks.trainer_step import QWEN25_05B
 from grpo_kernels.hf import choose_row_width, pack_sequences
-from grpo_kernels.hf.packed_rows import _place, pair_cost, row_layout
+from grpo_kernels.hf.packed_rows import RowWidthRule, _place, pair_cost, row_width_rule
 
 
 def qwen_config(attn: str | None) -> Qwen2Config:
@@ -30,18 +30,20 @@ def test_pair_cost_is_the_flop_ratio_of_a_qwen_layer():
     assert pair_cost(object()) is None  # a config without the sizes: no cost rule
 
 
-@pytest.mark.parametrize("attn,layout", [("sdpa", "cost"), ("eager", "narrow"),
-                                         ("flash_attention_2", "one_row"),
-                                         ("kernels-community/flash-attn3", "one_row"),
-                                         ("flex_attention", "narrow"), (None, "narrow")])
-def test_layout_follows_the_attention_implementation(attn, layout):
-    assert row_layout(qwen_config(attn)) == layout
+@pytest.mark.parametrize("attn,rule", [("sdpa", RowWidthRule.COST),
+                                       ("eager", RowWidthRule.NARROW),
+                                       ("flash_attention_2", RowWidthRule.ONE_ROW),
+                                       ("kernels-community/flash-attn3", RowWidthRule.ONE_ROW),
+                                       ("flex_attention", RowWidthRule.NARROW),
+                                       (None, RowWidthRule.NARROW)])
+def test_width_rule_follows_the_attention_implementation(attn, rule):
+    assert row_width_rule(qwen_config(attn)) is rule
     lengths = long_tailed(8)
     width = choose_row_width(lengths, qwen_config(attn))
     assert width >= max(lengths)
-    if layout == "one_row":
+    if rule is RowWidthRule.ONE_ROW:
         assert width == sum(lengths)
-    if layout == "narrow":
+    if rule is RowWidthRule.NARROW:
         assert width == -(-max(lengths) // 16) * 16
     assert choose_row_width(lengths) == -(-max(lengths) // 16) * 16  # no config: narrow
 

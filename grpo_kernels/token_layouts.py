@@ -1,4 +1,8 @@
-"""Where each token of a batch sits: the padded [B, T] layout and the packed (padding-free) one.
+"""Token layouts: where each token of a loss's batch sits, padded [B, T] or packed (padding-free).
+
+(Formerly layouts.py. These are the layouts of the loss's per-token values; the layout of the
+rows a model's forwards take is `grpo_kernels.hf.RowLayout`, a separate choice: packed or shared
+rows both reach the loss as packed tokens.)
 
 A packed batch lays its S sequences end to end, N tokens in all, with the flash-attention
 convention `cu_seqlens` [S + 1]: sequence s holds tokens cu_seqlens[s]:cu_seqlens[s+1]. It
@@ -35,8 +39,9 @@ def seq_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 class PaddedLayout:
-    """Rows of T positions, mask 0 at padding: per-token [B, T], per-sequence [B, 1]. Every
-    method is the plain [B, T] operation, so padded results are what they always were."""
+    """The padded token layout: rows of T positions, mask 0 at padding: per-token [B, T],
+    per-sequence [B, 1]. Every method is the plain [B, T] operation, so padded results are what
+    they always were."""
 
     def __init__(self, mask: torch.Tensor):
         self.shape = tuple(mask.shape)  # (B, T)
@@ -60,8 +65,9 @@ class PaddedLayout:
 
 
 class PackedLayout:
-    """S sequences end to end: per-token [N], per-sequence [S, 1]. seq_ids [N] is computed
-    once per loss call; a zero-length sequence is a fully masked padded row (it counts in S)."""
+    """The packed token layout, S sequences end to end: per-token [N], per-sequence [S, 1].
+    seq_ids [N] is computed once per loss call; a zero-length sequence is a fully masked padded
+    row (it counts in S)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, num_tokens: int):
         self.num_seqs = cu_seqlens.shape[0] - 1
@@ -87,8 +93,8 @@ class PackedLayout:
 
 
 def layout_of(mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
-    """The layout of validated per-token inputs: packed when cu_seqlens is given (mask [N]),
-    else padded (mask [B, T])."""
+    """The token layout of validated per-token inputs: packed when cu_seqlens is given (mask
+    [N]), else padded (mask [B, T])."""
     if cu_seqlens is None:
         return PaddedLayout(mask)
     return PackedLayout(cu_seqlens, mask.shape[0])

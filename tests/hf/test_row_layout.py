@@ -1,0 +1,59 @@
+"""RowLayout: the one name of a batch's row layout (padded, packed or shared rows), parsed from
+the strings that command lines and results rows use, and printed back as the same strings."""
+
+import csv
+import io
+import json
+
+import pytest
+import torch
+
+from grpo_kernels.hf import ROW_LAYOUTS, RowLayout, parse_row_layout, plan_rows
+
+
+def test_the_names_round_trip():
+    assert ROW_LAYOUTS == ("padded", "packed", "shared")
+    for name in ROW_LAYOUTS:
+        layout = parse_row_layout(name)
+        assert layout is RowLayout(name) and layout == name and parse_row_layout(layout) is layout
+        # log lines, JSON and CSV rows print the name, as they did when it was a string
+        assert str(layout) == f"{layout}" == "%s" % layout == name  # noqa: UP031
+        assert json.loads(json.dumps({"layout": layout})) == {"layout": name}
+        out = io.StringIO()
+        csv.writer(out).writerow([layout])
+        assert out.getvalue().strip() == name
+
+
+@pytest.mark.parametrize("value", ["Packed", "pad", "", None, "one_row"])
+def test_unknown_names_are_refused_with_the_argument_and_the_names(value):
+    with pytest.raises(ValueError) as err:
+        parse_row_layout(value, "--layouts")
+    assert str(err.value) == f"--layouts must be one of padded, packed, shared, got {value!r}"
+
+
+def test_plan_rows_and_micro_batches_parse_their_layout():
+    from grpo_train import batching
+
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0]])
+    attn = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=attn[:, 2:], T=2)
+    assert plan_rows(ids, attn, 2, None, "packed").layout is RowLayout.PACKED
+    with pytest.raises(ValueError, match="layout must be one of padded, packed, shared"):
+        plan_rows(ids, attn, 2, None, "unpacked")
+    with pytest.raises(ValueError, match="lays out 'packed' or 'shared' rows, got layout 'padded'"):
+        plan_rows(ids, attn, 2, None, RowLayout.PADDED)
+    with pytest.raises(ValueError, match="layout must be one of padded, packed, shared"):
+        batching.micro_batches(batch, "unpacked", 0, 0)
+
+
+def test_the_benchmarks_flags_and_rows_use_the_names():
+    capacity = pytest.importorskip("benchmarks.capacity")
+    for layout, flags in capacity.LAYOUT_FLAGS.items():  # the flags a probe runs with ...
+        row = dict(zip(flags[::2], flags[1::2]))
+        row = {"padding_free": row["--padding_free"], "share_prompt": row.get("--share_prompt")}
+        assert capacity.layout_ran(row) is layout  # ... are the layout its row reports
+    assert capacity.layout_ran({}) is None
+    assert set(capacity.LAYOUT_FLAGS) == set(RowLayout)
+    with pytest.raises(SystemExit) as refused:  # the flag accepts the names only
+        capacity.main(["--providers", "fused", "--layouts", "Packed", "--no_record"])
+    assert refused.value.code == 2
