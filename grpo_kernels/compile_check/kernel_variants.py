@@ -251,23 +251,19 @@ def _accumulate(arch, c, dtype, a_t, rows, cols, D, N, default):
                    amm._accumulate_mm_kernel, args, aopts, "accumulate_mm", default)
 
 
-def _combine(quick: bool, arch: int, default_splits: set):
+def _combine(quick: bool, arch: int, default_blocks: set):
     """The split-combine kernel for every power-of-two BLOCK_S up to MAX_SPLITS (--quick: the
-    default ones and the largest); S itself is specialized (S = 16, 32, 64 are multiples of
-    16, the others not). Default: the S the default forward uses at the shapes above."""
-    default_blocks = {triton.next_power_of_2(S) for S in default_splits}
+    default ones and the largest). S is not specialized: one binary per BLOCK_S serves every
+    split count. Default: the BLOCK_S the launcher takes for the vocabularies above."""
     top = triton.next_power_of_2(tile_configs.MAX_SPLITS)
     sizes = sorted(default_blocks | {top}) if quick else [2**i for i in range(1, 7)]
     for block_s, epi in itertools.product(sizes, EPILOGUES[:2] if quick else EPILOGUES):
-        splits = {block_s, block_s // 2 + 1} | {S for S in default_splits
-                                                if triton.next_power_of_2(S) == block_s}
-        for S in sorted(splits) if not quick else sorted(splits & default_splits or {block_s}):
-            cfg, opts = _split_cfg(tile_configs.combine(S, None, arch=arch))
-            args = dict(part_ptr=Ptr("fp32"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
-                        logp_ptr=Ptr("fp32"), N=16384, S=S, **_epilogue_args(epi), **cfg)
-            yield Variant(f"combine[S={S},BLOCK_S={cfg['BLOCK_S']},epi={_tag(epi)}]",
-                          lin._combine_splits_kernel, args, opts, "combine",
-                          S in default_splits)
+        cfg, opts = _split_cfg(tile_configs.combine(block_s, None, arch=arch))
+        args = dict(part_ptr=Ptr("fp32"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
+                    logp_ptr=Ptr("fp32"), N=16384, S=block_s, **_epilogue_args(epi), **cfg)
+        yield Variant(f"combine[BLOCK_S={cfg['BLOCK_S']},epi={_tag(epi)}]",
+                      lin._combine_splits_kernel, args, opts, "combine",
+                      block_s in default_blocks)
 
 
 def _logits(arch: int, V: int, dtype, quick: bool):
@@ -326,9 +322,10 @@ def variants(arch: int, quick: bool = False) -> list:
         for V in sorted({v for _, v in heads}):
             for v in _logits(arch, V, hdt, quick):
                 _add(out, seen, v)
-    default_splits = {forward_grid(arch, N, D, V, hdt)[2] for hdt, _ in pairs
-                      for (D, V), N in itertools.product(heads, TOKENS)} - {1}
-    for v in _combine(quick, arch, default_splits):
+    default_blocks = {triton.next_power_of_2(tile_configs.split_cap(grid[1]))
+                      for hdt, _ in pairs for (D, V), N in itertools.product(heads, TOKENS)
+                      if (grid := forward_grid(arch, N, D, V, hdt))[2] > 1}
+    for v in _combine(quick, arch, default_blocks):
         _add(out, seen, v)
     return out
 

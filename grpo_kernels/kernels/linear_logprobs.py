@@ -227,7 +227,9 @@ def _linear_logprob_fwd_kernel(
                              lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
-@triton.jit(do_not_specialize=["N"])
+# S is not specialized either: with BLOCK_S from the vocabulary (tile_configs.combine), one
+# compiled combine serves every N.
+@triton.jit(do_not_specialize=["N", "S"])
 def _combine_splits_kernel(
     part_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, S,
     EPI_FLAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -299,7 +301,7 @@ def linear_logprob_forward(
         EPI_FLAGS=ep.flags, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     if S > 1:
-        ccfg = tile_configs.combine(S, dev)
+        ccfg = tile_configs.combine(max(S, tile_configs.split_cap(n_tiles)), dev)
         _combine_splits_kernel[(triton.cdiv(N, ccfg["BLOCK_N"]),)](
             part, lse, ent, logp, ep.tensors, ep.scalars, N, S, EPI_FLAGS=ep.flags, **ccfg,
         )

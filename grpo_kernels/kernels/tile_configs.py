@@ -98,7 +98,7 @@ def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device |
             return 1
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(triton.cdiv(sms, group_n), triton.cdiv(2 * sms, n_blocks))
-    hi = max(1, min(n_tiles // 4, MAX_SPLITS))
+    hi = split_cap(n_tiles)
     # waves of 2 programs per SM: whole ones are whole for 1 block per SM too (the 16-bit
     # no-epilogue forward fits 2 blocks on sm_90; epilogue and fp32 variants fit 1)
     return whole_wave_splits(n_blocks, n_tiles, min(want, hi), hi, 2 * sms)
@@ -124,10 +124,21 @@ def whole_wave_splits(n_blocks: int, n_tiles: int, lo: int, hi: int, slots: int)
 MAX_SPLITS = 64  # the combine kernel reads all splits of a token in one [BLOCK_N, BLOCK_S] tile
 
 
-def combine(n_splits: int, device: torch.device | None, arch: int | None = None) -> dict:
-    """The split-combine kernel (`linear_logprobs._combine_splits_kernel`), S = n_splits > 1."""
+def split_cap(n_tiles: int) -> int:
+    """The most vocabulary splits `num_splits` gives at n_tiles vocabulary tiles, whatever N."""
+    return max(1, min(n_tiles // 4, MAX_SPLITS))
+
+
+def combine(max_splits: int, device: torch.device | None, arch: int | None = None) -> dict:
+    """The split-combine kernel (`linear_logprobs._combine_splits_kernel`) for up to
+    `max_splits` splits. The launcher gives the vocabulary's `split_cap`, not this launch's S:
+    S changes with N, and a BLOCK_S that followed it would compile a new kernel whenever a
+    batch's size moved S across a power of two. BLOCK_N keeps the [BLOCK_N, BLOCK_S] tile at
+    1,024 values (the combine reads 3·S·N floats once: a small part of the forward's time)."""
     cc = target_arch(device, arch)
-    return dict(BLOCK_N=64, BLOCK_S=triton.next_power_of_2(n_splits), **_opts(4, None, cc))
+    block_s = triton.next_power_of_2(max_splits)
+    return dict(BLOCK_N=min(64, max(16, 1024 // block_s)), BLOCK_S=block_s,
+                **_opts(4, None, cc))
 
 
 def linear_bwd_atomic(dtype: torch.dtype, device: torch.device | None,
