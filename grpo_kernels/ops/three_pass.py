@@ -19,7 +19,7 @@ import os
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch._C import _functions
 
 from ..chunked import launchers as chunked
 from ..chunked.loss_grad import linear_loss_grad, whole_rows
@@ -31,6 +31,7 @@ from .custom_ops import direct
 
 ENV = "GRPO_KERNELS_THREE_PASS"  # "0" turns the path off (the four-pass route runs)
 CHUNK_ELEMENTS = None  # the element budget of its two [rows, V] buffers (None: the default)
+ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 
 class Route(NamedTuple):
@@ -94,9 +95,25 @@ class _ThreePassLoss(torch.autograd.Function):
         return value.clone()
 
     @staticmethod
-    @once_differentiable  # as the operators' backward: its gradients have no autograd graph
     def backward(ctx, g):
-        return None, *ctx.saved.take(ctx, g), None
+        with torch.no_grad():
+            grads = ctx.saved.take(ctx, g)
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = _once_differentiable(grads)
+        return None, *grads, None
+
+
+def _once_differentiable(grads):
+    """The gradients as outputs of a node that raises when differentiated, as the operators'
+    once-differentiable backward returns them under create_graph=True (no second derivative
+    goes through the linear head on either path)."""
+    given = [x for x in grads if x is not None]
+    if not given:
+        return grads
+    error = _functions.DelayedError(ONCE, len(given))
+    out = error(*[x.detach().requires_grad_() for x in given])
+    out = iter(out if isinstance(out, tuple) else (out,))
+    return tuple(None if x is None else next(out) for x in grads)
 
 
 def loss_and_metrics(head, ids, inputs: LossInputs, params: GRPOParams, grpo_args,
