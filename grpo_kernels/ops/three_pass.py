@@ -141,12 +141,15 @@ def loss_and_metrics(head, ids, inputs: LossInputs, params: GRPOParams, grpo_arg
     if g_ent is not None:  # + the entropy bonus, as grpo_math.finish_loss adds it
         value = value + (g_ent * ent).sum()
 
+    grads, lse, coef = (out.d_hidden, out.d_weight, out.d_bias), out.lse, out.coef
+
     def recompute(hidden, weight, bias):  # the chunked backward of the same gradients
         return chunked.linear_logprob_backward(
-            hidden, weight, bias, ids, full(out.lse, 0.0), ent, full(out.coef, 0.0), g_ent,
+            hidden, weight, bias, ids, full(lse, 0.0), ent, full(coef, 0.0), g_ent,
             params.temperature, needs, logit_scale=logit_scale)
 
-    grads = (out.d_hidden, out.d_weight, out.d_bias)
+    # only _Saved refers to the gradients now: autograd takes them as .grad without a copy
+    out = None
     loss = _ThreePassLoss.apply(value, hidden, weight, bias, _Saved(grads, recompute))
     shape = inputs.mask.shape
     kl = None if params.beta == 0.0 else full(terms.kl, 0.0).reshape(shape)
