@@ -13,6 +13,8 @@ losses, the modules, the Hugging Face helpers and the TRL trainer all reach:
 
     token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
         GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
+    a linear head's scalar loss that needs a gradient, at token level on the chunked backend:
+        the gradient computed in the forward (`ops/three_pass.py`, which says when);
     sequence-level (GSPO) ratios and the options that need whole sequences or the batch (vespo,
         the off-policy mask, the entropy quantile; `grpo_options`), and the chunked PyTorch
         backend: the selective log-prob op, then `grpo_math.policy_loss` around it;
@@ -37,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from .grpo_math import finish_loss, policy_loss, token_weights
+from .ops import three_pass
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS
 from .params import GRPOParams, signature_with_params
@@ -225,10 +228,12 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
 
 def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                   ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                  grad_filter, params: GRPOParams, sampling_logps=None, entropy_gather=None,
-                  softcap=None, logit_scale=None) -> tuple[GRPOTerms, LossInputs]:
-    """The route of every linear-head GRPO loss: checks, then the token-terms op or the
-    selective log-prob op with grpo_math. Returns the terms and the validated inputs."""
+                  grad_filter, params: GRPOParams, sampling_logps=None, softcap=None,
+                  logit_scale=None) -> tuple:
+    """The route of every linear-head GRPO loss: these checks (shapes and dtypes; traceable),
+    then the three-pass path (`ops/three_pass.py`) or `_linear_terms`. Returns the checked call:
+    (ids [N], inputs, grad_filter's eps, backend, head = contiguous (hidden [N, D], weight
+    [V, D], bias [V] | None), transform = (softcap, logit_scale))."""
     transform = check_logit_transform(softcap, logit_scale)
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
@@ -236,15 +241,20 @@ def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, o
                                            check_values=False,  # the op checks values
                                            cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     eps = check_grad_filter(grad_filter, hidden.dtype)
-    backend = backend_for(hidden)
     head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
+    return ids.reshape(-1), inputs, eps, backend_for(hidden), head, transform
+
+
+def _linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOTerms:
+    """The token-terms op, or the selective log-prob op with grpo_math, on a checked call."""
+    ids, inputs, eps, backend, head, transform = call
     if _takes_terms_op(backend, params):
-        outputs = OPS.linear_grpo_terms(*head, ids.reshape(-1), params.temperature, eps,
-                                        backend, *_terms_args(inputs, params), *transform)
-        return _terms_from_op(outputs, inputs, params), inputs
-    logp, ent, _ = OPS.linear_logprobs(*head, ids.reshape(-1), params.temperature, eps, backend,
+        outputs = OPS.linear_grpo_terms(*head, ids, params.temperature, eps, backend,
+                                        *_terms_args(inputs, params), *transform)
+        return _terms_from_op(outputs, inputs, params)
+    logp, ent, _ = OPS.linear_logprobs(*head, ids, params.temperature, eps, backend,
                                        "completion_ids", *transform)
-    return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
+    return _unfused_terms(logp, ent, inputs, params, entropy_gather)
 
 
 @signature_with_params
@@ -311,10 +321,15 @@ def fused_linear_grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors), or GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    terms, inputs = _linear_route(hidden, weight, completion_ids, advantages, completion_mask,
-                                  old_logps, ref_logps, bias, num_items_in_batch,
-                                  importance_sampling_ratio, cu_seqlens, grad_filter, params,
-                                  sampling_logps, entropy_gather, softcap, logit_scale)
+    call = _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
+                         ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
+                         cu_seqlens, grad_filter, params, sampling_logps, softcap, logit_scale)
+    ids, inputs, _, backend, head, (softcap, logit_scale) = call
+    if three_pass.linear_loss_route(*head, backend, params, softcap,
+                                    per_token_outputs=return_terms).three_pass:
+        return three_pass.loss_and_metrics(head, ids, inputs, params,
+                                           _terms_args(inputs, params), logit_scale)
+    terms = _linear_terms(call, params, entropy_gather)
     return terms if return_terms else _loss_and_metrics(terms, inputs, params)
 
 

@@ -3,9 +3,9 @@ Triton specializes on (constexprs, integers equal to 1 or divisible by 16, point
 do not change when only N changes.
 
 No GPU is needed: the launcher runs with its kernels replaced by recorders, the tiles and
-split count chosen as on an H100 (sm_90, 132 SMs), and each recorded launch is turned into the key Triton's
-JITFunction would compile it under (`compile_check.specialization.signature_of`, itself tested
-against Triton's own function in test_compile_check.py).
+split count chosen as on an H100 (sm_90, 132 SMs), and each recorded launch is turned into the
+key Triton's JITFunction would compile it under (`compile_check.specialization.signature_of`,
+itself tested against Triton's own function in test_compile_check.py).
 """
 
 import pytest
