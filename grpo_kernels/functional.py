@@ -326,7 +326,7 @@ def fused_linear_grpo_loss(
                          cu_seqlens, grad_filter, params, sampling_logps, softcap, logit_scale)
     ids, inputs, _, backend, head, (softcap, logit_scale) = call
     if three_pass.linear_loss_route(*head, backend, params, softcap,
-                                    per_token_outputs=return_terms).three_pass:
+                                    per_token_outputs=return_terms).log_once().three_pass:
         return three_pass.loss_and_metrics(head, ids, inputs, params,
                                            _terms_args(inputs, params), logit_scale)
     terms = _linear_terms(call, params, entropy_gather)

@@ -15,6 +15,7 @@ selective log-prob route as before. `loss_and_metrics` computes what `functional
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
@@ -34,9 +35,22 @@ CHUNK_ELEMENTS = None  # the element budget of its two [rows, V] buffers (None: 
 ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 
+_LOG = logging.getLogger("grpo_kernels")
+_LOGGED: set = set()  # the routes already logged in this process
+
+
 class Route(NamedTuple):
     three_pass: bool
     reason: str
+
+    def log_once(self) -> Route:
+        """One INFO line on the "grpo_kernels" logger the first time a route (path and reason)
+        is taken in this process: which path the linear-head loss ran, and why."""
+        if self not in _LOGGED:
+            _LOGGED.add(self)
+            _LOG.info("grpo_kernels: linear-head loss on the %s path: %s",
+                      "three-pass" if self.three_pass else "four-pass", self.reason)
+        return self
 
 
 def linear_loss_route(hidden, weight, bias, backend: str, params: GRPOParams, softcap=None,

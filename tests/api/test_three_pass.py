@@ -6,6 +6,7 @@ heads, an incoming gradient other than 1, and a loss inside a larger graph. Plus
 decision and its reasons."""
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -252,3 +253,14 @@ def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypat
     assert gh.requires_grad and gw.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (gh.sum() + gw.sum()).backward()
+
+
+def test_the_route_is_logged_once_with_its_reason(caplog):
+    route = three_pass.Route(True, "a reason seen once")
+    with caplog.at_level(logging.INFO, logger="grpo_kernels"):
+        assert route.log_once() is route
+        route.log_once()
+        three_pass.Route(False, "a reason seen once").log_once()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["grpo_kernels: linear-head loss on the three-pass path: a reason seen once",
+                     "grpo_kernels: linear-head loss on the four-pass path: a reason seen once"]
