@@ -1,6 +1,6 @@
 """The row of benchmarks.trainer_step: its columns (what ran, the phases' memory and time, the
-environment), printing it and appending it to a CSV (`append_row`, also used by
-benchmarks.capacity)."""
+environment, the kernel fallbacks), printing it and appending it to a CSV (`append_row`, also used
+by benchmarks.capacity)."""
 
 from __future__ import annotations
 
@@ -102,8 +102,15 @@ def environment(args, argv, device) -> dict:
 
 
 def report(args, device, row: dict) -> None:
-    from benchmarks import device_slug
+    """Adds the kernel_fallbacks column, prints the row and appends it to the device's CSV.
 
+    kernel_fallbacks: kernel calls of this process that ran on the chunked PyTorch path because
+    their Triton kernel failed to compile or launch; 0 in a healthy run, else the row did not
+    time the kernels it names (`grpo_kernels.fallback_counts` says which variants)."""
+    from benchmarks import device_slug
+    from grpo_kernels import fallback_counts
+
+    row["kernel_fallbacks"] = sum(fallback_counts().values())
     print(json.dumps(row, indent=1), flush=True)
     if not args.no_record:
         path = Path(args.out) / f"{device_slug(device)}-trainer.csv"

@@ -6,7 +6,9 @@ formulas), `token_layouts` (the padded and packed token layouts), `reference` (t
 that materializes logits) and `validation`.
 Subpackages hold the layers beneath (`kernels`: the Triton kernels, `chunked`: the chunked
 PyTorch path, for CPU tensors and float64, `ops`: the custom operators and backends), the
-integrations (`hf`, `trl`) and the static GPU tools (`compile_check`).
+integrations (`hf`, `trl`) and the static GPU tools (`compile_check`). `fallback_counts()` says
+how many kernel calls ran on the chunked path because their Triton kernel failed to build
+(`ops.fallback`).
 
 Importing the package loads only `params` (no torch, no Triton), so that command lines can read
 the hyperparameters' names and choices quickly; the functions and modules load on first use.
@@ -21,6 +23,7 @@ __all__ = [
     "GRPOParams",
     "GRPOTerms",
     "LOSS_TYPES",
+    "fallback_counts",
     "force_backend",
     "fused_linear_grpo_loss",
     "grpo_loss",
@@ -47,4 +50,8 @@ def __getattr__(name: str):
         from .ops.backends import force_backend
 
         return force_backend
+    if name == "fallback_counts":
+        from .ops.fallback import fallback_counts
+
+        return fallback_counts
     raise AttributeError(f"module 'grpo_kernels' has no attribute {name!r}")

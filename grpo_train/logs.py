@@ -10,6 +10,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,8 @@ def format_line(m: dict) -> str:
     ]
     if m.get("unscored"):
         parts.append(f"unscored {m['unscored']}")
+    if m.get("kernel_fallbacks"):  # only then: the usual line stays as it was
+        parts.append(f"kernel_fallbacks {m['kernel_fallbacks']}")
     return " | ".join(parts)
 
 
@@ -124,23 +127,45 @@ def plot_curves(output_dir) -> str:
     return f"curves written to {out}"
 
 
-def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms, t0) -> dict:
+def kernel_fallbacks() -> int:
+    """Kernel calls of this process so far that ran on the chunked PyTorch path because their
+    Triton kernel failed to compile or launch (`grpo_kernels.fallback_counts`, all variants)."""
+    from grpo_kernels import fallback_counts
+
+    return sum(fallback_counts().values())
+
+
+class StepStart(NamedTuple):
+    """Where a step's measurements start (`step_start`)."""
+
+    time: float  # time.perf_counter()
+    kernel_fallbacks: int  # `kernel_fallbacks()`
+
+
+def step_start() -> StepStart:
+    return StepStart(time.perf_counter(), kernel_fallbacks())
+
+
+def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms,
+                 start: StepStart) -> dict:
     """One record: rewards over all processes; loss metrics token-weighted over all processes.
     run: the `RunState` (accel, cfg, device, acc_col, scheduler); all_rewards: [P·G, F] of all
     processes, rewards: [P·G] their weighted sums (NaN = unscored); sums: metric sums weighted
-    by loss tokens, with their "_tokens"; t0: the step's start (time.perf_counter)."""
+    by loss tokens, with their "_tokens"; start: the step's `step_start()`. "kernel_fallbacks"
+    (the step's kernel calls on the fallback, all processes) is in the record only when > 0."""
     accel, cfg, device = run.accel, run.cfg, run.device
     keys = sorted(k for k in sums if k != "_tokens")
     local = [sums[k] for k in keys] + [sums["_tokens"], batch["lengths"].float().sum().item(),
                                        batch["truncated"].float().sum().item(),
-                                       batch["prompt_tokens"].item(), loss_total]
+                                       batch["prompt_tokens"].item(), loss_total,
+                                       kernel_fallbacks() - start.kernel_fallbacks]
     total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum").tolist()
     n_seq = float(cfg.num_prompts * cfg.num_generations)
     n_tok = max(total[len(keys)], 1.0)
-    comp_tokens, truncated, prompt_tokens, loss_sum = total[len(keys) + 1:]
+    comp_tokens, truncated, prompt_tokens, loss_sum, fallbacks = total[len(keys) + 1:]
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the step's kernels are part of its time
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - start.time
     peak = accel.reduce(torch.tensor(float(peak_memory_bytes(device)), device=device), "max")
     scored = rewards[~torch.isnan(rewards)]
     record = {
@@ -162,6 +187,8 @@ def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_
         "peak_memory_gib": peak.item() / 2**30,
         "unscored": int(torch.isnan(rewards).sum().item()),
     })
+    if fallbacks:
+        record["kernel_fallbacks"] = int(fallbacks)
     return record
 
 

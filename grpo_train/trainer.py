@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import time
 
 import torch
 
@@ -30,7 +29,15 @@ from grpo_kernels import reference as reference_impl
 from . import batching, sharding
 from .checkpoint import StopOnSignal, checkpoint_dir, list_checkpoints, save_run
 from .generation import evaluate, generate
-from .logs import format_line, plot_curves, progress_bar, read_metrics, show, step_metrics
+from .logs import (
+    format_line,
+    plot_curves,
+    progress_bar,
+    read_metrics,
+    show,
+    step_metrics,
+    step_start,
+)
 from .models import save_model
 from .rewards import combine, group_advantages, rewards_failed, score
 from .run_state import RunState, setup
@@ -121,7 +128,7 @@ def _step(run: RunState, step: int, phases) -> dict:
     """One step (the module docstring's 1.-5.); returns its metrics record, eval not included."""
     from accelerate.utils import gather_object
 
-    cfg, t0 = run.cfg, time.perf_counter()
+    cfg, start = run.cfg, step_start()
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     examples = [run.train_ex[i] for i in run.sampler.next(cfg.num_prompts)]
@@ -144,7 +151,8 @@ def _step(run: RunState, step: int, phases) -> dict:
         # 5. optimize: micro-batches, accumulation normalized as TRL does
         sums, loss_total, grad_norms = _optimize(run, batch, mbs, advantages, old_logps,
                                                  ref_logps, phases)
-    record = step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms, t0)
+    record = step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms,
+                          start)
     fails = {k: v for d in gather_object([failures]) for k, v in d.items()}
     if fails:
         record["reward_failures"] = fails

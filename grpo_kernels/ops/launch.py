@@ -9,7 +9,8 @@ launcher of the same contract.
 `grpo_token_terms`: the body of the token-terms ops (`custom_ops.py`). On Triton the forward
 kernel runs the GRPO epilogue (`kernels/epilogue.py`) on each token's log-prob as it is produced
 and writes weight·ℓ, weight·dℓ/dlogp, kl and the ratio per token; a kernel that fails to build
-re-runs on the chunked path, and `grpo_math` gives the same four per-token values.
+re-runs on the chunked path (under its own variant key, `epilogue_variant`), and `grpo_math`
+gives the same four per-token values.
 """
 
 from __future__ import annotations
@@ -18,16 +19,24 @@ import torch
 
 from ..chunked import launchers as chunked
 from ..grpo_math import per_token_loss
-from ..kernels.epilogue import epilogue_args
+from ..kernels.epilogue import (
+    BIAS_CORRECT_KL,
+    HAS_DELTA,
+    HAS_ISR,
+    HAS_KL,
+    HAS_OLD,
+    epilogue_args,
+)
 from ..params import TokenLossArgs
 from . import fallback
 
 
 class BoundOp:
     """One selective log-prob op on one backend's launchers (`impl`: the Triton launchers or
-    `chunked`). Triton launches go through `fallback.run`: a kernel that fails to compile or
-    launch is replaced by the chunked launcher of the same contract, and the op stays there
-    (its backward runs on the backend its forward ran on)."""
+    `chunked`). Triton launches go through `fallback.run` under their variant's key
+    (`variant`): a kernel that fails to compile or launch is replaced by the chunked launcher of
+    the same contract, and the op stays there (its backward runs on the backend its forward ran
+    on; across ops, a backward follows its plain forward's variant)."""
 
     family = ""
 
@@ -49,7 +58,20 @@ class BoundOp:
         other.__dict__.update(self.__dict__, impl=chunked)
         return other
 
-    def _launch(self, x, what, name, *args, **kw):
+    def head_options(self, tensors) -> tuple[str, ...]:
+        """The options of this op and its inputs that select a differently compiled kernel, for
+        its forward and backward alike (a variant key's last parts)."""
+        return tuple(self.transform)
+
+    def variant(self, what: str, tensors, *extra: str) -> str:
+        """The fallback key of this op's kernel `what` on these inputs (fallback.variant)."""
+        x = tensors[0]
+        return fallback.variant(self.family, what, x.device, x.dtype,
+                                *self.head_options(tensors), *extra)
+
+    def _launch(self, tensors, what, extra, name, *args, **kw):
+        """Launcher `name` on this op's backend; on Triton through `fallback.run` under the key
+        of (`what`, the inputs `tensors`, the backward's `extra` options)."""
         if not self.on_triton:
             return getattr(chunked, name)(*args, **kw)
 
@@ -57,12 +79,9 @@ class BoundOp:
             self.impl = chunked  # backward follows the forward's backend
             return getattr(chunked, name)(*args, **kw)
 
-        return fallback.run(self.family, x.device, x.dtype, what,
-                            lambda: getattr(self.impl, name)(*args, **kw), on_torch)
-
-    def failed(self, x) -> bool:
-        """This op's Triton kernels already failed for x's dtype and device (see fallback)."""
-        return self.on_triton and fallback.failed(self.family, x.device, x.dtype)
+        follows = self.variant("forward", tensors) if what == "backward" else None
+        return fallback.run(self.variant(what, tensors, *extra), tensors[0].device,
+                            lambda: getattr(self.impl, name)(*args, **kw), on_torch, follows)
 
 
 class LinearHeadOp(BoundOp):
@@ -77,6 +96,11 @@ class LinearHeadOp(BoundOp):
         super().__init__(impl, temperature, softcap, logit_scale)
         self.grad_filter = grad_filter
 
+    def head_options(self, tensors) -> tuple[str, ...]:
+        hidden, weight, bias = tensors
+        head = "" if weight.dtype == hidden.dtype else "head=" + fallback.dtype_name(weight.dtype)
+        return head, "" if bias is None else "bias", *self.transform
+
     def forward(self, targets, epilogue, hidden, weight, bias, keep=None):
         """keep: a dict for the chunked launcher's kept logits tile (chunked backend only)."""
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
@@ -84,13 +108,18 @@ class LinearHeadOp(BoundOp):
                                                     self.temperature, epilogue=epilogue,
                                                     **self.transform)
         extra = {} if keep is None or self.on_triton else {"keep": keep}
-        return self._launch(hidden, "linear-head forward", "linear_logprob_forward", hidden,
-                            weight, bias, targets, self.temperature, **extra, **self.transform)
+        return self._launch((hidden, weight, bias), "forward", (), "linear_logprob_forward",
+                            hidden, weight, bias, targets, self.temperature, **extra,
+                            **self.transform)
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
-        return self._launch(hidden, "linear-head backward", "linear_logprob_backward", hidden,
+        wanted = [n for n, need, x in zip(("hidden", "weight", "bias"), needs, inputs)
+                  if need and x is not None]
+        options = ("d=" + "+".join(wanted), "" if g_ent is None else "g_entropy",
+                   "" if self.grad_filter is None else "grad_filter")
+        return self._launch(inputs, "backward", options, "linear_logprob_backward", hidden,
                             weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
                             needs=tuple(needs), grad_filter=self.grad_filter, **extra,
                             **self.transform)
@@ -111,15 +140,16 @@ class LogitsOp(BoundOp):
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
             return self.impl.logits_logprob_forward(logits, targets, self.temperature,
                                                     epilogue=epilogue, **self.transform)
-        return self._launch(logits, "logits forward", "logits_logprob_forward", logits, targets,
-                            self.temperature, **self.transform)
+        return self._launch((logits,), "forward", (), "logits_logprob_forward", logits,
+                            targets, self.temperature, **self.transform)
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
         (logits,) = inputs
         if not needs[0]:
             return (None,)
-        dx = self._launch(logits, "logits backward", "logits_logprob_backward", logits, targets,
-                          lse, ent, g_logp, g_ent, self.temperature,
+        options = ("" if g_ent is None else "g_entropy", "inplace" if self.inplace else "")
+        dx = self._launch(inputs, "backward", options, "logits_logprob_backward", logits,
+                          targets, lse, ent, g_logp, g_ent, self.temperature,
                           out=logits if self.inplace else None, **self.transform)
         if self.inplace:
             # the kernel wrote through a raw pointer: bump the version so that any other
@@ -131,6 +161,18 @@ class LogitsOp(BoundOp):
 
 
 # ---- the GRPO token-terms ops' body ------------------------------------------------------------
+
+# The epilogue's option bits (kernels/epilogue.py) as a variant key names them: each is a
+# constexpr, so each combination is its own compiled kernel.
+EPILOGUE_OPTIONS = (("old", HAS_OLD), ("delta", HAS_DELTA), ("kl", HAS_KL),
+                    ("bias_correct_kl", BIAS_CORRECT_KL), ("isr", HAS_ISR))
+
+
+def epilogue_variant(rule: TokenLossArgs, flags: int) -> str:
+    """What a forward with the GRPO epilogue computes, as its variant key says it: the objective
+    (its kernel's LOSS_KIND) and the option flags on, e.g. "forward+epilogue:cispo+old+kl"."""
+    on = [name for name, bit in EPILOGUE_OPTIONS if flags & bit.value]
+    return "+".join([f"forward+epilogue:{rule.spec.objective.name}", *on])
 
 
 def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights, advantages,
@@ -145,20 +187,21 @@ def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights
     fallback.py), `grpo_math.per_token_loss` does, and torch.func.grad gives its derivative:
     token n's ℓ depends on logp[n] alone, so the gradient of Σ weight·ℓ is the per-token
     derivative. That branch runs eagerly only (inside the operator's body)."""
-    x = tensors[0]
-    if op.on_triton and not op.failed(x):
+    if op.on_triton:
         epilogue = epilogue_args(rule, weights, advantages, old_logps, ref_logps,
                                  importance_sampling_ratio)
-        try:
-            logp, ent, lse = op.forward(targets, epilogue, *tensors)
-            return (logp, ent, lse, *epilogue.outputs)
-        except Exception as exc:
-            # the epilogue runs only inside the Triton forward: a kernel that fails to compile
-            # or launch re-runs unfused on the chunked PyTorch backend
-            if not fallback.note_failure(exc, op.family, x.device, x.dtype,
-                                         f"{op.family} forward with the GRPO epilogue"):
-                raise
-    if op.on_triton:
+        key = op.variant(epilogue_variant(rule, epilogue.flags), tensors)
+        if not fallback.use_fallback(key):
+            try:
+                logp, ent, lse = op.forward(targets, epilogue, *tensors)
+            except Exception as exc:
+                # the epilogue runs only inside the Triton forward: a kernel that fails to
+                # compile or launch re-runs unfused on the chunked PyTorch backend
+                if not fallback.note_failure(exc, key, tensors[0].device):
+                    raise
+            else:
+                fallback.succeeded(key)
+                return (logp, ent, lse, *epilogue.outputs)
         op = op.on_torch()
     logp, ent, lse = op.forward(targets, None, *tensors)
 

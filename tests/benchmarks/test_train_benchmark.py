@@ -12,6 +12,7 @@ def test_trainer_step_benchmark_smoke(provider):
     assert row["timed_steps"] == 1 and row["completion_tokens"] == 16
     assert row["step_time_s_median"] > 0 and row["tokens_per_s_median"] > 0
     assert row["peak_memory_gib"] > 0 and row["device"].startswith("CPU")
+    assert row["kernel_fallbacks"] == 0
 
 
 def test_trainer_step_row_names_the_commit_the_run_started_from(monkeypatch):

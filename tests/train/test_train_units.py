@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from grpo_train import logs
 from grpo_train.checkpoint import (
     capture_rng,
     find_checkpoint,
@@ -266,9 +267,37 @@ def test_metrics_log_truncates_on_resume_and_plots(tmp_path):
                  "ent 1.000", "len 2.0", "loss 0.1000", "gnorm 1.000", "10,000 tok/s",
                  "mem 0.50GiB"):
         assert part in line
+    assert "kernel_fallbacks" not in line  # a healthy step's line: as it always was
+    assert format_line({"step": 3, "kernel_fallbacks": 0}) == format_line({"step": 3})
+    fell_back = format_line({"step": 3, "kernel_fallbacks": 12})
+    assert fell_back == format_line({"step": 3}) + " | kernel_fallbacks 12"
     pytest.importorskip("matplotlib")
     assert "curves written" in plot_curves(tmp_path)
     assert os.path.getsize(tmp_path / "curves.png") > 1000
+
+
+def test_step_record_counts_the_steps_kernel_fallbacks(monkeypatch):
+    """The record has kernel_fallbacks (the step's calls on the chunked path, summed over
+    processes) only when some call of the step fell back."""
+    from types import SimpleNamespace
+
+    accel = SimpleNamespace(reduce=lambda t, op: t, num_processes=1)
+    run = SimpleNamespace(accel=accel, cfg=SimpleNamespace(num_prompts=1, num_generations=2),
+                          device=torch.device("cpu"), acc_col=None,
+                          scheduler=SimpleNamespace(get_last_lr=lambda: [1e-3]))
+    batch = {"lengths": torch.tensor([3, 4]), "truncated": torch.tensor([False, True]),
+             "prompt_tokens": torch.tensor(5)}
+    rewards = torch.tensor([1.0, 0.0])
+    calls = iter([4, 4, 4, 9])  # so far in the process: at each step's start, then its end
+
+    def record():
+        monkeypatch.setattr(logs, "kernel_fallbacks", lambda: next(calls))
+        start = logs.step_start()
+        return logs.step_metrics(run, 1, batch, rewards[:, None], rewards, {"_tokens": 7.0},
+                                 0.5, [1.0], start)
+
+    assert "kernel_fallbacks" not in record()
+    assert record()["kernel_fallbacks"] == 5
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
