@@ -142,7 +142,7 @@ def _build_cce(filter_eps: float | str | None):
         note = f"impl={impl}; no entropy" + (f"; filter_eps={filter_eps}" if impl == "cce"
                                              else "")
         return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                    [ids, adv, mask, old, ref])
+                    [ids, adv, mask, old, ref], cpu_memory=impl != "torch_compile")
 
     return build
 

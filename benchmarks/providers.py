@@ -56,6 +56,9 @@ class Case:
     # Modes whose time covers the work the FLOP/byte accounting assumes. Liger's fused linear
     # loss computes the gradients inside forward, so only its fwd+bwd gets a rate.
     rated_modes: tuple[str, ...] = ("forward", "backward", "fwd+bwd")
+    # False where the CPU memory tracker (a dispatch mode) cannot run the call: torch.compile
+    # skips frames under a dispatch mode, and a fullgraph compile then raises
+    cpu_memory: bool = True
 
     @property
     def grad_bytes(self) -> int:
