@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch._functorch.config
 
 IGNORE_INDEX = -100  # CCE's (and PyTorch's) ignore_index for padding positions
 TRL_CHUNK = 32768  # TRL's vocabulary chunk (trl.trainer.utils), if that name is not found
@@ -134,6 +135,13 @@ def _build_cce(filter_eps: float | str | None):
         hyper = cfg.ours()
         if cfg.temperature != 1.0:  # CCE takes no temperature
             raise ValueError("cce: temperature must be 1.0")
+
+        if impl == "torch_compile":
+            # The sweep's backward mode calls backward(retain_graph=True) on one graph again and
+            # again, which a compiled backward that donates its buffers refuses. A patch around
+            # the call does not reach CCE's graph, so donation is turned off for the process
+            # (on CPU, where no memory of compiled graphs is measured; a saving, not a result).
+            torch._functorch.config.donated_buffer = False
 
         def loss():
             logp = cce_logps(h, w, ids, mask, impl, filter_eps)
