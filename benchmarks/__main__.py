@@ -98,7 +98,8 @@ def _fmt(x, spec: str) -> str:
 
 
 def table_order(rows: list[dict]) -> list[dict]:
-    """Ceilings, then by kernel, head, N, provider (ours, liger, reference, compiled), mode."""
+    """Ceilings, then by kernel, head, N, provider (in NAMES order: ours, the peers, the
+    reference, the compiled reference), mode."""
     def key(r):
         n = r.get("n_tokens")
         return (r.get("kernel") != "ceiling", r.get("kernel", ""), r.get("head") or "",

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One call on a machine with a CUDA device (H100/H200): GPU tests, the benchmark sweep, the plot.
-# Designed to finish inside a 10-minute command limit (worst case 150+40+180+110+50+60 s = 590 s
-# plus start-up): every step has its own `timeout`, and the
+# Designed to finish inside a 10-minute command limit (worst case 60+140+40+160+100+40+50 s =
+# 590 s plus start-up): every step has its own `timeout`, and the
 # sweeps stop starting new (provider, shape) pairs when their --time-budget runs out. Rows are
 # appended as they are measured, so a step cut short still leaves its numbers.
 #
 # Usage (repository root; OUT = where results go, default ./gpu_out):
 #   BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_session.sh
 # BENCH_COMMIT names the commit in every CSV row when the tree copy has no .git.
-# Liger-Kernel is not installed on the device image: put its wheel in .whl/ (for example
-# `pip download liger-kernel==0.8.5 --no-deps -d .whl`) and carry .whl; it is installed here
-# with --no-deps. Without it the Liger rows read "n/a: liger-kernel not installed".
+# The peers (TRL, Cut Cross-Entropy, Liger-Kernel) are not on the device image: fetch their wheels
+# with benchmarks/fetch_wheels.sh on a networked machine and carry .whl; install_wheels.sh installs
+# them here. Without them those rows read "n/a: ... not installed". benchmarks/gpu_peers.sh is
+# the shorter call that compares only the fused linear loss with these peers.
 #
 # Writes under $OUT:
 #   env.txt                  nvidia-smi, versions, commit
@@ -40,24 +41,15 @@ stamp "environment"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-if ! python -c "import liger_kernel" 2>/dev/null; then
-  whl=$(ls .whl/liger_kernel-*.whl 2>/dev/null | head -n 1)
-  if [ -n "$whl" ]; then
-    stamp "installing $whl (--no-deps)"
-    python -m pip install -q --no-deps --no-index "$whl" >> "$OUT/env.txt" 2>&1 || true
-  else
-    stamp "liger-kernel wheel not found in .whl/: Liger rows will read n/a"
-  fi
-fi
-python -c "import liger_kernel, importlib.metadata as m; print('liger-kernel',
-  m.version('liger-kernel'))" >> "$OUT/env.txt" 2>&1 || echo "liger-kernel: not installed" \
-  >> "$OUT/env.txt"
+stamp "installing the peers from .whl/"
+timeout 60 bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
+tail -n 3 "$OUT/env.txt"
 
 stamp "pytest -m gpu"
 # the API matrices launch the Triton backend on the GPU (tests/helpers.py: KERNEL_DEVICE); on an
 # H100 with 8 workers they took 92 s
 workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout 150 python -m pytest -q -ra $workers -p no:cacheprovider tests/api/test_fused_linear_grpo.py \
+timeout 140 python -m pytest -q -ra $workers -p no:cacheprovider tests/api/test_fused_linear_grpo.py \
   tests/api/test_logits_grpo.py tests/api/test_selective_logprobs.py \
   tests/api/test_memory_and_properties.py -k "triton or gpu" > "$OUT/pytest_gpu.txt" 2>&1
 echo "exit $?" >> "$OUT/pytest_gpu.txt"
@@ -73,30 +65,30 @@ tail -n 3 "$OUT/bench_suite.txt"
 # all providers and modes; torch.compile of the reference is last inside each shape (compile
 # time is what most often runs a budget out).
 stamp "sweep: targets"
-timeout 180 python -m benchmarks --quick --modes forward,backward,fwd+bwd \
-  --out "$OUT/results" --time-budget 140 --markdown > "$OUT/targets.md" 2> "$OUT/targets.log"
+timeout 160 python -m benchmarks --quick --modes forward,backward,fwd+bwd \
+  --out "$OUT/results" --time-budget 120 --markdown > "$OUT/targets.md" 2> "$OUT/targets.log"
 echo "exit $?" >> "$OUT/targets.log"
 tail -n 4 "$OUT/targets.log"
 
 # Scaling in N (memory must stay linear, no N×V term): fwd+bwd only, eager providers (compiled
 # reference would recompile for every shape); ceilings reused from the targets run.
 stamp "sweep: scaling"
-timeout 110 python -m benchmarks --heads qwen0.5b,llama8b,qwen7b --tokens 4096,16384,65536 \
-  --modes fwd+bwd --providers ours,liger,reference --no-ceilings --out "$OUT/results" \
-  --time-budget 75 --markdown > "$OUT/scaling.md" 2> "$OUT/scaling.log"
+timeout 100 python -m benchmarks --heads qwen0.5b,llama8b,qwen7b --tokens 4096,16384,65536 \
+  --modes fwd+bwd --providers ours,trl,cce,liger,reference --no-ceilings --out "$OUT/results" \
+  --time-budget 65 --markdown > "$OUT/scaling.md" 2> "$OUT/scaling.log"
 echo "exit $?" >> "$OUT/scaling.log"
 tail -n 4 "$OUT/scaling.log"
 
 stamp "plots"
 for csv in "$OUT"/results/*.csv; do
-  timeout 25 python -m benchmarks.plot "$csv" --out "$OUT/bench_fwd_bwd.png" --mode fwd+bwd
-  timeout 25 python -m benchmarks.plot "$csv" --out "$OUT/bench_forward.png" --mode forward
+  timeout 20 python -m benchmarks.plot "$csv" --out "$OUT/bench_fwd_bwd.png" --mode fwd+bwd
+  timeout 20 python -m benchmarks.plot "$csv" --out "$OUT/bench_forward.png" --mode forward
 done
 # The static report for this device's architecture (registers, spills, tensor-core ops and the
 # time model), to set against the measured rows; compile_check needs no GPU and no interpreter.
 stamp "static report"
 arch=$(python -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
-timeout 60 env -u TRITON_INTERPRET python -m grpo_kernels.compile_check --arch "$arch" --quick \
+timeout 50 env -u TRITON_INTERPRET python -m grpo_kernels.compile_check --arch "$arch" --quick \
   --report > "$OUT/static-sm$arch.md" 2> "$OUT/static.log"
 echo "exit $?" >> "$OUT/static.log"
 tail -n 1 "$OUT/static-sm$arch.md"

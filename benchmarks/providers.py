@@ -9,7 +9,8 @@ Kernels:
   fused_linear: hidden [B, T, D] + weight [V, D] -> loss (gradients for hidden and weight)
   logits:       logits [B, T, V] -> loss (gradient for the logits)
 Liger's adapters import liger_kernel lazily; when it is missing the provider is reported
-"not installed" instead of failing the sweep.
+"not installed" instead of failing the sweep. TRL's head and Cut Cross-Entropy (fused_linear
+only) are in peer_providers.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import Shape
+from .peer_providers import PEERS
 
 GRADED = ("backward", "fwd+bwd")  # modes that produce gradients
 
@@ -54,6 +56,9 @@ class Case:
     # Modes whose time covers the work the FLOP/byte accounting assumes. Liger's fused linear
     # loss computes the gradients inside forward, so only its fwd+bwd gets a rate.
     rated_modes: tuple[str, ...] = ("forward", "backward", "fwd+bwd")
+    # False where the CPU memory tracker (a dispatch mode) cannot run the call: torch.compile
+    # skips frames under a dispatch mode, and a fullgraph compile then raises
+    cpu_memory: bool = True
 
     @property
     def grad_bytes(self) -> int:
@@ -77,7 +82,7 @@ class Case:
 @dataclass(frozen=True)
 class Provider:
     kernel: str  # "fused_linear" | "logits"
-    name: str  # "ours" | "reference" | "reference-compile" | "liger"
+    name: str  # one of NAMES
     build: Callable[[Shape, torch.dtype, torch.device, LossConfig], Case]
     unavailable: Callable[[torch.device], str | None]  # reason it cannot run here, or None
     note: str = ""
@@ -154,7 +159,7 @@ def logits_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0, e
     return logits.requires_grad_(), ids, adv, mask, old, ref
 
 
-def _nbytes(*ts) -> int:
+def nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
@@ -223,7 +228,7 @@ def _fused_ours(shape, dtype, device, cfg, backward="auto", grad_filter=None):
     note = f"backend={backend}" + (f"; backward={backward}" if backend == "triton" else "")
     if grad_filter is not None:
         note += f"; grad_filter={grad_filter}"
-    return Case(loss, [h, w], _nbytes(h, w, ids, adv, mask, old, ref), note,
+    return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
                 [ids, adv, mask, old, ref])
 
 
@@ -235,7 +240,7 @@ def _fused_reference(compiled: bool):
             reference.fused_linear_grpo_loss)
         h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
         return Case(lambda: fn(h, w, ids, adv, mask, old, ref, **cfg.ours())[0], [h, w],
-                    _nbytes(h, w, ids, adv, mask, old, ref), keep=[ids, adv, mask, old, ref])
+                    nbytes(h, w, ids, adv, mask, old, ref), keep=[ids, adv, mask, old, ref])
 
     return build
 
@@ -257,7 +262,7 @@ def _fused_liger(shape, dtype, device, cfg):
         return module(h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
 
     note = "grads computed in forward" + ("" if device.type == "cuda" else "; compiled=False")
-    return Case(loss, [h, w], _nbytes(h, w, ids, adv, mask, old, ref), note,
+    return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
                 [ids, adv, mask, old, ref], rated_modes=("fwd+bwd",))
 
 
@@ -270,7 +275,7 @@ def _logits_ours(shape, dtype, device, cfg):
         return grpo_kernels.grpo_loss(logits, ids, adv, mask, old, ref, **cfg.ours(),
                                       inplace=cfg.inplace)[0]
 
-    return Case(loss, [logits], _nbytes(logits, ids, adv, mask, old, ref),
+    return Case(loss, [logits], nbytes(logits, ids, adv, mask, old, ref),
                 f"inplace={cfg.inplace}", [ids, adv, mask, old, ref])
 
 
@@ -281,7 +286,7 @@ def _logits_reference(compiled: bool):
         fn = _compiled(reference.grpo_loss) if compiled else reference.grpo_loss
         logits, ids, adv, mask, old, ref = logits_inputs(shape, dtype, device, cfg)
         return Case(lambda: fn(logits, ids, adv, mask, old, ref, **cfg.ours())[0], [logits],
-                    _nbytes(logits, ids, adv, mask, old, ref), keep=[ids, adv, mask, old, ref])
+                    nbytes(logits, ids, adv, mask, old, ref), keep=[ids, adv, mask, old, ref])
 
     return build
 
@@ -299,7 +304,7 @@ def _logits_liger(shape, dtype, device, cfg):
             loss_type=cfg.loss_type, reduce=True,
         )[0]
 
-    return Case(loss, [logits], _nbytes(logits, ids, adv, mask, old, ref),
+    return Case(loss, [logits], nbytes(logits, ids, adv, mask, old, ref),
                 f"inplace={cfg.inplace}; logits [B,T+1,V]", [ids, adv, mask, old, ref])
 
 
@@ -332,15 +337,17 @@ PROVIDERS: dict[str, Provider] = {
                      "grpo_kernels.reference.grpo_loss"),
         Provider("logits", "liger", _logits_liger, lambda d: _liger(d, True),
                  "liger triton_grpo_loss: no entropy; skips masked tokens; logits [B,T+1,V]"),
+        *(Provider(*peer) for peer in PEERS),
     )
 }
-NAMES = ("ours", "ours-atomic", "ours-filter", "liger", "reference", "reference-compile")
+NAMES = ("ours", "ours-atomic", "ours-filter", "trl", "cce", "cce-filter", "liger", "reference",
+         "reference-compile")
 
 
 def select(kernels, names) -> list[Provider]:
-    """Providers in sweep order: ours, Liger, the eager reference, the compiled reference (the
-    sweep runs compiled providers after all the others: their compile time is what most often
-    runs a time budget out)."""
+    """Providers in sweep order: ours, TRL, CCE, Liger, the eager reference, the compiled
+    reference (the sweep runs compiled providers after all the others: their compile time is
+    what most often runs a time budget out)."""
     order = {n: i for i, n in enumerate(NAMES)}
     chosen = [p for p in PROVIDERS.values() if p.kernel in kernels and p.name in names]
     return sorted(chosen, key=lambda p: (order[p.name], p.kernel))

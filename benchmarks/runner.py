@@ -133,7 +133,7 @@ def _result(case: Case, provider: Provider, shape: Shape, mode: str, dtype, devi
         gbytes = case.grad_bytes if grads else 0
         if device.type == "cuda":
             m = memory_cuda(step, grads, gbytes)
-        elif provider.name == "reference-compile":
+        elif provider.name == "reference-compile" or not case.cpu_memory:
             m = None  # the tracker cannot see allocations inside compiled CPU graphs
         else:
             m = memory_cpu(step, grads, gbytes, case.input_bytes)  # None: not measurable

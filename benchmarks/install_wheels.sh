@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs the kernel sweep's peers (TRL, Cut Cross-Entropy, Liger-Kernel) from the wheels in
+# .whl/ (benchmarks/fetch_wheels.sh) on a machine without network access, then prints what is
+# importable. Used by gpu_session.sh and gpu_peers.sh; without .whl/ it only reports.
+#
+# pip first resolves the peers against what is installed plus .whl/ (--no-index), so only missing
+# or too-old packages come from .whl/ and nothing already there is replaced. If that resolution
+# fails (a pin the image does not meet and .whl/ does not hold), every wheel whose distribution
+# is not installed yet is installed with --no-deps; the import check below then says what works.
+set -uo pipefail
+WHL="${WHL:-.whl}"
+PEERS=(trl==1.16.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
+
+if ls "$WHL"/*.whl > /dev/null 2>&1; then
+  if ! python -m pip install -q --no-index --find-links "$WHL" "${PEERS[@]}"; then
+    echo "install_wheels: resolution failed; installing missing distributions with --no-deps"
+    for whl in "$WHL"/*.whl; do
+      dist=$(basename "$whl" | cut -d- -f1)  # a wheel's name starts with its distribution
+      if ! python -c "import sys, importlib.metadata as m; m.version(sys.argv[1])" "$dist" \
+          2> /dev/null; then
+        python -m pip install -q --no-index --no-deps "$whl" || echo "install_wheels: $whl failed"
+      fi
+    done
+  fi
+else
+  echo "install_wheels: no wheels in $WHL/ (benchmarks/fetch_wheels.sh downloads them)"
+fi
+
+# What each provider needs: trl's head imports trl.trainer.utils in its backward.
+python - << 'EOF'
+import importlib
+import importlib.metadata as m
+
+for dist, module in (("trl", "trl.trainer.utils"), ("cut-cross-entropy", "cut_cross_entropy"),
+                     ("liger-kernel", "liger_kernel.chunked_loss")):
+    try:
+        importlib.import_module(module)
+        print(f"{dist} {m.version(dist)}: import {module} ok")
+    except Exception as exc:  # any failure here only means that provider's rows read n/a
+        print(f"{dist}: import {module} failed: {type(exc).__name__}: {exc}")
+EOF
