@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 SHAPES = [("tiny", 256, 15), ("tiny", 1024, 15), ("small", 256, 5), ("small", 1024, 3)]
 
@@ -34,15 +33,7 @@ def worker(head: str, n: int, reps: int) -> dict:
 
     case = PROVIDERS["fused_linear/ours"].build(make_shape(head, n), torch.float32,
                                                 torch.device("cpu"), LossConfig(backend="chunked"))
-    step = case.step("fwd+bwd")
-
-    def call():
-        for t in case.leaves:
-            t.grad = None
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
-
+    call = case.timed_fresh_step("fwd+bwd")
     call(), call()  # warm-up
     times = [call() for _ in range(reps)]
     return dict(tree=grpo_kernels.__file__, head=head, N=n, reps=reps,

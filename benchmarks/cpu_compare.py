@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 PROVIDER_KEYS = {"eager": "fused_linear/reference", "liger": "fused_linear/liger",
@@ -85,14 +84,7 @@ def worker(provider: str, shape: tuple[int, int, int], dtype_name: str, repeats:
     cfg = LossConfig(backend="chunked" if provider == "ours" else None)
     case = PROVIDERS[PROVIDER_KEYS[provider]].build(
         make_shape(head, N, (D, V)), getattr(torch, dtype_name), torch.device("cpu"), cfg)
-    step = case.step("fwd+bwd")
-
-    def call():
-        for t in case.leaves:
-            t.grad = None
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
+    call = case.timed_fresh_step("fwd+bwd")
 
     _trim_heap()
     base_kib = _status_kib("VmRSS")

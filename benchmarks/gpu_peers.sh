@@ -13,27 +13,18 @@
 # Writes under $OUT:
 #   env.txt                nvidia-smi, versions, commit, what the wheels installed
 #   peers-llama8b.md       Llama-3-8B head, N = 16384: all peers, forward and fwd+bwd
+#   profile.md             per-kernel profile of ours and eager at the Llama-3-8B head, N = 16384
 #   peers-n*.md            fwd+bwd at the other heads and token counts, as time allows
 #   results/<device>.csv   every row (copy into benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-./gpu_out}"
-mkdir -p "$OUT/results"
-export PYTHONUNBUFFERED=1
-START=$(date +%s)
+source benchmarks/gpu_common.sh
 DEADLINE="${DEADLINE:-450}"  # seconds from the start; the device call's limit is 8 minutes
-stamp() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.txt"; }
 # timeout for a step: its own limit, or what is left before the deadline if that is less
 limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); echo $(( left < $1 ? left : $1 )); }
 
 stamp "environment"
-{
-  nvidia-smi || true
-  python -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__,
-    'cuda', torch.version.cuda, 'triton', triton.__version__,
-    'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
-  echo "commit ${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-} > "$OUT/env.txt" 2>&1
+write_env
 stamp "installing the peers from .whl/"
 timeout "$(limit 90)" bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
 tail -n 3 "$OUT/env.txt"
@@ -56,6 +47,17 @@ sweep() {
 #    the matmul and copy ceilings measured first.
 sweep peers-llama8b 140 190 --heads llama8b --tokens 16384 --modes forward,fwd+bwd \
   --providers ours,trl,cce,cce-filter,liger,reference,reference-compile
+# Where the time goes at that shape: a per-kernel profile of ours and the eager reference
+# (docs/gpu.md compares it across commits).
+cap=$(limit 60)
+if [ "$cap" -gt 20 ]; then
+  stamp "profile: llama8b N=16384 (timeout ${cap}s)"
+  timeout "$cap" python -m benchmarks.profile_head --head llama8b --tokens 16384 \
+    --providers ours reference --out "$OUT/results" > "$OUT/profile.md" 2> "$OUT/profile.log"
+  echo "exit $?" >> "$OUT/profile.log"
+else
+  stamp "skipped profile: deadline"
+fi
 # 2. Forward + backward at the other shapes, eager providers, N = 16384 first, then 65536, 4096.
 eager=ours,trl,cce,liger,reference
 sweep peers-n16384 60 80 --heads qwen0.5b,qwen7b --tokens 16384 --modes fwd+bwd \

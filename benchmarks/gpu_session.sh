@@ -25,20 +25,10 @@
 #                            model next to the measured rows above)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-./gpu_out}"
-mkdir -p "$OUT/results"
-export PYTHONUNBUFFERED=1
-START=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/steps.txt"; }
+source benchmarks/gpu_common.sh
 
 stamp "environment"
-{
-  nvidia-smi || true
-  python -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__,
-    'cuda', torch.version.cuda, 'triton', triton.__version__,
-    'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
-  echo "commit ${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-} > "$OUT/env.txt" 2>&1
+write_env
 cat "$OUT/env.txt"
 
 stamp "installing the peers from .whl/"

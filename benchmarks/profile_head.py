@@ -65,16 +65,10 @@ def profile(provider_key: str, head: str, tokens: int, dtype, device, warmup: in
             steps: int) -> list[dict]:
     """One provider's rows: a row per kernel, per step, largest first."""
     case = PROVIDERS[provider_key].build(make_shape(head, tokens), dtype, device, LossConfig())
-    step = case.step("fwd+bwd")
-
-    def clear_and_step():
-        for t in case.leaves:
-            t.grad = None
-        step()
-
+    step = case.timed_fresh_step("fwd+bwd")
     for _ in range(warmup):  # compiles, autotunes and allocates outside the profile
-        clear_and_step()
-    times = kernel_times(clear_and_step, steps, device)
+        step()
+    times = kernel_times(step, steps, device)
     total = sum(ms for _, ms in times.values()) or 1.0
     ranked = sorted(times.items(), key=lambda kv: -kv[1][1])
     return [dict(provider=provider_key.split("/", 1)[1], head=head, N=tokens, kernel=name,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -77,6 +78,21 @@ class Case:
             loss = self.loss()
             return lambda: loss.backward(retain_graph=True)
         raise ValueError(f"unknown mode {mode!r}")
+
+    def timed_fresh_step(self, mode: str) -> Callable[[], float]:
+        """`step(mode)` with the leaves' gradients cleared first (a fresh accumulation, as in a
+        training step); each call returns the step's wall time in seconds (the clearing
+        untimed). For CPU timings: a device step needs a synchronize."""
+        step = self.step(mode)
+
+        def call() -> float:
+            for t in self.leaves:
+                t.grad = None
+            t0 = time.perf_counter()
+            step()
+            return time.perf_counter() - t0
+
+        return call
 
 
 @dataclass(frozen=True)
