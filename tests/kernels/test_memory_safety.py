@@ -28,7 +28,7 @@ class BoundsChecker:
         self.violations = []
 
     def set_launch(self, args):
-        addresses = [_element_addresses(a) for a in args if isinstance(a, torch.Tensor)]
+        addresses = [_element_addresses(a) for a in _tensors(args)]
         self.valid = np.unique(np.concatenate(addresses)) if addresses else self.valid[:0]
 
     def check(self, kind, ptrs, mask):
@@ -41,6 +41,16 @@ class BoundsChecker:
         bad = addr[self.valid[pos] != addr] if self.valid.size else addr
         if bad.size:
             self.violations.append((kind, int(bad.size), int(bad[0])))
+
+
+def _tensors(args):
+    """The tensors among a launch's arguments, those inside tuple arguments (the GRPO epilogue's
+    bundle) included."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            yield from _tensors(a)
 
 
 def _element_addresses(t: torch.Tensor) -> np.ndarray:
