@@ -335,3 +335,24 @@ def test_prefill_refusals(embedded, monkeypatch):
     assert_same_batch(generation.generate(model, VARIED, ctx), per_row)
     assert log == ["generation: padded (--generation padded); prefill per row: Qwen2ForCausalLM's "
                    "cache has LinearAttentionLayer layers"]
+
+
+def test_generation_benchmark_rows(tmp_path):
+    """benchmarks.generation: the per-row and the once-per-prompt prefill, interleaved, give the
+    same completion tokens; positions prefilled B·Lp against P·(Lp - 1) + B; one CSV row each."""
+    import csv
+
+    from benchmarks import generation as bench
+
+    out = tmp_path / "rows.csv"
+    assert bench.main(["--workloads", "default-run", "--paths", "per-row,padded", "--threads",
+                       "1", "--repeats", "1", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["path"] for r in rows] == ["per-row", "padded"]
+    assert rows[0]["completion_tokens"] == rows[1]["completion_tokens"]
+    P, B = 64, 64 * bench.G
+    Lp = int(rows[0]["prefilled_positions"]) // B
+    assert int(rows[0]["prefilled_positions"]) == B * Lp
+    assert int(rows[1]["prefilled_positions"]) == P * (Lp - 1) + B
+    examples = bench.build(bench.QWEN_05B_2L | dict(layers=1), 4, 8, 512)[2]
+    assert [len(ex["prompt"]) + 1 for ex in examples] == [512, 496, 480, 464]  # + "="
