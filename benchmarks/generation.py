@@ -1,13 +1,17 @@
-"""Generation throughput of the trainer's two paths on the same prompts and the same completion
-lengths: "padded" (`model.generate` on the left-padded batch) and "continuous" (transformers'
-continuous batching), as `grpo_train.generation.generate` runs them.
+"""Generation time of the trainer's paths on the same prompts and the same completion lengths,
+as `grpo_train.generation.generate` runs them: "per-row" (`model.generate` on the left-padded
+batch, every row prefilling its own copy of its prompt), "padded" (the same, each prompt's
+prefill computed once and its KV cache repeated G times: the padded path's default) and
+"continuous" (transformers' continuous batching).
 
     python -m benchmarks.generation                          # every workload, 1 and 2 threads
     python -m benchmarks.generation --workloads medium --threads 2 --repeats 5
+    python -m benchmarks.generation --workloads long-prompt --paths per-row,padded --threads 2 \
+        --repeats 5 --out benchmarks/results/cpu-amd-epyc-2-cores-generation.csv
 
 Completion lengths are drawn per sequence and forced with `grpo_train.generation.forced_lengths`
-(EOS exactly at the drawn length, never before), so both paths produce the same number of tokens
-on random-weight models. "tail" lengths are long-tailed: round(exp(N(ln(max_new / 8), 1))),
+(EOS exactly at the drawn length, never before), so every path produces the same number of
+tokens on random-weight models. "tail" lengths are long-tailed: round(exp(N(ln(max_new / 8), 1))),
 clipped to [1, max_new + 1] (max_new + 1 = truncated at max_new); "full" = every sequence runs
 to max_new (nothing for continuous batching to skip). Workloads (B = prompts x 8 completions):
 
@@ -16,10 +20,22 @@ to max_new (nothing for continuous batching to skip). Workloads (B = prompts x 8
     medium        random Qwen2, hidden 256, 4 layers, vocab 4096, B = 64, max_new 128, tail
     medium-full   the same, full lengths
     large         random Qwen2, hidden 512, 8 layers, vocab 4096, B = 64, max_new 256, tail
+    long-prompt   random Qwen2 shaped as Qwen2.5-0.5B's layers (hidden 896, 14 heads, 2 KV
+                  heads, MLP 4864), 2 layers, vocab 4096; B = 32 (4 prompts of 464-512 tokens,
+                  left-padded to 512), max_new 128, tail
+    long-prompt-1k  the same with prompts of 976-1024 tokens and max_new 256
 
-Per workload, thread count and path: one untimed call, then --repeats timed calls (the same
-prompts and lengths each time); reported: median seconds, completion tokens per second and the
-continuous / padded speedup. The header gives machine, date, load average and command.
+The embedded task's prompts are a few tokens long; the long-prompt workloads use prompts of
+digits and "+" (the tokenizer is character-level: one token per character), 16 characters
+shorter from one prompt to the next so that the batch is left-padded.
+
+Per workload and thread count: one untimed call per path, then --repeats rounds in which every
+path runs once, in turn (interleaved, so that a change of machine load hits every path alike;
+the same prompts and lengths each time). Reported per path: median seconds, completion tokens
+per second, the speedup over the first path, and the prompt positions prefilled: B·Lp for
+per-row; P·(Lp - 1) + B for padded (the prompts once, without their last token, which `generate`
+runs for every row); the prompts' own tokens, each once, for continuous. The header gives
+machine, date, load average and command; --out appends one CSV row per path.
 """
 
 from __future__ import annotations
@@ -33,31 +49,46 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from grpo_train.flags import Parser, run_cli
 
 from . import cpu_model, git_commit
+from .shared_prompt import append_row
 
 G = 8
-WORKLOADS = {  # name: (model, prompts, max_new_tokens, lengths)
-    "embedded": ("embedded", 16, 64, "tail"),
-    "default-run": ("embedded", 64, 3, "tail"),
-    "medium": ((256, 4), 8, 128, "tail"),
-    "medium-full": ((256, 4), 8, 128, "full"),
-    "large": ((512, 8), 8, 256, "tail"),
+QWEN_05B_2L = dict(hidden=896, layers=2, heads=14, kv_heads=2, mlp=4864)  # Qwen2.5-0.5B's layers
+WORKLOADS = {  # name: (model, prompts, max_new_tokens, lengths, prompt tokens: None = the task's)
+    "embedded": ("embedded", 16, 64, "tail", None),
+    "default-run": ("embedded", 64, 3, "tail", None),
+    "medium": (dict(hidden=256, layers=4), 8, 128, "tail", None),
+    "medium-full": (dict(hidden=256, layers=4), 8, 128, "full", None),
+    "large": (dict(hidden=512, layers=8), 8, 256, "tail", None),
+    "long-prompt": (QWEN_05B_2L, 4, 128, "tail", 512),
+    "long-prompt-1k": (QWEN_05B_2L, 4, 256, "tail", 1024),
+}
+PATHS = {  # name: (--generation, prefill_once: None = decided, False = a prefill per row)
+    "per-row": ("padded", False),
+    "padded": ("padded", None),
+    "continuous": ("continuous", None),
 }
 
 
-def build(model_spec, prompts: int, max_new: int):
+def build(model_spec, prompts: int, max_new: int, prompt_tokens: int | None = None):
     """(model, tokenizer, examples, cfg) for a workload, random weights, seed 0."""
     from grpo_train.config import TrainConfig, resolve_auto
     from grpo_train.data import load_examples
     from grpo_train.models import build_embedded, prepare_tokenizer
 
     cfg = resolve_auto(TrainConfig(max_new_tokens=max_new, num_generations=G))
-    examples = load_examples(cfg)[0][:prompts]  # the embedded task's prompts ("1+0+2+2+1=")
+    if prompt_tokens is None:
+        examples = load_examples(cfg)[0][:prompts]  # the embedded task's ("1+0+2+2+1=")
+    else:  # characters = tokens; the chat template adds "=": prompt j has 16·j tokens fewer
+        text = "".join(f"{i % 10}+" for i in range(prompt_tokens))
+        examples = [{"prompt": text[:prompt_tokens - 1 - 16 * j], "answer": "0"}
+                    for j in range(prompts)]
     if model_spec == "embedded":
         model, tok = build_embedded(cfg)
         return model, tok, examples, cfg
@@ -65,16 +96,25 @@ def build(model_spec, prompts: int, max_new: int):
 
     from grpo_train.tiny import build_tokenizer
 
-    hidden, layers = model_spec
+    hidden = model_spec["hidden"]
     tok = build_tokenizer(vocab_size=4096)
-    config = Qwen2Config(vocab_size=4096, hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=max(1, hidden // 128), max_position_embeddings=1024,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    config = Qwen2Config(vocab_size=4096, hidden_size=hidden,
+                         intermediate_size=model_spec.get("mlp", 4 * hidden),
+                         num_hidden_layers=model_spec["layers"],
+                         num_attention_heads=model_spec.get("heads", hidden // 64),
+                         num_key_value_heads=model_spec.get("kv_heads", max(1, hidden // 128)),
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     return model, prepare_tokenizer(tok, model), examples, cfg
+
+
+def model_label(model_spec) -> str:
+    if model_spec == "embedded":
+        return "embedded (64 x 2)"
+    return f"Qwen2 {model_spec['hidden']} x {model_spec['layers']}, vocab 4096"
 
 
 def draw_lengths(kind: str, B: int, max_new: int) -> list[int]:
@@ -85,58 +125,100 @@ def draw_lengths(kind: str, B: int, max_new: int) -> list[int]:
             for _ in range(B)]
 
 
-def time_path(model, tok, examples, cfg, path: str, lengths: list[int], repeats: int):
-    """(median seconds, completion tokens) of `generate` on one path."""
-    from grpo_train.generation import GenerationSetup, forced_lengths, generate
+def setups(model, tok, cfg, paths: list[str]) -> dict:
+    """A `GenerationSetup` per path name."""
+    from grpo_train.generation import GenerationSetup
     from grpo_train.models import eos_token_ids
 
-    ctx = GenerationSetup(cfg=dataclasses.replace(cfg, generation=path), tokenizer=tok,
-                          eos_ids=eos_token_ids(model, tok),
-                          say=lambda msg: print(f"  {msg}", flush=True))
-    times, tokens = [], 0
+    out = {}
+    for name in paths:
+        mode, prefill_once = PATHS[name]
+        out[name] = GenerationSetup(cfg=dataclasses.replace(cfg, generation=mode), tokenizer=tok,
+                                    eos_ids=eos_token_ids(model, tok), prefill_once=prefill_once,
+                                    say=lambda msg, n=name: print(f"  {n}: {msg}", flush=True))
+    return out
+
+
+def time_paths(model, tok, examples, cfg, paths: list[str], lengths: list[int],
+               repeats: int) -> dict[str, dict]:
+    """Per path: seconds of each timed `generate` call, completion tokens and prompt positions
+    prefilled. One untimed call per path, then `repeats` rounds of one call per path."""
+    from grpo_train.generation import forced_lengths, generate
+
+    ctx = setups(model, tok, cfg, paths)
+    out = {name: {"times": []} for name in paths}
     with forced_lengths(lambda B: lengths):
-        for i in range(repeats + 1):  # the first call is not timed
-            torch.manual_seed(i)
-            t0 = time.perf_counter()
-            batch = generate(model, examples, ctx)
-            if i:
-                times.append(time.perf_counter() - t0)
-            tokens = int(batch["lengths"].sum())
-    return statistics.median(times), tokens
+        for i in range(repeats + 1):  # round 0 is not timed
+            for name in paths:
+                torch.manual_seed(i)
+                t0 = time.perf_counter()
+                batch = generate(model, examples, ctx[name])
+                if i:
+                    out[name]["times"].append(time.perf_counter() - t0)
+                out[name]["tokens"] = int(batch["lengths"].sum())
+                out[name]["prefilled"] = prefilled(name, ctx[name], batch, len(examples))
+    return out
+
+
+def prefilled(path: str, ctx, batch: dict, P: int) -> int:
+    """Prompt positions the path ran the model over (module docstring)."""
+    prompt_mask = batch["attention_mask"][:, :-batch["T"]]  # [B, Lp]
+    B, Lp = prompt_mask.shape
+    if path == "continuous":
+        return int(prompt_mask[::B // P].sum())
+    return P * (Lp - 1) + B if ctx.prefill_once and B > P and Lp > 1 else B * Lp
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser("python -m benchmarks.generation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    parser.add_argument("--paths", default="padded,continuous",
+                        help=f"comma-separated, of {', '.join(PATHS)}; speedups are over the "
+                             "first")
     parser.add_argument("--threads", default="1,2", help="torch CPU thread counts to run")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per path")
+    parser.add_argument("--out", default=None, help="a CSV file to append one row per path to")
     args = parser.parse_args(argv)
-    names = args.workloads.split(",")
-    unknown = [n for n in names if n not in WORKLOADS]
+    names, paths = args.workloads.split(","), args.paths.split(",")
+    unknown = [n for n in names if n not in WORKLOADS] + [p for p in paths if p not in PATHS]
     if unknown:
-        parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
+        parser.error(f"unknown workloads or paths {unknown}; known: {', '.join(WORKLOADS)}; "
+                     f"{', '.join(PATHS)}")
     command = "python -m benchmarks.generation " + shlex.join(sys.argv[1:] if argv is None
                                                               else argv)
-    print(f"# {cpu_model()}, {os.cpu_count()} cores | {dt.date.today()} | commit {git_commit()}"
-          f" | torch {torch.__version__}\n# {command}")
-    print(f"{'workload':<12} {'threads':>7} {'path':<10} {'seconds':>8} {'tokens':>7} "
-          f"{'tokens/s':>9} {'speedup':>8} {'load avg':>15}")
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
+    print(f"# {machine} | {dt.date.today()} | commit {git_commit()} | torch {torch.__version__}"
+          f"\n# {command}")
+    print(f"{'workload':<14} {'threads':>7} {'path':<10} {'seconds':>8} {'tokens':>7} "
+          f"{'tokens/s':>9} {'speedup':>8} {'prefilled':>9} {'load avg':>15}")
     for name in names:
-        spec, prompts, max_new, kind = WORKLOADS[name]
-        model, tok, examples, cfg = build(spec, prompts, max_new)
+        spec, prompts, max_new, kind, prompt_tokens = WORKLOADS[name]
+        model, tok, examples, cfg = build(spec, prompts, max_new, prompt_tokens)
         lengths = draw_lengths(kind, prompts * G, max_new)
         for threads in [int(t) for t in args.threads.split(",")]:
             torch.set_num_threads(threads)
-            padded_s = None
-            for path in ("padded", "continuous"):
-                seconds, tokens = time_path(model, tok, examples, cfg, path, lengths,
-                                            args.repeats)
-                padded_s = seconds if path == "padded" else padded_s
-                speedup = f"{padded_s / seconds:.2f}x" if path == "continuous" else ""
-                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-                print(f"{name:<12} {threads:>7} {path:<10} {seconds:>8.3f} {tokens:>7} "
-                      f"{tokens / seconds:>9.0f} {speedup:>8} {load:>15}", flush=True)
+            timed = time_paths(model, tok, examples, cfg, paths, lengths, args.repeats)
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            first = statistics.median(timed[paths[0]]["times"])
+            for path in paths:
+                t = timed[path]
+                seconds = statistics.median(t["times"])
+                speedup = f"{first / seconds:.2f}x" if path != paths[0] else ""
+                print(f"{name:<14} {threads:>7} {path:<10} {seconds:>8.3f} {t['tokens']:>7} "
+                      f"{t['tokens'] / seconds:>9.0f} {speedup:>8} {t['prefilled']:>9} "
+                      f"{load:>15}", flush=True)
+                if args.out:  # row by row: a run cut short keeps what it measured
+                    append_row(Path(args.out), dict(
+                        date=dt.date.today().isoformat(), machine=machine, commit=git_commit(),
+                        torch=torch.__version__, command=command, workload=name,
+                        model=model_label(spec), prompts=prompts, G=G,
+                        prompt_tokens=prompt_tokens or "", max_new=max_new, lengths=kind,
+                        threads=threads, path=path, repeats=args.repeats,
+                        median_s=round(seconds, 4), min_s=round(min(t["times"]), 4),
+                        max_s=round(max(t["times"]), 4), completion_tokens=t["tokens"],
+                        prefilled_positions=t["prefilled"],
+                        speedup_vs_first=round(first / seconds, 3), load_avg=load))
     return 0
 
 

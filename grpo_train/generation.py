@@ -12,6 +12,10 @@ takes continuous batching on CUDA where it is supported and the padded path on C
 continuous batching is faster only for long completions of varied length (docs/trainer.md,
 Generation paths). The path that ran is logged once.
 
+Both compute each prompt's prefill once for its G completions: continuous batching forks the
+prompt's cache, the padded path runs the P distinct prompts once and repeats their KV cache G
+times before `model.generate` (`_prefill_refusal`: where it applies, and why not elsewhere).
+
 Benchmarks can force completion lengths on either path (`forced_lengths`).
 
 What generation reads comes from the trainer's run state (`run_state.RunState`): cfg, tokenizer,
@@ -22,6 +26,7 @@ there too. Direct calls pass a `GenerationSetup` holding the same (benchmarks/ge
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 
 from . import continuous, sharding
-from .models import completion_mask, encode_prompts, render_prompts
+from .models import completion_mask, encode_prompts, position_ids, render_prompts
 from .rewards import accuracy
 
 _forced_draw = None  # the `forced_lengths` hook in effect outside a run that names its own
@@ -85,6 +90,8 @@ class GenerationSetup:
     forced_lengths: Callable[[int], list[int]] | None = None  # see `forced_lengths`
     continuous: bool | None = None  # the path, decided on the first call and kept
     continuous_logged: bool = False  # whether the continuous path's log line was printed
+    prefill_once: bool | None = None  # the padded path's prefill, decided with the path and
+    # kept (False beforehand: every row prefills its own prompt, as benchmarks compare)
 
 
 def _draw_lengths(run, B: int, max_new_tokens: int) -> list[int] | None:
@@ -114,8 +121,83 @@ def _wants_continuous(model, run, sampling: dict) -> bool:
             reason = "auto on CPU: continuous batching only pays off for long, varied completions"
         run.continuous = reason is None
         if reason is not None:
-            _say(run, f"generation: padded ({reason})")
+            _take_padded(model, run, reason)
     return run.continuous
+
+
+def _take_padded(model, run, reason: str) -> None:
+    """The padded path from now on: decide its prefill (kept in `run.prefill_once`) and log the
+    one line that names the path, why, and how the prompts are prefilled."""
+    refusal = _prefill_refusal(model, run)
+    run.prefill_once = refusal is None
+    how = "each prompt prefilled once" if refusal is None else f"prefill per row: {refusal}"
+    _say(run, f"generation: padded ({reason}); {how}")
+
+
+def _prefill_refusal(model, run) -> str | None:
+    """Why the padded path cannot prefill each prompt once and repeat its KV cache G times, or
+    None. It needs transformers' DynamicCache with layers that repeat exactly (full or sliding
+    attention: keys and values only; a linear-attention state would not be repeated), a decoder
+    whose forward takes the cache and position ids, and no other cache asked for."""
+    if run.prefill_once is False:
+        return "turned off"
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError as err:
+        return f"this transformers has no DynamicCache layers ({err})"
+    hf = continuous.base_model(model)
+    name = type(hf).__name__
+    if getattr(hf.config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder"
+    supports = getattr(hf, "_supports_default_dynamic_cache", None)
+    if supports is None or not supports():
+        return f"{name} does not use transformers' DynamicCache"
+    implementation = getattr(hf.generation_config, "cache_implementation", None)
+    if implementation is not None:
+        return f"the generation config asks for a {implementation!r} cache"
+    params = inspect.signature(hf.forward).parameters
+    if _cache_kwarg(hf) is None or "position_ids" not in params:
+        return f"{name}'s forward takes no cache or no position_ids"
+    cache = _new_cache(hf, DynamicCache)
+    kinds = {type(layer) for layer in cache.layers} or {cache.layer_class_to_replicate}
+    odd = kinds - {DynamicLayer, DynamicSlidingWindowLayer}
+    if odd:
+        return f"{name}'s cache has {', '.join(sorted(k.__name__ for k in odd))} layers"
+    return None
+
+
+def _cache_kwarg(hf) -> str | None:
+    """The name the model's forward (and generate) take a cache by: "cache" from transformers
+    5.24 on, "past_key_values" before (5.24 still accepts it, with a deprecation warning)."""
+    params = inspect.signature(hf.forward).parameters
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def _new_cache(hf, cache_class):
+    """An empty cache built as `generate` builds its own (per-layer kinds from the config)."""
+    if "config" in inspect.signature(cache_class).parameters:
+        return cache_class(config=hf.config.get_text_config(decoder=True))
+    return cache_class()
+
+
+def _prefilled_cache(model, prompt_ids, prompt_mask, G: int):
+    """The KV cache of the P distinct prompts' first Lp - 1 tokens, computed once ([P, Lp - 1]
+    left-padded, positions counted over real tokens as `generate` counts them) and repeated G
+    times along the batch: [P·G, heads, Lp - 1, head_dim] per layer, row j·G + g = prompt j.
+    `generate` then runs the last prompt token of every row on it: it takes the cache to cover
+    all but the last input token, whose logits give the first completion token."""
+    from transformers import DynamicCache
+
+    hf = continuous.base_model(model)
+    ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # [P, Lp - 1]
+    cache = _new_cache(hf, DynamicCache)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
+        hf.forward).parameters else {}  # the logits are not used: skip [P, Lp - 1, V]
+    hf(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+       **{_cache_kwarg(hf): cache}, **extra)
+    cache.batch_repeat_interleave(G)
+    return cache
 
 
 @torch.no_grad()
@@ -142,7 +224,8 @@ def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
             if _wants_continuous(model, run, sampling):
                 completion_ids = _continuous(model, prompts, G, sampling, lengths, run, device)
             if completion_ids is None:
-                completion_ids = _padded(model, prompt_ids, prompt_mask, sampling, lengths, run)
+                completion_ids = _padded(model, prompt_ids, prompt_mask, G, sampling, lengths,
+                                         run)
     finally:
         model.train(was_training)
     return _batch(examples, run, G, prompt_ids, prompt_mask, completion_ids)
@@ -158,8 +241,7 @@ def _continuous(model, prompts, G, sampling, lengths, run, device) -> torch.Tens
             tok.pad_token_id, lengths)
     except Exception as err:  # noqa: BLE001 - any failure of the engine: fall back, say why
         run.continuous = False
-        _say(run, f"generation: padded (continuous batching failed: {type(err).__name__}: "
-                  f"{err})")
+        _take_padded(model, run, f"continuous batching failed: {type(err).__name__}: {err}")
         return None
     if not run.continuous_logged:
         run.continuous_logged = True
@@ -171,12 +253,18 @@ def _continuous(model, prompts, G, sampling, lengths, run, device) -> torch.Tens
     return out.to(device)
 
 
-def _padded(model, prompt_ids, prompt_mask, sampling, lengths, run) -> torch.Tensor:
+def _padded(model, prompt_ids, prompt_mask, G, sampling, lengths, run) -> torch.Tensor:
+    """[B, T] completion ids from `model.generate` on the [B, Lp] left-padded prompts (each
+    prompt G times), its prefill computed once per prompt where `run.prefill_once`."""
     cfg, tok = run.cfg, run.tokenizer
     extra = {}
     if lengths is not None:
         extra["logits_processor"] = [EosSchedule(torch.tensor(lengths), run.eos_ids,
                                                  prompt_ids.shape[1])]
+    if run.prefill_once and G > 1 and prompt_ids.shape[1] > 1:  # G = 1: nothing to share
+        hf = continuous.base_model(model)
+        # rows j·G .. j·G + G - 1 hold prompt j: [::G] is each prompt once, [P, Lp]
+        extra[_cache_kwarg(hf)] = _prefilled_cache(model, prompt_ids[::G], prompt_mask[::G], G)
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                          max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
                          eos_token_id=run.eos_ids, pad_token_id=tok.pad_token_id,

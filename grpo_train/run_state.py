@@ -86,6 +86,8 @@ class RunState:
     continuous: bool | None = None  # whether generation takes continuous batching; decided on
     # the first call (None: not yet)
     continuous_logged: bool = False  # whether the continuous path's log line was printed
+    prefill_once: bool | None = None  # whether the padded path prefills each prompt once;
+    # decided with the path (False beforehand: every row prefills its own prompt)
 
 
 def setup(cfg: TrainConfig) -> RunState:

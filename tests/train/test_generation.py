@@ -1,6 +1,7 @@
 """grpo_train.generation: the padded and continuous-batching paths give the same batch (greedy),
 the same EOS / length semantics, seeded reproducibility, the fallback and its log line, and
-forced completion lengths on both paths. Tiny models; each continuous call takes ~0.1 s."""
+forced completion lengths on both paths; the padded path's prefill computed once per prompt
+gives what a prefill per row gives. Tiny models; each continuous call takes ~0.1 s."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from grpo_train.flags import UsageError
 from grpo_train.models import build_embedded, eos_token_ids
 
 EXAMPLES = [{"prompt": p, "answer": "3"} for p in ("1+2=", "2+0+1=", "0+1+1+1=", "12+20+1=")]
+ONCE = "each prompt prefilled once"  # the padded path's prefill, as its log line says
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def both(model, tok, cfg, greedy=True, seed=0, **fields):
         out[path] = generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, path, log,
                                                                    **fields), greedy=greedy)
         # the path asked for is the one that ran (a failed continuous call runs padded)
-        assert log == [{"padded": "generation: padded (--generation padded)",
+        assert log == [{"padded": f"generation: padded (--generation padded); {ONCE}",
                         "continuous": "generation: continuous batching (sdpa)"}[path]], log
     return out["padded"], out["continuous"]
 
@@ -191,12 +193,12 @@ def test_fallback_and_the_log_line(embedded, monkeypatch):
     generation.generate(model, EXAMPLES, ctx)
     generation.generate(model, EXAMPLES, ctx)
     assert log == ["generation: padded (auto on CPU: continuous batching only pays off for long, "
-                   "varied completions)"]
+                   f"varied completions); {ONCE}"]
 
     log = []
     generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "continuous", log, bf16=True))
     assert log == ["generation: padded (--bf16 autocast does not reach continuous batching's "
-                   "generation thread)"]
+                   f"generation thread); {ONCE}"]
 
     def broken(*args, **kwargs):
         raise RuntimeError("no cache for you")
@@ -208,7 +210,7 @@ def test_fallback_and_the_log_line(embedded, monkeypatch):
     for _ in range(2):
         assert_same_batch(generation.generate(model, EXAMPLES, ctx, greedy=True), want)
     assert log == ["generation: padded (continuous batching failed: RuntimeError: no cache "
-                   "for you)"]
+                   f"for you); {ONCE}"]
 
 
 def test_generation_flag():
@@ -220,3 +222,137 @@ def test_generation_flag():
 
     with pytest.raises(UsageError, match="--generation"):
         validate(resolve_auto(TrainConfig(generation="fast")))
+
+
+# ---- the padded path's prefill, once per prompt ------------------------------------------------
+
+# prompts of 4 to 40 characters: left padding of up to 36 positions in the batch
+VARIED = EXAMPLES + [{"prompt": p, "answer": "3"} for p in ("7=", "1+1+1+1+1+1+1+1+1+1+1+1+1+9=")]
+
+
+def random_model(tok, arch="qwen2", sliding_window=None):
+    """A random Qwen2 or Llama with large weights (std 0.2): its greedy completions depend on the
+    prompt; sliding_window: a Qwen2 whose every layer attends to that many tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_train.tiny import build_tiny_model
+
+    model = build_tiny_model(tok, arch=arch, hidden_size=64, num_layers=2, initializer_range=0.2)
+    if sliding_window is not None:
+        config = Qwen2Config(**{**model.config.to_dict(), "layer_types": None,
+                                "use_sliding_window": True, "sliding_window": sliding_window,
+                                "max_window_layers": 0})  # layer_types: from these three
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+        assert set(config.layer_types) == {"sliding_attention"}
+    return model.eval()
+
+
+def per_row_and_once(model, tok, cfg, examples, **fields):
+    """The padded path's batch with a prefill per row, then with one per prompt (same seed)."""
+    out, logs = [], []
+    for prefill in (False, None):
+        log = []
+        ctx = make_ctx(model, tok, cfg, "padded", log, **fields)
+        ctx.prefill_once = prefill  # False: turned off; None: decided on the first call
+        torch.manual_seed(0)
+        out.append(generation.generate(model, examples, ctx, greedy=False))
+        logs += log
+    return out, logs
+
+
+def test_prefill_once_gives_the_completions_of_a_prefill_per_row(embedded):
+    """top_k = 1 (greedy, G > 1) and seeded sampling, left-padded prompts of varied length, on
+    the embedded model and a random Qwen2: the same batch either way. Prefilling draws no random
+    numbers, so a seed samples the same tokens from logits that agree up to rounding."""
+    _, tok, cfg = embedded
+    for model in (embedded[0], random_model(tok)):
+        for fields in (dict(top_k=1), {}):
+            (per_row, once), logs = per_row_and_once(model, tok, cfg, VARIED, **fields)
+            assert_same_batch(per_row, once)
+            assert logs == ["generation: padded (--generation padded); prefill per row: turned off",
+                            f"generation: padded (--generation padded); {ONCE}"]
+        completions = once["input_ids"][:, -once["T"]:].tolist()
+        assert len({tuple(r) for r in completions}) > len(VARIED)  # prompt-dependent, sampled
+    m = biased(embedded, {tok.eos_token_id: 2.0, tok.convert_tokens_to_ids("a"): 0.0})
+    B = len(VARIED) * cfg.num_generations
+    lengths = [1 + (i * 5) % (cfg.max_new_tokens + 1) for i in range(B)]
+    with generation.forced_lengths(lambda n: lengths):  # exactly the forced lengths
+        (per_row, once), _ = per_row_and_once(m, tok, cfg, VARIED)
+    assert_same_batch(per_row, once)
+    assert once["lengths"].tolist() == [min(n, cfg.max_new_tokens) for n in lengths]
+
+
+@pytest.mark.parametrize("arch,window", [("qwen2", None), ("llama", None), ("qwen2", 8)])
+def test_prefilled_cache_continues_like_generate(arch, window):
+    """`generate` (greedy) from the repeated prefilled cache: the same tokens and, step by step,
+    the same scores up to rounding as `generate` prefilling every row itself; positions count
+    real tokens (left padding of up to 36), and a sliding window shorter than the prompts."""
+    from grpo_train.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    model = random_model(tok, arch, window)
+    enc = tok([ex["prompt"] for ex in VARIED], padding=True, return_tensors="pt")
+    ids, mask, G = enc["input_ids"], enc["attention_mask"], 3  # [P, Lp]
+    kw = dict(input_ids=ids.repeat_interleave(G, 0), attention_mask=mask.repeat_interleave(G, 0),
+              max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        want = model.generate(**kw)
+        cache = generation._prefilled_cache(model, ids, mask, G)
+        assert cache.get_seq_length() == ids.shape[1] - 1  # [P·G, heads, Lp - 1, head_dim]
+        assert cache.layers[0].keys.shape[0] == len(VARIED) * G
+        got = model.generate(cache=cache, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len({tuple(r) for r in want.sequences[:, ids.shape[1]:].tolist()}) > 2  # by prompt
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
+
+
+def test_prefill_refusals(embedded, monkeypatch):
+    """Where the cache cannot be repeated, the padded path prefills every row, as the log says."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    model, tok, cfg = embedded
+
+    def refusal():
+        return generation._prefill_refusal(model, make_ctx(model, tok, cfg, "padded"))
+
+    assert refusal() is None
+    with monkeypatch.context() as m:
+        m.setattr(model.generation_config, "cache_implementation", "static")
+        assert refusal() == "the generation config asks for a 'static' cache"
+    with monkeypatch.context() as m:
+        m.setattr(type(model), "_supports_default_dynamic_cache", classmethod(lambda cls: False))
+        assert refusal() == "Qwen2ForCausalLM does not use transformers' DynamicCache"
+    # a linear-attention state would not be repeated with the keys and values
+    monkeypatch.setattr(generation, "_new_cache", lambda hf, cls: type("C", (), dict(
+        layers=[LinearAttentionLayer()]))())
+    assert refusal() == "Qwen2ForCausalLM's cache has LinearAttentionLayer layers"
+    (per_row, _), _ = per_row_and_once(model, tok, cfg, VARIED, top_k=1)
+    log = []
+    ctx = make_ctx(model, tok, cfg, "padded", log, top_k=1)
+    torch.manual_seed(0)
+    assert_same_batch(generation.generate(model, VARIED, ctx), per_row)
+    assert log == ["generation: padded (--generation padded); prefill per row: Qwen2ForCausalLM's "
+                   "cache has LinearAttentionLayer layers"]
+
+
+def test_generation_benchmark_rows(tmp_path):
+    """benchmarks.generation: the per-row and the once-per-prompt prefill, interleaved, give the
+    same completion tokens; positions prefilled B·Lp against P·(Lp - 1) + B; one CSV row each."""
+    import csv
+
+    from benchmarks import generation as bench
+
+    out = tmp_path / "rows.csv"
+    assert bench.main(["--workloads", "default-run", "--paths", "per-row,padded", "--threads",
+                       "1", "--repeats", "1", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["path"] for r in rows] == ["per-row", "padded"]
+    assert rows[0]["completion_tokens"] == rows[1]["completion_tokens"]
+    P, B = 64, 64 * bench.G
+    Lp = int(rows[0]["prefilled_positions"]) // B
+    assert int(rows[0]["prefilled_positions"]) == B * Lp
+    assert int(rows[1]["prefilled_positions"]) == P * (Lp - 1) + B
+    examples = bench.build(bench.QWEN_05B_2L | dict(layers=1), 4, 8, 512)[2]
+    assert [len(ex["prompt"]) + 1 for ex in examples] == [512, 496, 480, 464]  # + "="
