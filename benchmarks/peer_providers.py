@@ -112,7 +112,7 @@ def loss_from_logps(logp, entropy, hidden, weight, ids, adv, mask, old, ref, hyp
 
 
 def _build_trl(shape, dtype, device, cfg):
-    from .providers import Case, fused_inputs, nbytes
+    from .cases import Case, fused_inputs, nbytes
 
     h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
     hyper = cfg.ours()
@@ -128,7 +128,7 @@ def _build_trl(shape, dtype, device, cfg):
 
 def _build_cce(filter_eps: float | str | None):
     def build(shape, dtype, device, cfg):
-        from .providers import Case, fused_inputs, nbytes
+        from .cases import Case, fused_inputs, nbytes
 
         h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
         impl = "cce" if device.type == "cuda" else "torch_compile"

@@ -1,8 +1,8 @@
 """Hugging Face integration: GRPO loss and log-probs of any `AutoModelForCausalLM` from hidden
 states (`causal_lm.py`), PEFT adapters on the output head (`head_adapters.py`), packed
 (padding-free) rows (`packed_rows.py`), rows holding a group's prompt once (`shared_prompt.py`),
-the choice between those and padded batches (the `RowLayout` of `row_plan.py`),
-FSDP2-sharded models (`fsdp.py`), the Mixture-of-Experts auxiliary loss (`moe.py`) and heads
+the choice between those and padded batches (the `RowLayout` of `row_layout.py`, chosen in
+`row_plan.py`), FSDP2-sharded models (`fsdp.py`), the Mixture-of-Experts auxiliary loss (`moe.py`) and heads
 sharded by DeepSpeed ZeRO-3 (`zero3.py`, used by `resolved_head`)."""
 
 from . import causal_lm
@@ -18,15 +18,8 @@ from .packed_rows import (
     pack_sequences,
     row_width_rule,
 )
-from .row_plan import (
-    ROW_LAYOUTS,
-    LayoutChoice,
-    RowLayout,
-    choose_layout,
-    parse_row_layout,
-    plan_rows,
-    row_inputs,
-)
+from .row_layout import ROW_LAYOUTS, RowLayout, parse_row_layout
+from .row_plan import LayoutChoice, choose_layout, plan_rows, row_inputs
 from .shared_prompt import check_shared_prompt, share_prompts, shared_prompt_mask
 
 __all__ = [*causal_lm.__all__, "ROW_LAYOUTS", "LayoutChoice", "RowLayout", "RowWidthRule",

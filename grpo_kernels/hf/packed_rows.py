@@ -45,13 +45,11 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .row_plan import RowLayout
+from .row_layout import RowLayout
 
 __all__ = ["PackedBatch", "RowWidthRule", "check_packed_attention", "choose_row_width",
            "pack_sequences", "row_width_rule", "takes_boundaries"]
@@ -87,10 +85,8 @@ class PackedBatch:
 
     @property
     def layout(self) -> RowLayout:
-        """The rows' `row_plan.RowLayout`: SHARED (the group's prompt once, a 4-D mask) or
+        """The rows' `row_layout.RowLayout`: SHARED (the group's prompt once, a 4-D mask) or
         PACKED (position_ids only)."""
-        from .row_plan import RowLayout  # row_plan builds on this module
-
         return RowLayout.PACKED if self.attention_mask is None else RowLayout.SHARED
 
     def boundaries(self) -> dict:

@@ -14,8 +14,9 @@ All three give the same log-probs, loss and gradients. `choose_layout` decides o
 with the reason as one phrase for the caller's one log line; `plan_rows` lays out a batch and
 `row_inputs` gives the model keywords that go with the rows. grpo_train (its micro-batches) and
 the TRL subclass (its scoring and loss forwards) both go through these three functions. A row
-layout named by a string (a command-line flag, a results row) becomes a `RowLayout` through
-`parse_row_layout`, the one place that reads the names; everything else compares members.
+layout named by a string (a command-line flag, a results row) becomes a `RowLayout`
+(`row_layout.py`) through `parse_row_layout`, the one place that reads the names; everything
+else compares members.
 
 Not to be confused with the token layouts of `grpo_kernels/token_layouts.py` (where a loss's
 per-token values sit: padded [B, T] or packed [N]) or with the width rule of packed rows
@@ -25,44 +26,15 @@ per-token values sit: padded [B, T] or packed [N]) or with the width rule of pac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, takes_boundaries
+from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt, share_prompts
 from .unwrap import unwrap_model
 
-__all__ = ["ROW_LAYOUTS", "LayoutChoice", "RowLayout", "choose_layout", "parse_row_layout",
-           "plan_rows", "row_inputs"]
-
-
-class RowLayout(str, Enum):
-    """How a batch's rows reach the model body (module docstring). A member is its name as a
-    string: it equals it, and prints it in log lines, JSON and CSV rows."""
-
-    PADDED = "padded"
-    PACKED = "packed"
-    SHARED = "shared"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-ROW_LAYOUTS = tuple(layout.value for layout in RowLayout)  # the names, e.g. for argparse choices
-
-
-def parse_row_layout(value, argument: str = "layout") -> RowLayout:
-    """The RowLayout a name stands for ("padded", "packed" or "shared"; a member passes as it
-    is); a ValueError naming `argument` and the accepted names otherwise."""
-    try:
-        return RowLayout(value)
-    except ValueError:
-        raise ValueError(f"{argument} must be one of {', '.join(ROW_LAYOUTS)}, got "
-                         f"{value!r}") from None
+__all__ = ["LayoutChoice", "choose_layout", "plan_rows", "row_inputs"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,168 @@
+"""What every provider of the kernel sweep shares: the loss configuration (`LossConfig`), the
+inputs drawn for a shape (`fused_inputs`, `logits_inputs`: hidden states and weight with O(1)
+logits, random ids and advantages, ~25 % padding at the end of the sequences, old/ref log-probs
+within ~0.1 nats of the policy's; never zeros), the `Case` a provider builds (a loss call to
+time and the tensors that receive gradients) and the `Provider` record. `providers.py` and
+`peer_providers.py` build on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import Shape
+
+GRADED = ("backward", "fwd+bwd")  # modes that produce gradients
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_type: str = "dapo"
+    beta: float = 0.04
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    temperature: float = 1.0
+    inplace: bool = False  # logits path: may the backward overwrite the logits with their grad?
+    backend: str | None = None  # ours, fused linear: force "chunked" / "triton"; None = dispatch
+
+    def ours(self) -> dict:
+        return dict(beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                    temperature=self.temperature, loss_type=self.loss_type)
+
+
+@dataclass
+class Case:
+    """Inputs built for one (provider, shape) and the loss call on them."""
+
+    loss: Callable[[], torch.Tensor]  # returns the 0-dim loss, with an autograd graph
+    leaves: list[torch.Tensor]  # tensors that receive gradients
+    input_bytes: int
+    note: str = ""
+    keep: list = field(default_factory=list)  # the other inputs, kept alive with the case
+    # Modes whose time covers the work the FLOP/byte accounting assumes. Liger's fused linear
+    # loss computes the gradients inside forward, so only its fwd+bwd gets a rate.
+    rated_modes: tuple[str, ...] = ("forward", "backward", "fwd+bwd")
+    # False where the CPU memory tracker (a dispatch mode) cannot run the call: torch.compile
+    # skips frames under a dispatch mode, and a fullgraph compile then raises
+    cpu_memory: bool = True
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.leaves)
+
+    def step(self, mode: str) -> Callable[[], None]:
+        """The callable to time for `mode` (for "backward", the forward runs here, untimed)."""
+        if mode == "forward":
+            def forward():
+                self.loss()  # the graph (saved activations) is built, then dropped
+
+            return forward
+        if mode == "fwd+bwd":
+            return lambda: self.loss().backward()
+        if mode == "backward":
+            loss = self.loss()
+            return lambda: loss.backward(retain_graph=True)
+        raise ValueError(f"unknown mode {mode!r}")
+
+    def timed_fresh_step(self, mode: str) -> Callable[[], float]:
+        """`step(mode)` with the leaves' gradients cleared first (a fresh accumulation, as in a
+        training step); each call returns the step's wall time in seconds (the clearing
+        untimed). For CPU timings: a device step needs a synchronize."""
+        step = self.step(mode)
+
+        def call() -> float:
+            for t in self.leaves:
+                t.grad = None
+            t0 = time.perf_counter()
+            step()
+            return time.perf_counter() - t0
+
+        return call
+
+
+@dataclass(frozen=True)
+class Provider:
+    kernel: str  # "fused_linear" | "logits"
+    name: str  # one of NAMES
+    build: Callable[[Shape, torch.dtype, torch.device, LossConfig], Case]
+    unavailable: Callable[[torch.device], str | None]  # reason it cannot run here, or None
+    note: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel}/{self.name}"
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+def _batch(shape: Shape, device, seed: int):
+    """ids, advantages [B], int64 mask [B, T] with 0-50% trailing padding per sequence."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, T = shape.B, shape.T
+    ids = torch.randint(0, shape.V, (B, T), device=device, generator=g)
+    adv = torch.randn(B, device=device, generator=g)
+    keep = torch.randint(T // 2, T + 1, (B,), device=device, generator=g)
+    mask = (torch.arange(T, device=device)[None, :] < keep[:, None]).long()
+    return g, ids, adv, mask
+
+
+def _near(logp: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A log-prob within ~0.1 nats of logp (ratios straddle the clip range), still <= 0."""
+    noise = torch.randn(logp.shape, device=logp.device, generator=g)
+    return (logp + 0.1 * noise).clamp(max=0.0).contiguous()
+
+
+@torch.no_grad()
+def _logp_blocks(blocks: Iterable[tuple[int, torch.Tensor]], ids: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+    """Policy log-probs [B, T] from (first row, logits [rows, V]) blocks (never [N, V])."""
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.numel(), device=ids.device, dtype=torch.float32)
+    for i, rows in blocks:
+        z = rows.float() / temperature
+        j = i + z.shape[0]
+        out[i:j] = z.gather(1, flat[i:j, None]).squeeze(1) - z.logsumexp(1)
+    return out.reshape(ids.shape)
+
+
+def _chunk(V: int) -> int:
+    return max(1, 2**27 // V)  # [chunk, V] float32 scratch of at most 512 MiB
+
+
+def fused_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0):
+    """hidden [B, T, D] and weight [V, D] (leaves), ids, adv, mask, old, ref ([B, T])."""
+    g, ids, adv, mask = _batch(shape, device, seed)
+    hidden = torch.randn(shape.B, shape.T, shape.D, device=device, dtype=dtype, generator=g)
+    weight = torch.randn(shape.V, shape.D, device=device, dtype=dtype, generator=g)
+    weight.mul_(2.0 / shape.D**0.5)  # logits ~ N(0, 4): softmax neither flat nor one-hot
+    h2, c = hidden.reshape(shape.N, shape.D), _chunk(shape.V)
+    blocks = ((i, h2[i:i + c] @ weight.T) for i in range(0, shape.N, c))
+    logp = _logp_blocks(blocks, ids, cfg.temperature)
+    old, ref = _near(logp, g), _near(logp, g)
+    del logp
+    return hidden.requires_grad_(), weight.requires_grad_(), ids, adv, mask, old, ref
+
+
+def logits_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0, extra: int = 0):
+    """logits [B, T + extra, V] (leaf), ids, adv, mask, old, ref. Liger's logits kernel takes
+    one more position per sequence (the model's last logit, ignored): extra=1."""
+    g, ids, adv, mask = _batch(shape, device, seed)
+    logits = torch.randn(shape.B, shape.T + extra, shape.V, device=device, dtype=dtype,
+                         generator=g)
+    logits.mul_(2.0)
+    T, c = shape.T, _chunk(shape.V)
+    blocks = ((b * T + t, logits[b, t:min(t + c, T)]) for b in range(shape.B)
+              for t in range(0, T, c))  # only the first T positions of each sequence
+    logp = _logp_blocks(blocks, ids, cfg.temperature)
+    old, ref = _near(logp, g), _near(logp, g)
+    del logp
+    return logits.requires_grad_(), ids, adv, mask, old, ref
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
