@@ -160,10 +160,12 @@ def _prefill_refusal(model, run) -> str | None:
     if _cache_kwarg(hf) is None or "position_ids" not in params:
         return f"{name}'s forward takes no cache or no position_ids"
     cache = _new_cache(hf, DynamicCache)
-    kinds = {type(layer) for layer in cache.layers} or {cache.layer_class_to_replicate}
+    kinds = ({type(layer) for layer in getattr(cache, "layers", ())}
+             or {getattr(cache, "layer_class_to_replicate", None)})
     odd = kinds - {DynamicLayer, DynamicSlidingWindowLayer}
     if odd:
-        return f"{name}'s cache has {', '.join(sorted(k.__name__ for k in odd))} layers"
+        names = sorted(getattr(k, "__name__", str(k)) for k in odd)
+        return f"{name}'s cache has {', '.join(names)} layers"
     return None
 
 
