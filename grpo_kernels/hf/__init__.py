@@ -2,8 +2,8 @@
 states (`causal_lm.py`), PEFT adapters on the output head (`head_adapters.py`), packed
 (padding-free) rows (`packed_rows.py`), rows holding a group's prompt once (`shared_prompt.py`),
 the choice between those and padded batches (the `RowLayout` of `row_layout.py`, chosen in
-`row_plan.py`), FSDP2-sharded models (`fsdp.py`), the Mixture-of-Experts auxiliary loss (`moe.py`) and heads
-sharded by DeepSpeed ZeRO-3 (`zero3.py`, used by `resolved_head`)."""
+`row_plan.py`), FSDP2-sharded models (`fsdp.py`), the Mixture-of-Experts auxiliary loss
+(`moe.py`) and heads sharded by DeepSpeed ZeRO-3 (`zero3.py`, used by `resolved_head`)."""
 
 from . import causal_lm
 from .causal_lm import *  # noqa: F403  (the names of causal_lm.__all__)
