@@ -138,23 +138,6 @@ def per_token_loss(
     return loss, ratio.detach(), kl
 
 
-def weighted_token_terms(logp, old_logps, ref_logps, advantages, weights, rule,
-                         importance_sampling_ratio=None):
-    """Token-level terms of packed [N] float32 tokens: (weight·ℓ, d(weight·ℓ)/dlogp, ratio, kl or
-    None), each [N] and detached. Token n's ℓ reads logp[n] alone (token-level importance
-    sampling), so the gradient of Σ weight·ℓ is the per-token derivative. `rule`: GRPOParams or
-    params.TokenLossArgs; weights: `token_weights` flattened."""
-    def weighted_loss(lp):
-        loss, ratio, kl = per_token_loss(lp, old_logps, ref_logps, advantages, weights, rule,
-                                         importance_sampling_ratio)
-        lossw = weights * loss
-        kl = torch.zeros_like(lossw) if kl is None else kl  # (aux outputs must be tensors)
-        return lossw.sum(), (lossw.detach(), ratio, kl.detach())
-
-    coef, (lossw, ratio, kl) = torch.func.grad(weighted_loss, has_aux=True)(logp.detach())
-    return lossw, coef, ratio, kl if rule.beta != 0.0 else None
-
-
 def clip_flag_names(params: GRPOParams) -> tuple[str, ...]:
     """The clip flags logged for this loss type (keys of `clip_indicators`, in order)."""
     return params.spec.clip_flags

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..chunked import launchers as chunked
-from ..grpo_math import weighted_token_terms
+from ..grpo_math import per_token_loss
 from ..kernels.epilogue import (
     BIAS_CORRECT_KL,
     HAS_DELTA,
@@ -205,7 +205,12 @@ def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights
         op = op.on_torch()
     logp, ent, lse = op.forward(targets, None, *tensors)
 
-    lossw, coef_logp, ratio, kl = weighted_token_terms(logp, old_logps, ref_logps, advantages,
-                                                       weights, rule, importance_sampling_ratio)
+    def weighted_loss(lp):  # Σ weight·ℓ over [N] (token level: no layout needed)
+        loss, ratio, kl = per_token_loss(lp, old_logps, ref_logps, advantages, weights, rule,
+                                         importance_sampling_ratio)
+        lossw = weights * loss
+        return lossw.sum(), (lossw, ratio, kl)
+
+    coef_logp, (lossw, ratio, kl) = torch.func.grad(weighted_loss, has_aux=True)(logp)
     kl = torch.zeros_like(logp) if kl is None else kl
     return logp, ent, lse, lossw, coef_logp, kl, ratio

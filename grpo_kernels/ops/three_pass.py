@@ -24,7 +24,7 @@ from torch._C import _functions
 
 from ..chunked import launchers as chunked
 from ..chunked.loss_grad import linear_loss_grad, whole_rows
-from ..grpo_math import entropy_bonus_weights, grpo_metrics, weighted_token_terms
+from ..grpo_math import entropy_bonus_weights, grpo_metrics, per_token_loss
 from ..params import GRPOParams, TokenLossArgs
 from ..token_layouts import layout_of
 from ..validation import LossInputs, check_finite_advantages, check_token_id_values
@@ -192,12 +192,15 @@ class _TokenTerms:
         only, so the gradient of their sum is the per-token derivative."""
         weights, advantages, old, ref, isr = (None if x is None else x[r0:r0 + r]
                                               for x in self.args)
-        weighted, coef, ratio, kl = weighted_token_terms(logp, old, ref, advantages, weights,
-                                                         self.rule, isr)
-        self.weighted_loss[r0:r0 + r] = weighted
+        lp = logp.detach().requires_grad_()
+        with torch.enable_grad():
+            loss, ratio, kl = per_token_loss(lp, old, ref, advantages, weights, self.rule, isr)
+            weighted = weights * loss
+            (coef,) = torch.autograd.grad(weighted.sum(), lp)
+        self.weighted_loss[r0:r0 + r] = weighted.detach()
         self.ratio[r0:r0 + r] = ratio
         if kl is not None:
-            self.kl[r0:r0 + r] = kl
+            self.kl[r0:r0 + r] = kl.detach()
         return coef
 
     def full(self, x: torch.Tensor, fill: float) -> torch.Tensor:
