@@ -13,8 +13,8 @@ losses, the modules, the Hugging Face helpers and the TRL trainer all reach:
 
     token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
         GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
-    a linear head's scalar loss that needs a gradient, at token level on the chunked backend:
-        the gradient computed in the forward (`ops/three_pass.py`, which says when);
+    a linear head's scalar loss that needs a gradient, at token level: the three-pass route,
+        the gradient formed in the forward (`ops/three_pass.py`; `ops/route.py` says when);
     sequence-level (GSPO) ratios and the options that need whole sequences or the batch (vespo,
         the off-policy mask, the entropy quantile; `grpo_options`), and the chunked PyTorch
         backend: the selective log-prob op, then `grpo_math.policy_loss` around it;
@@ -38,8 +38,8 @@ from typing import NamedTuple
 
 import torch
 
-from .grpo_math import finish_loss, policy_loss, token_weights
-from .ops import three_pass
+from .grpo_math import entropy_bonus_weights, finish_loss, grpo_metrics, policy_loss, token_weights
+from .ops import route, three_pass_op
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS
 from .params import GRPOParams, signature_with_params
@@ -257,6 +257,28 @@ def _linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOT
     return _unfused_terms(logp, ent, inputs, params, entropy_gather)
 
 
+def _three_pass_loss(call: tuple, params: GRPOParams) -> tuple:
+    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route."""
+    ids, inputs, _, backend, head, (_, logit_scale) = call
+    g_ent = None
+    if params.entropy_coef != 0.0:  # the bonus's d(loss)/d entropy per token
+        g_ent = entropy_bonus_weights(inputs.mask, params.entropy_coef).reshape(-1)
+    # a packed CUDA batch is not compacted: counting its masked tokens would read the device
+    compact = inputs.cu_seqlens is None or head[0].device.type != "cuda"
+    out = three_pass_op.linear_grpo_loss(head, ids, _terms_args(inputs, params), g_ent, backend,
+                                         params.temperature, logit_scale, compact)
+    shape = inputs.mask.shape  # [B, T], or [N] packed
+    ent, ratio = out.entropy.reshape(shape), out.ratio.reshape(shape)
+    kl = None if params.beta == 0.0 else out.kl.reshape(shape)
+    metrics = grpo_metrics(ent, ratio, kl, inputs.advantages, inputs.mask, params,
+                           layout_of(inputs.mask, inputs.cu_seqlens), old_logps=inputs.old_logps)
+    return out.loss, metrics, GRPOTerms(out.policy, out.logp.reshape(shape), ent, ratio, kl)
+
+
+def _detached(terms: GRPOTerms) -> GRPOTerms:
+    return GRPOTerms(*(None if x is None else x.detach() for x in terms))
+
+
 @signature_with_params
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
@@ -276,10 +298,11 @@ def fused_linear_grpo_loss(
     logit_scale: float | None = None,
     sampling_logps: torch.Tensor | None = None,
     return_terms: bool = False,
+    return_token_values: bool = False,
     entropy_gather=None,
     params: GRPOParams | None = None,
     **hyperparameters,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | GRPOTerms:
+) -> tuple:
     """GRPO loss (docs/semantics.md, TRL semantics) from hidden states and the lm_head weight.
 
     Args:
@@ -311,26 +334,38 @@ def fused_linear_grpo_loss(
         return_terms: return the per-token terms (`GRPOTerms`: the policy loss Σ weight·ℓ
             without the entropy bonus, and per-token logp, entropy, ratio and kl, with vespo's φ
             and the entropy mask) instead of (loss, metrics), for a trainer that aggregates or
-            logs them its own way; params.entropy_coef is then not applied.
+            logs them its own way; params.entropy_coef is then not applied. The loss then takes
+            the four-pass route (docs/internals.md, "Routes").
+        return_token_values: also return the per-token values, detached (`GRPOTerms` with
+            no gradient anywhere), beside the loss and metrics: for a trainer that logs them
+            its own way while the loss, entropy bonus included, is this function's, on the
+            fastest route the call allows.
         entropy_gather: with top_entropy_quantile < 1, a function that gathers the entropies
             of every process (see `grpo_options.high_entropy_mask`); default: this batch's.
         params: a GRPOParams, or the hyperparameters as keywords (GRPOParams' fields: beta,
             epsilon_low, epsilon_high, delta, temperature, loss_type, ...), not both.
 
     Returns:
-        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors), or GRPOTerms
+        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors); with
+        return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
     call = _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                          ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
                          cu_seqlens, grad_filter, params, sampling_logps, softcap, logit_scale)
-    ids, inputs, _, backend, head, (softcap, logit_scale) = call
-    if three_pass.linear_loss_route(*head, backend, params, softcap,
-                                    per_token_outputs=return_terms).log_once().three_pass:
-        return three_pass.loss_and_metrics(head, ids, inputs, params,
-                                           _terms_args(inputs, params), logit_scale)
+    if return_terms and return_token_values:
+        raise ValueError("return_terms (differentiable per-token terms) and return_token_values "
+                         "(detached ones beside the loss) exclude each other; ask for one")
+    _, inputs, eps, backend, head, (softcap, _) = call
+    if route.linear_loss_route(*head, backend, params, softcap, eps,
+                               per_token_outputs=return_terms).three_pass:
+        loss, metrics, terms = _three_pass_loss(call, params)
+        return (loss, metrics, terms) if return_token_values else (loss, metrics)
     terms = _linear_terms(call, params, entropy_gather)
-    return terms if return_terms else _loss_and_metrics(terms, inputs, params)
+    if return_terms:
+        return terms
+    loss, metrics = _loss_and_metrics(terms, inputs, params)
+    return (loss, metrics, _detached(terms)) if return_token_values else (loss, metrics)
 
 
 def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,

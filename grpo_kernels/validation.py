@@ -1,5 +1,6 @@
 """Input validation: every public function checks its inputs here and fails with an error that
-names the argument and what was expected. Kernels never see an out-of-range index."""
+names the argument and what was expected. Kernels never see an out-of-range index. Checks of
+values (token ids in range, finite advantages, a positive normalizer) are `value_checks.py`'s."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from . import value_checks
+from .value_checks import check_finite_advantages, check_token_id_values  # noqa: F401
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -50,37 +54,6 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device
     if check_values:
         check_token_id_values(name, ids, vocab_size, vocab_from)
     return ids.to(torch.int64).contiguous()
-
-
-def check_token_id_values(name: str, ids: torch.Tensor, vocab_size: int,
-                          vocab_from: str = "weight.shape[0]") -> None:
-    """Every id in [0, vocab_size): an out-of-range id would read out of bounds. Under
-    torch.compile (code traced around the ops, e.g. the reference) an in-graph assertion."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
-                            f"{name} has a token id outside [0, {vocab_size}) ({vocab_from})")
-        return
-    if ids.numel():
-        lo, hi = torch.aminmax(ids)
-        lo, hi = int(lo), int(hi)  # one host sync
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"{name} has token id {bad} outside [0, {vocab_size}) (vocabulary size = "
-                f"{vocab_from}); padded positions need a valid id such as the pad token, "
-                "not -100"
-            )
-
-
-def check_finite_advantages(advantages: torch.Tensor) -> None:
-    """No NaN/inf; under torch.compile an in-graph assertion (no graph break)."""
-    if torch.compiler.is_compiling():
-        torch._assert_async(torch.isfinite(advantages).all(),
-                            "advantages contain NaN or inf (docs/semantics.md: nan_to_num)")
-        return
-    if not bool(torch.isfinite(advantages).all()):
-        raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
-                         "scored (docs/semantics.md: nan_to_num)")
 
 
 def _mixed_head(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
@@ -183,12 +156,10 @@ def check_normalizer(name: str, value, device) -> torch.Tensor | None:
     or a one-element tensor on any device, finite and > 0. Returns None or the value as a 0-dim
     float32 tensor on `device` (one form for the formulas downstream).
 
-    A tensor's value is read to the host in eager mode, before it moves to `device` (free for a
-    CPU tensor). For a CUDA tensor that read is a sync; it is made anyway because every eager
-    loss call syncs moments later, when its operator reads the token ids' range
-    (check_token_id_values) before the first kernel launch: the read moves that wait earlier
-    rather than adding one. Under torch.compile the check is an in-graph assertion, as for the
-    other value checks (no host read, no graph break)."""
+    A CPU tensor's value is read to the host (free). A CUDA tensor's is checked on the device
+    (`value_checks.defer`: reading it would wait for the device's queue; the error comes at the
+    next loss call or backward). Under torch.compile the check is an in-graph assertion, as for
+    the other value checks (no host read, no graph break)."""
     if value is None:
         return None
     expected = f"{name} must be a positive finite number"
@@ -207,7 +178,11 @@ def check_normalizer(name: str, value, device) -> torch.Tensor | None:
         out = value.reshape(()).to(device=device, dtype=torch.float32)
         torch._assert_async((out > 0) & torch.isfinite(out), f"{expected} (> 0, not NaN or inf)")
         return out
-    number = float(value)  # the one host read (see above)
+    if value.device.type == "cuda":  # a device check: reading it would wait for the queue
+        out = value.reshape(()).to(device=device, dtype=torch.float32)
+        value_checks.defer(~((out > 0) & torch.isfinite(out)), f"{expected} (> 0, not NaN or inf)")
+        return out
+    number = float(value)  # a CPU tensor: a free host read
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{expected}, got {number!r} (a tensor on {value.device})")
     return value.reshape(()).to(device=device, dtype=torch.float32)
@@ -266,7 +241,8 @@ def check_cu_seqlens(cu_seqlens, num_tokens: int, device, ref_name: str = "hidde
                      ) -> torch.Tensor:
     """cu_seqlens [S + 1] (S >= 1) of an integer dtype on `device`, 0 = cu_seqlens[0] <= ...
     <= cu_seqlens[S] = N; returns it as contiguous int64. The value checks read S + 1 integers
-    to the host (eager) or are in-graph assertions under torch.compile."""
+    to the host (a CPU tensor), are a device check (a CUDA tensor, `value_checks.defer`) or an
+    in-graph assertion under torch.compile."""
     _tensor("cu_seqlens", cu_seqlens)
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 \
             or cu_seqlens.shape[0] < 2:
@@ -276,10 +252,14 @@ def check_cu_seqlens(cu_seqlens, num_tokens: int, device, ref_name: str = "hidde
             f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
     _same_device("cu_seqlens", cu_seqlens, device, ref_name)
     cu = cu_seqlens.to(torch.int64).contiguous()
-    if torch.compiler.is_compiling():
-        torch._assert_async(
-            (cu[0] == 0) & (cu[-1] == num_tokens) & (cu[1:] >= cu[:-1]).all(),
-            f"cu_seqlens must start at 0, never decrease and end at N = {num_tokens}")
+    compiling = torch.compiler.is_compiling()
+    if compiling or cu.device.type == "cuda":  # no host read (see value_checks.py)
+        ok = (cu[0] == 0) & (cu[-1] == num_tokens) & (cu[1:] >= cu[:-1]).all()
+        message = f"cu_seqlens must start at 0, never decrease and end at N = {num_tokens}"
+        if compiling:
+            torch._assert_async(ok, message)
+        else:
+            value_checks.defer(~ok, message)
         return cu
     values = cu.tolist()  # S + 1 integers: one small host read
     problem = None

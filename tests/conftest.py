@@ -121,11 +121,11 @@ def recompute_tiles(monkeypatch):
     """Eager calls on the chunked backend recompute the linear head's logits in the backward,
     as the operator that a compiled graph calls does, so that compiled and eager gradients can
     be compared bitwise (from a tile kept by the forward they differ by float32 rounding; see
-    tests/ops/test_torch_compile.py). The linear-head loss takes the four-pass route there too,
-    not the three-pass path of grpo_kernels/ops/three_pass.py (which a compiled graph never
-    takes: its gradients come from the forward's chunks, equal to float32 rounding)."""
+    tests/ops/test_torch_compile.py). The linear-head loss takes the four-pass route there too
+    (GRPO_KERNELS_THREE_PASS=0), for the same reason: the three-pass route's gradients come
+    from the forward's chunks, equal to the four-pass route's to float32 rounding."""
     from grpo_kernels.chunked import launchers as chunked
-    from grpo_kernels.ops import three_pass
+    from grpo_kernels.ops import route
 
     monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)
-    monkeypatch.setenv(three_pass.ENV, "0")
+    monkeypatch.setenv(route.ENV, "0")

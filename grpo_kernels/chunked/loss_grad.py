@@ -69,6 +69,14 @@ class LossGrad(NamedTuple):
     d_bias: torch.Tensor | None  # [V]
 
 
+CPU_BUDGET_BYTES = 2**28  # TEMPORARY shim until the budget rule lands
+
+
+def chunk_rows(n, V, D, weight_dtype, budget_bytes):  # TEMPORARY shim
+    rows = max(1, min(max(n, 1), budget_bytes // (2 * 4 * max(V, 1))))
+    return rows, ""
+
+
 def whole_rows(n: int, V: int, chunk_elements: int | None = None) -> int | None:
     """Rows of one [rows, V] chunk for n tokens, two such buffers within the element budget and
     at least min(n, TILE_ROWS) rows (as the forward's whole-row tiles), or None when whole rows
@@ -80,7 +88,7 @@ def whole_rows(n: int, V: int, chunk_elements: int | None = None) -> int | None:
 def linear_loss_grad(hidden, weight, bias, targets, temperature,
                      d_logp: Callable[[int, int, torch.Tensor], torch.Tensor],
                      g_ent=None, rows=None, needs=(True, True, True), chunk_elements=None,
-                     logit_scale=None, chunk_rows=None) -> LossGrad:
+                     logit_scale=None, chunk_rows=None, budget_bytes=None) -> LossGrad:
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]; z = s·(h W^T + b) / τ.
 
     d_logp(r0, r, logp): for rows r0:r0 + r of the computed ones (in `rows` order), logp [r]
@@ -97,7 +105,8 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
     dtype = compute_dtype(hidden, weight, bias)
     pick = functools.partial(_pick, idx=rows, dtype=dtype)  # [N, ...] -> [Na, ...]
     Na = hidden.shape[0] if rows is None else rows.numel()
-    C = chunk_rows or whole_rows(Na, V, chunk_elements)
+    C = chunk_rows or (whole_rows(Na, V, chunk_elements) if budget_bytes is None else
+                       globals()["chunk_rows"](Na, V, D, weight.dtype, budget_bytes)[0])
     if C is None:
         raise ValueError(f"whole vocabulary rows (V = {V}) do not fit the chunk budget")
     logp, ent, lse = empty_stats(Na, hidden.device)

@@ -38,7 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..params import TokenLossArgs
-from ..validation import check_finite_advantages, check_token_id_values
+from ..value_checks import check_finite_advantages, check_token_id_values
 from . import autograd
 from .backends import IMPLS
 from .launch import LinearHeadOp, LogitsOp, grpo_token_terms
@@ -245,7 +245,7 @@ torch.library.register_autograd("grpo_kernels::logits_grpo_terms",
 # same autograd formulas instead. Every call that something may need to see as the operator goes
 # through the operator: under torch.compile or export, under a dispatch or function mode
 # (FakeTensorMode, a tracer, a memory tracker), under a functorch transform, with tensor
-# subclasses (DTensor, FakeTensor), and on the Triton backend.
+# subclasses other than nn.Parameter (DTensor, FakeTensor), and on the Triton backend.
 
 
 def direct(*tensors) -> bool:
@@ -256,7 +256,13 @@ def direct(*tensors) -> bool:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+    # an nn.Parameter (every model's lm_head.weight) is a plain tensor here: it only marks a
+    # module attribute and disables __torch_function__; DTensor, FakeTensor and other
+    # subclasses keep the operator
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _LinearLogprobs(torch.autograd.Function):

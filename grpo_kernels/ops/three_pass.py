@@ -1,189 +1,109 @@
-"""The GRPO loss of a linear head with its gradient computed in the forward (chunked backend).
+"""The three-pass route's computation: a linear-head GRPO loss with its gradient formed in the
+forward.
 
-When the loss is what a training step differentiates (a scalar, not the per-token terms) and
-every token's loss reads its own log-prob only, the chunked path can compute each row chunk's
-gradient as soon as that chunk's logits exist (`chunked/loss_grad.py`): three [N, V, D] matrix
-products (logits, d hidden, d weight) instead of the four of a forward that keeps per-token
-statistics and a backward that recomputes the logits. The backward then only scales the saved
-gradients by the loss's incoming gradient.
+For a loss of per-token terms L = Σ_n t_n(logp_n) + Σ_n g_H,n·H_n, where t_n = weight_n·ℓ_n
+reads token n's own log-prob (the token-level GRPO losses) and g_H is the entropy bonus's fixed
+per-token coefficient, each row of dL/dlogits depends on its own row only:
 
-`linear_loss_route` decides, in one place, whether a call takes this path and says why
-(`Route`); `functional.fused_linear_grpo_loss` asks it and otherwise runs the token-terms or
-selective log-prob route as before. `loss_and_metrics` computes what `functional` would:
-Σ weight·ℓ plus the entropy bonus, and the metrics of `grpo_math.grpo_metrics`.
+    d logits_n = [c_n·(onehot_n - p_n) - g_H,n·p_n·(ln p_n + H_n)] / τ,   c_n = dt_n/dlogp_n
+
+So once a chunk of rows holds its logits over the whole vocabulary, its log-sum-exp, log-probs,
+GRPO terms and d-logits are known, and the chunk goes straight into d hidden = d logits @ W and
+d W += d logits^T @ h: three [N, V, D] products in all (logits, d hidden, d weight) where a
+forward that keeps statistics and a backward that recomputes the logits take four. The backward
+then only scales the saved gradients by the loss's incoming gradient.
+
+Backends (`route.py` decides whether a call comes here):
+    chunked  `chunked.loss_grad.linear_loss_grad`: PyTorch tiles; c_n from `grpo_math`'s
+             per-token loss, differentiated per chunk (`_TokenTerms`)
+    triton   `kernels.linear_loss_grad.linear_loss_grad`: library GEMMs (cuBLAS on CUDA) around
+             the Triton row kernels, whose GRPO epilogue computes c_n in the kernel; a kernel
+             that fails to build runs the chunked computation instead (`fallback.py`)
+
+Rows: tokens whose weight and entropy coefficient are both 0 (padding) are never computed when
+the call compacts them. Finding them is a host read of their count, which on CUDA waits for the
+queue, so a CUDA call compacts padded [B, T] batches only; packed batches hold no padding (a
+token masked inside one costs its rows of the products, and gives zeros). No other host read on
+CUDA: the value checks are device checks (`value_checks.py`).
+
+Two ways in (`loss_and_metrics`): a plain eager call runs `_ThreePassLoss`, an autograd.Function
+whose backward hands the forward's gradient tensors to autograd without a copy; a traced call
+(torch.compile), a call under a dispatch mode and tensor subclasses other than nn.Parameter go
+through the custom operator grpo_kernels::linear_grpo_loss_grad (its autograd formula scales
+the same gradients), so a compiled graph takes this route too.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import NamedTuple
 
 import torch
 from torch._C import _functions
 
-from ..chunked import launchers as chunked
-from ..chunked.loss_grad import linear_loss_grad, whole_rows
-from ..grpo_math import entropy_bonus_weights, grpo_metrics, per_token_loss
-from ..params import GRPOParams, TokenLossArgs
-from ..token_layouts import layout_of
-from ..validation import LossInputs, check_finite_advantages, check_token_id_values
-from .custom_ops import direct
+from .. import value_checks
+from ..chunked import loss_grad as chunked_loss_grad
+from ..grpo_math import per_token_loss
+from ..kernels import linear_loss_grad as triton_loss_grad
+from ..kernels.epilogue import epilogue_args
+from ..params import TokenLossArgs
+from . import fallback
+from .backends import IMPLS
+from .launch import LinearHeadOp, epilogue_variant
+from .route import chunk_budget_bytes
 
-ENV = "GRPO_KERNELS_THREE_PASS"  # "0" turns the path off (the four-pass route runs)
-CHUNK_ELEMENTS = None  # the element budget of its two [rows, V] buffers (None: the default)
 ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 
-_LOG = logging.getLogger("grpo_kernels")
-_LOGGED: set = set()  # the routes already logged in this process
+class ThreePass(NamedTuple):
+    """What one three-pass call computes; per-token values [N] float32 in the kernels' token
+    order (fills at rows not computed: 0, and 1 for the ratio)."""
+
+    loss: torch.Tensor  # 0-dim: Σ weight·ℓ + Σ g_H·H
+    policy: torch.Tensor  # 0-dim: Σ weight·ℓ
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    kl: torch.Tensor  # 0 where beta == 0
+    ratio: torch.Tensor
+    grads: tuple  # (d hidden [N, D], d weight [V, D], d bias [V]): input dtypes, None unwanted
+    lse: torch.Tensor  # what a second backward recomputes the gradients from
+    coef: torch.Tensor  # c = dt/dlogp
 
 
-class Route(NamedTuple):
-    three_pass: bool
-    reason: str
-
-    def log_once(self) -> Route:
-        """One INFO line on the "grpo_kernels" logger the first time a route (path and reason)
-        is taken in this process: which path the linear-head loss ran, and why."""
-        if self not in _LOGGED:
-            _LOGGED.add(self)
-            _LOG.info("grpo_kernels: linear-head loss on the %s path: %s",
-                      "three-pass" if self.three_pass else "four-pass", self.reason)
-        return self
+# ---- the per-token math of the chunked backend ------------------------------------------------
 
 
-def linear_loss_route(hidden, weight, bias, backend: str, params: GRPOParams, softcap=None,
-                      per_token_outputs: bool = False) -> Route:
-    """Does a linear-head GRPO loss call take the three-pass path, and why (or why not)?
-    hidden [N, D], weight [V, D], bias [V] | None: the tensors the head's op would get."""
-    def no(reason):
-        return Route(False, reason)
-
-    if per_token_outputs:
-        return no("per-token outputs asked for (return_terms): they stay differentiable")
-    if backend != "chunked":
-        return no(f"backend {backend!r}: the token-terms op runs")
-    if os.environ.get(ENV, "1") == "0":
-        return no(f"{ENV}=0")
-    if params.needs_whole_sequences:
-        return no("the loss needs whole sequences or the batch before any token's loss")
-    if softcap is not None:
-        return no("soft cap: the capped head keeps its four-pass path")
-    if not torch.is_grad_enabled():
-        return no("no gradient: grad mode is off")
-    if not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return no("no gradient: neither the hidden states nor the head require grad")
-    if not direct(hidden, weight, bias):
-        return no("traced, under a dispatch or function mode, or tensor subclasses: the "
-                  "operators run")
-    if whole_rows(hidden.shape[0], weight.shape[0], CHUNK_ELEMENTS) is None:
-        return no("whole vocabulary rows do not fit the chunk budget")
-    return Route(True, "scalar loss with a gradient, token-level loss, chunked backend")
+def grad_by_autograd(f, x):
+    """(df/dx, aux) of f(x) -> (0-dim, aux) with torch.autograd: in an eager forward, also
+    under saved-tensor hooks (where torch.func transforms refuse to run)."""
+    x = x.detach().requires_grad_()
+    with torch.enable_grad():
+        total, aux = f(x)
+        (grad,) = torch.autograd.grad(total, x)
+    return grad, tuple(None if a is None else a.detach() for a in aux)
 
 
-class _Saved:
-    """The forward's gradients for the first backward, and what a later backward (of a graph
-    kept with retain_graph=True) recomputes them from with the chunked backward launcher."""
-
-    def __init__(self, grads, recompute):
-        self.grads, self.recompute = grads, recompute
-
-    def take(self, ctx, g):
-        grads, self.grads = self.grads, None  # handed over: nothing is held after a backward
-        if grads is None:
-            grads = self.recompute(*ctx.saved_tensors)
-        if not bool(g == 1):
-            grads = tuple(None if x is None else x.mul_(g) for x in grads)
-        return grads
-
-
-class _ThreePassLoss(torch.autograd.Function):
-    """The loss value (0-dim) as a function of (hidden, weight, bias) whose gradients are
-    already computed: backward scales them by the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, value, hidden, weight, bias, saved: _Saved):
-        ctx.saved = saved
-        ctx.save_for_backward(hidden, weight, bias)  # for a recompute (version-checked)
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        with torch.no_grad():
-            grads = ctx.saved.take(ctx, g)
-        if torch.is_grad_enabled():  # create_graph=True
-            grads = _once_differentiable(grads)
-        return None, *grads, None
-
-
-def _once_differentiable(grads):
-    """The gradients as outputs of a node that raises when differentiated, as the operators'
-    once-differentiable backward returns them under create_graph=True (no second derivative
-    goes through the linear head on either path)."""
-    given = [x for x in grads if x is not None]
-    if not given:
-        return grads
-    error = _functions.DelayedError(ONCE, len(given))
-    out = error(*[x.detach().requires_grad_() for x in given])
-    out = iter(out if isinstance(out, tuple) else (out,))
-    return tuple(None if x is None else next(out) for x in grads)
-
-
-def loss_and_metrics(head, ids, inputs: LossInputs, params: GRPOParams, grpo_args,
-                     logit_scale=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, metrics) of a call `linear_loss_route` sent here. head = (hidden [N, D], weight
-    [V, D], bias [V] | None), ids [N]; grpo_args: `functional._terms_args` (the [N] weights,
-    advantages, old/ref log-probs and rollout ratios, then TokenLossArgs' values)."""
-    hidden, weight, bias = head
-    check_token_id_values("completion_ids", ids, weight.shape[0], "weight.shape[0]")
-    check_finite_advantages(inputs.advantages)
-    N = hidden.shape[0]
-    mask = inputs.mask.reshape(-1)  # [N], the kernels' token order
-    busy = mask != 0  # tokens with a mask of 0 weigh nothing in the loss and in the metrics
-    rows = None if bool(busy.all()) else busy.nonzero().squeeze(1)
-    g_ent = None
-    if params.entropy_coef != 0.0:  # d(entropy bonus)/d entropy per token
-        g_ent = entropy_bonus_weights(inputs.mask, params.entropy_coef).reshape(-1)
-    terms = _TokenTerms(grpo_args, rows, N)
-    needs = tuple(t is not None and t.requires_grad for t in head)
-    out = linear_loss_grad(hidden, weight, bias, ids, params.temperature, terms.d_logp, g_ent,
-                           rows, needs, CHUNK_ELEMENTS, logit_scale)
-    value = terms.weighted_loss.sum()  # Σ weight·ℓ
-    full = terms.full
-    ent = full(out.entropy, 0.0)
-    if g_ent is not None:  # + the entropy bonus, as grpo_math.finish_loss adds it
-        value = value + (g_ent * ent).sum()
-
-    grads, lse, coef = (out.d_hidden, out.d_weight, out.d_bias), out.lse, out.coef
-
-    def recompute(hidden, weight, bias):  # the chunked backward of the same gradients
-        return chunked.linear_logprob_backward(
-            hidden, weight, bias, ids, full(lse, 0.0), ent, full(coef, 0.0), g_ent,
-            params.temperature, needs, logit_scale=logit_scale)
-
-    # only _Saved refers to the gradients now: autograd takes them as .grad without a copy
-    out = None
-    loss = _ThreePassLoss.apply(value, hidden, weight, bias, _Saved(grads, recompute))
-    shape = inputs.mask.shape
-    kl = None if params.beta == 0.0 else full(terms.kl, 0.0).reshape(shape)
-    metrics = grpo_metrics(ent.reshape(shape), full(terms.ratio, 1.0).reshape(shape), kl,
-                           inputs.advantages, inputs.mask, params,
-                           layout_of(inputs.mask, inputs.cu_seqlens), old_logps=inputs.old_logps)
-    return loss, metrics
+def grad_in_op_body(f, x):
+    """The same inside an operator's body, which runs below autograd and, under a dispatch mode
+    or in a compiled graph, below torch.func's keys too: the derivative of this small per-token
+    function runs with the dispatcher's default key sets (nothing excluded), as it would
+    outside the operator. Only tensors made here and detached inputs take part."""
+    include = torch._C._dispatch_tls_local_include_set()
+    nothing = include - include  # an empty key set
+    with torch._C._ForceDispatchKeyGuard(include, nothing):
+        return grad_by_autograd(f, x)
 
 
 class _TokenTerms:
     """The per-token GRPO loss on the computed rows (`rows`, in their order): `d_logp` is the
-    launcher's callback; it keeps weight·ℓ, the ratio and the KL of every chunk ([Na] each)."""
+    chunked launcher's callback; it keeps weight·ℓ, the ratio and the KL of every chunk."""
 
-    def __init__(self, grpo_args, rows, N):
+    def __init__(self, grpo_args, rows, differentiate):
         weights, advantages, old, ref, isr, *values = grpo_args
         self.rule = TokenLossArgs.of_op_args(values)
-        self.rows, self.N = rows, N
+        self.differentiate = differentiate
         self.args = [x if x is None or rows is None else x.index_select(0, rows)
                      for x in (weights, advantages, old, ref, isr)]
-        Na = N if rows is None else rows.numel()
+        Na = self.args[0].shape[0]
         self.weighted_loss, self.ratio, self.kl = (
             torch.zeros(Na, dtype=torch.float32, device=weights.device) for _ in range(3))
 
@@ -192,19 +112,174 @@ class _TokenTerms:
         only, so the gradient of their sum is the per-token derivative."""
         weights, advantages, old, ref, isr = (None if x is None else x[r0:r0 + r]
                                               for x in self.args)
-        lp = logp.detach().requires_grad_()
-        with torch.enable_grad():
+
+        def total(lp):
             loss, ratio, kl = per_token_loss(lp, old, ref, advantages, weights, self.rule, isr)
             weighted = weights * loss
-            (coef,) = torch.autograd.grad(weighted.sum(), lp)
-        self.weighted_loss[r0:r0 + r] = weighted.detach()
+            return weighted.sum(), (weighted, ratio) + (() if kl is None else (kl,))
+
+        coef, (weighted, ratio, *kl) = self.differentiate(total, logp)
+        self.weighted_loss[r0:r0 + r] = weighted
         self.ratio[r0:r0 + r] = ratio
-        if kl is not None:
-            self.kl[r0:r0 + r] = kl.detach()
+        if kl:
+            self.kl[r0:r0 + r] = kl[0]
         return coef
 
-    def full(self, x: torch.Tensor, fill: float) -> torch.Tensor:
-        """[Na] on the computed rows -> [N], `fill` elsewhere."""
-        if self.rows is None:
-            return x
-        return x.new_full((self.N,), fill).index_copy_(0, self.rows, x)
+
+# ---- one call ---------------------------------------------------------------------------------
+
+
+def _rows(weights, g_ent, compact: bool):
+    """int64 indices of the tokens to compute, or None for all of them (see the module
+    docstring: on CUDA, compacting is one host read)."""
+    if not compact:
+        return None
+    busy = weights != 0 if g_ent is None else (weights != 0) | (g_ent != 0)
+    rows = busy.nonzero().squeeze(1)
+    return None if rows.shape[0] == weights.shape[0] else rows
+
+
+def _full(x, rows, N: int, fill: float):
+    """[Na] on the computed rows -> [N], `fill` elsewhere."""
+    return x if rows is None else x.new_full((N,), fill).index_copy_(0, rows, x)
+
+
+def _chunked(head, ids, grpo_args, g_ent, rows, needs, temperature, logit_scale, budget,
+             differentiate):
+    hidden, weight, bias = head
+    terms = _TokenTerms(grpo_args, rows, differentiate)
+    out = chunked_loss_grad.linear_loss_grad(
+        hidden, weight, bias, ids, temperature, terms.d_logp, g_ent, rows, needs,
+        budget_bytes=budget, logit_scale=logit_scale)
+    stats = (out.logp, out.entropy, out.lse, out.coef)
+    return stats, (terms.weighted_loss, terms.kl, terms.ratio), (
+        out.d_hidden, out.d_weight, out.d_bias)
+
+
+def _triton(head, ids, ep, g_ent, rows, needs, temperature, logit_scale, budget):
+    """ep: the epilogue bundle of the computed rows (their [Na] inputs, four [Na] outputs)."""
+    hidden, weight, bias = head
+    pick = lambda x: x if x is None or rows is None else x.index_select(0, rows)  # noqa: E731
+    out = triton_loss_grad.linear_loss_grad(
+        pick(hidden).contiguous(), weight, bias, pick(ids), temperature, ep, pick(g_ent), needs,
+        budget_bytes=budget, logit_scale=logit_scale)
+    lossw, _, kl, ratio = ep.outputs
+    d_hidden = out.d_hidden
+    if d_hidden is not None and rows is not None:
+        d_hidden = torch.zeros_like(hidden).index_copy_(0, rows, d_hidden)
+    return (out.logp, out.entropy, out.lse, out.coef), (lossw, kl, ratio), (
+        d_hidden, out.d_weight, out.d_bias)
+
+
+def loss_grad(head, ids, grpo_args, g_ent, needs, backend: str, temperature: float,
+              logit_scale=None, compact: bool = True, differentiate=grad_by_autograd
+              ) -> ThreePass:
+    """One three-pass call. head = (hidden [N, D], weight [V, D], bias [V] | None), ids [N]
+    int64, grpo_args: the token-terms op's GRPO arguments ([N] float32 weights, advantages,
+    old/ref log-probs, rollout ratios, then TokenLossArgs' values), g_ent [N] float32 or None,
+    needs: (d hidden, d weight, d bias) wanted. differentiate: `grad_by_autograd` or
+    `grad_in_op_body` (the chunked backend's per-token derivative, see their docstrings)."""
+    hidden, weight, bias = head
+    N, V = hidden.shape[0], weight.shape[0]
+    failed = value_checks.check_ids_and_advantages(ids, V, grpo_args[1])
+    if failed is not None:  # CUDA: the kernels must not read out of bounds before the error
+        ids = ids.clamp(0, V - 1)
+    rows = _rows(grpo_args[0], g_ent, compact)
+    budget = chunk_budget_bytes(backend)
+    with torch.no_grad():
+        if rows is not None and rows.numel() == 0:  # every token masked: nothing to compute
+            z = hidden.new_zeros(0, dtype=torch.float32)
+            stats, terms = (z,) * 4, (z,) * 3
+            grads = tuple(torch.zeros_like(x) if x is not None and want else None
+                          for x, want in zip(head, needs))
+        else:
+            stats, terms, grads = _compute(head, ids, grpo_args, g_ent, rows, needs, backend,
+                                           temperature, logit_scale, budget, differentiate)
+        full = lambda x, fill=0.0: _full(x, rows, N, fill)  # noqa: E731
+        logp, ent, lse, coef = (full(x) for x in stats)
+        lossw, kl, ratio = full(terms[0]), full(terms[1]), full(terms[2], 1.0)
+        policy = lossw.sum()
+        # a tensor of its own: an operator's outputs may not alias one another
+        loss = policy.clone() if g_ent is None else policy + (g_ent * ent).sum()
+        loss = value_checks.poison(loss, failed)
+    return ThreePass(loss, policy, logp, ent, kl, ratio, grads, lse, coef)
+
+
+def _compute(head, ids, grpo_args, g_ent, rows, needs, backend, temperature, logit_scale,
+             budget, differentiate):
+    def on_torch():
+        return _chunked(head, ids, grpo_args, g_ent, rows, needs, temperature, logit_scale,
+                        budget, differentiate)
+
+    if backend == "chunked":
+        return on_torch()
+    weights, advantages, old, ref, isr, *values = grpo_args
+    pick = lambda x: x if x is None or rows is None else x.index_select(0, rows)  # noqa: E731
+    rule = TokenLossArgs.of_op_args(values)
+    ep = epilogue_args(rule, pick(weights), pick(advantages), pick(old), pick(ref), pick(isr))
+    op = LinearHeadOp(IMPLS["triton"], temperature, logit_scale=logit_scale)
+    key = op.variant(epilogue_variant(rule, ep.flags).replace("forward", "three-pass", 1), head)
+    return fallback.run(key, head[0].device, lambda: _triton(
+        head, ids, ep, g_ent, rows, needs, temperature, logit_scale, budget), on_torch)
+
+
+def recompute_grads(head, ids, stats, g_ent, needs, backend, temperature, logit_scale=None
+                    ) -> tuple:
+    """The same input gradients from the saved statistics stats = (lse, entropy, coef) [N], by
+    the backend's backward launcher (a second backward of a graph kept with retain_graph)."""
+    lse, ent, coef = stats
+    op = LinearHeadOp(IMPLS[backend], temperature, logit_scale=logit_scale)
+    return op.backward(head, ids, lse, ent, coef, g_ent, needs)
+
+
+# ---- the eager autograd.Function ----------------------------------------------------------------
+
+
+class Saved:
+    """The forward's gradients for the first backward, and what a later backward (of a graph
+    kept with retain_graph=True) recomputes them from."""
+
+    def __init__(self, grads, recompute):
+        self.grads, self.recompute = grads, recompute
+
+    def take(self, ctx, g):
+        grads, self.grads = self.grads, None  # handed over: nothing is held after a backward
+        if grads is None:
+            grads = self.recompute(*ctx.saved_tensors)
+        # on CUDA the factor is not read on the host (that would wait for the queue)
+        if g.device.type == "cuda" or not bool(g == 1):
+            grads = tuple(None if x is None else x.mul_(g.to(x.dtype)) for x in grads)
+        return grads
+
+
+class ThreePassLoss(torch.autograd.Function):
+    """The loss value (0-dim) as a function of (hidden, weight, bias) whose gradients are
+    already computed: backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, value, hidden, weight, bias, saved: Saved):
+        ctx.saved = saved
+        ctx.save_for_backward(hidden, weight, bias)  # for a recompute (version-checked)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        value_checks.raise_ready()
+        with torch.no_grad():
+            grads = ctx.saved.take(ctx, g)
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = once_differentiable(grads)
+        return None, *grads, None
+
+
+def once_differentiable(grads):
+    """The gradients as outputs of a node that raises when differentiated, as the operators'
+    once-differentiable backward returns them under create_graph=True (no second derivative
+    goes through the linear head on either route)."""
+    given = [x for x in grads if x is not None]
+    if not given:
+        return grads
+    error = _functions.DelayedError(ONCE, len(given))
+    out = error(*[x.detach().requires_grad_() for x in given])
+    out = iter(out if isinstance(out, tuple) else (out,))
+    return tuple(None if x is None else next(out) for x in grads)

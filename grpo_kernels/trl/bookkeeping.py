@@ -1,7 +1,7 @@
 """TRL's loss bookkeeping around the fused loss, as a mixin of `grpo_kernels.trl.GRPOTrainer`:
-the normalization per micro-batch, the entropy bonus with its adaptive coefficient, and the loss
-metrics reduced across processes, each as TRL 1.16's `_compute_loss` does it
-(docs/semantics.md, "What the TRL subclass adds").
+the normalization per micro-batch, the entropy bonus's coefficient (adaptive included; the loss
+adds the bonus itself), and the loss metrics reduced across processes, each as TRL 1.16's
+`_compute_loss` does it (docs/semantics.md, "What the TRL subclass adds").
 
 The methods read the trainer's TRL attributes (accelerator, args, _metrics, entropy_coef,
 _last_world_entropy, _entropy_window_stats, ...) and the subclass's _grpo_params and
@@ -10,10 +10,12 @@ _entropy_control.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from ..grpo_math import clip_indicators, entropy_bonus, metric_sums
+from ..grpo_math import clip_indicators, metric_sums
 from ..grpo_options import masked_sums
 
 
@@ -26,24 +28,34 @@ class LossBookkeeping:
         padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
         return self.accelerator.gather(padded)
 
-    def _entropy_bonus(self, mode: str, t, maskf, scale, accumulation: int) -> torch.Tensor:
-        """TRL's entropy bonus for this micro-batch (the masked mean entropy over the tokens the
-        policy loss acts on, scaled only for accumulation), its policy_loss and entropy_coef
-        logs, and the adaptive controller's step at the end of an accumulation window."""
-        bonus_mask = maskf if t.entropy_mask is None else maskf * t.entropy_mask
+    def _loss_params(self, mode: str, scale, accumulation: int):
+        """The GRPOParams of this micro-batch's loss: TRL's, with the entropy bonus's
+        coefficient, which the loss adds itself (so that the route needs no differentiable
+        entropy). TRL's bonus is coef × the masked mean entropy over the tokens the policy loss
+        acts on, scaled only for accumulation, while the trainer multiplies the loss by `scale`:
+        the coefficient given is coef / (accumulation · scale). coef is the one set at the
+        previous optimizer step (adaptive gate included), as TRL applies it."""
+        if not self._entropy_bonus_enabled:
+            return self._grpo_params
         coef = self.entropy_coef
-        if self._entropy_control is not None:  # the gate set at the previous optimizer step
+        if self._entropy_control is not None:
             coef = self._entropy_control.applied_coef(coef, self._last_world_entropy)
-        bonus = entropy_bonus(t.entropy, bonus_mask, coef) / accumulation
+        return dataclasses.replace(self._grpo_params,
+                                   entropy_coef=float(coef) / (accumulation * float(scale)))
+
+    def _entropy_bookkeeping(self, mode: str, t, maskf, scale) -> None:
+        """After the loss: its policy_loss and entropy_coef logs, and the adaptive
+        controller's step at the end of an accumulation window. t: the loss's detached
+        GRPOTerms (entropy, entropy mask)."""
+        bonus_mask = maskf if t.entropy_mask is None else maskf * t.entropy_mask
         token_count = self._grpo_params.normalizes_by_token_count
-        logged = t.policy_loss.detach() * (scale if token_count else 1)
+        logged = t.policy_loss * (scale if token_count else 1)
         self._metrics[mode]["policy_loss"].append(
             self.accelerator.gather(logged).nanmean().item())
         if self._entropy_control is not None and mode == "train":
             self._adaptive_entropy_step(masked_sums(t.entropy, bonus_mask))
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        return bonus
 
     def _adaptive_entropy_step(self, sums: torch.Tensor) -> None:
         """Adds this micro-batch's [Σ entropy, tokens] to the window; at the optimizer step, the

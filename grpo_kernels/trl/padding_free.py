@@ -16,7 +16,7 @@ normalization, metrics and accumulation see the batch TRL built.
   padded scoring chunks, so fewer forwards run and none holds more than TRL's did. Shared rows
   are cut between prompt groups, so a forward holds whole groups of the generation batch (TRL
   puts a prompt's G completions next to each other there).
-- The loss (`packed_completion_hidden`, `packed_grpo_terms`) runs one forward per TRL
+- The loss (`packed_completion_hidden`, `packed_grpo_loss`) runs one forward per TRL
   micro-batch, as TRL does; the micro-batch is TRL's, so its loss normalization and
   gradient-accumulation scaling are TRL's. Shared rows share every prompt whose completions
   meet in the micro-batch, wherever TRL's shuffle put them; the micro-batches stay TRL's.
@@ -47,7 +47,7 @@ from ..hf import (
 from ..hf.packed_rows import boundaries_of, takes_boundaries
 from ..hf.shared_prompt import prompt_groups
 
-__all__ = ["equal_count_across", "packable", "packed_completion_hidden", "packed_grpo_terms",
+__all__ = ["equal_count_across", "packable", "packed_completion_hidden", "packed_grpo_loss",
            "packed_scores"]
 
 
@@ -88,27 +88,28 @@ def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: tor
     return hidden[0], packed, aux
 
 
-def packed_grpo_terms(packed, hidden, weight, bias, completion_ids, mask, advantages, old_logps,
-                      ref_logps, params, num_items_in_batch=None, importance_sampling_ratio=None,
-                      grad_filter=None, sampling_logps=None, entropy_gather=None, **transform):
+def packed_grpo_loss(packed, hidden, weight, bias, completion_ids, mask, advantages, old_logps,
+                     ref_logps, params, num_items_in_batch=None, importance_sampling_ratio=None,
+                     grad_filter=None, sampling_logps=None, entropy_gather=None, **transform):
     """The fused loss on the packed tokens: TRL's per-token inputs [S, T] packed to the N kept
     tokens (`packed.pack`; per-sequence values [S] / [S, 1] stay), the head on hidden [N, D]
-    with packed.cu_seqlens, and the GRPOTerms' per-token values back on the [S, T] grid (zero
-    at the tokens the rows do not hold, which TRL's mask already excludes) for TRL's metrics
-    and entropy bonus. Equals the fused loss on the grid: the tokens left out are masked there.
-    mask: TRL's loss mask (completion mask times tool mask), 0 allowed at kept tokens."""
+    with packed.cu_seqlens. Returns (loss, the detached GRPOTerms with their per-token values
+    back on the [S, T] grid) (zero at the tokens the rows do not hold, which TRL's mask
+    already excludes) for TRL's metrics. Equals the fused loss on the grid: the tokens left out
+    are masked there. mask: TRL's loss mask (completion mask times tool mask), 0 allowed at
+    kept tokens."""
     S, T = packed.shape
 
     def per_token(x):  # [S, T] -> [N]; per-sequence values as they are
         return packed.pack(x) if x is not None and tuple(x.shape) == (S, T) and T > 1 else x
 
-    terms = fused_linear_grpo_loss(
+    loss, _, terms = fused_linear_grpo_loss(
         hidden, weight, packed.pack(completion_ids), per_token(advantages), packed.pack(mask),
         packed.pack(old_logps), packed.pack(ref_logps), bias,
         num_items_in_batch=num_items_in_batch,
         importance_sampling_ratio=per_token(importance_sampling_ratio),
         cu_seqlens=packed.cu_seqlens.to(hidden.device), grad_filter=grad_filter,
-        sampling_logps=packed.pack(sampling_logps), return_terms=True,
+        sampling_logps=packed.pack(sampling_logps), return_token_values=True,
         entropy_gather=entropy_gather, params=params, **transform)
     N = hidden.shape[0]
 
@@ -117,9 +118,9 @@ def packed_grpo_terms(packed, hidden, weight, bias, completion_ids, mask, advant
             return x
         return packed.unpack(x)
 
-    return terms._replace(logp=grid(terms.logp), entropy=grid(terms.entropy),
-                          ratio=grid(terms.ratio), kl=grid(terms.kl),
-                          entropy_mask=grid(terms.entropy_mask))
+    return loss, terms._replace(logp=grid(terms.logp), entropy=grid(terms.entropy),
+                                ratio=grid(terms.ratio), kl=grid(terms.kl),
+                                entropy_mask=grid(terms.entropy_mask))
 
 
 def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[range]:

@@ -9,11 +9,12 @@ Everything else (GRPOConfig, generation, rewards, advantages, logging) is TRL's.
 
 - The training loss (`_compute_loss`) runs the model body only, takes the hidden states of the
   completion positions ([B, T, D]) and takes the route of every grpo-kernels loss
-  (`fused_linear_grpo_loss(..., return_terms=True)`): on Triton at token level the forward
-  kernel computes ratios, clipping and KL per token in its GRPO epilogue; otherwise (chunked
-  PyTorch on CPU, sequence-level ratios, the sequence and batch options) `grpo_math` does, on
-  the kernels' log-probs. Prompt positions are never projected to the vocabulary and no
-  [B, T, V] logits exist.
+  (`fused_linear_grpo_loss(..., return_token_values=True)`): TRL's loss type, normalizer and
+  entropy bonus are computed inside it, so that token-level losses take the three-pass route
+  (the gradient formed in the forward, on Triton and on the chunked CPU path alike), and the
+  per-token values TRL's metrics read come back detached. Sequence-level ratios and the
+  sequence and batch options take the four-pass route. Prompt positions are never projected to
+  the vocabulary and no [B, T, V] logits exist.
 - Old- and reference-policy scoring (`_get_per_token_logps_and_entropies`) goes through the same
   hidden-state path (`grpo_kernels.hf.completion_logprobs`), without logits.
 - A PEFT LoRA adapter on lm_head (`peft_config` with "lm_head" in target_modules) is trained:
@@ -103,7 +104,7 @@ from .model_support import ModelSupport
 from .padding_free import (
     equal_count_across,
     packed_completion_hidden,
-    packed_grpo_terms,
+    packed_grpo_loss,
     packed_scores,
 )
 
@@ -151,35 +152,45 @@ _TRL_LOSS = "TRL's loss math runs instead, on log-probs from grpo-kernels' fused
 def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
                  params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
                  grad_filter=None, sampling_logps=None, softcap=None, logit_scale=None):
-    """The GRPO policy loss with the per-token values TRL's metrics need, by the route every
-    loss takes (`fused_linear_grpo_loss(..., return_terms=True)`: the token-terms op with the
-    in-kernel GRPO epilogue on Triton at token level, else the selective log-prob op and
-    `grpo_math`; no [N, V] logits);
-    params.entropy_coef is ignored (the trainer adds TRL's bonus).
+    """The GRPO policy loss with differentiable per-token values, for a trainer that forms its
+    own loss from them (`fused_linear_grpo_loss(..., return_terms=True)`: the four-pass route,
+    no [N, V] logits); params.entropy_coef is ignored.
     hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
     Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
     (detached), kl [B, T] (detached) or None). grad_filter, softcap, logit_scale: see
     `selective_logprobs` (`grpo_kernels.hf.logit_transform(model)` gives a model's).
     """
-    terms = _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps,
-                        ref_logps, params, num_items_in_batch, importance_sampling_ratio,
-                        grad_filter, sampling_logps, softcap=softcap, logit_scale=logit_scale)
+    _check_hidden(hidden)
+    terms = fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, mask, old_logps,
+                                   ref_logps, bias, num_items_in_batch=num_items_in_batch,
+                                   importance_sampling_ratio=importance_sampling_ratio,
+                                   grad_filter=grad_filter, sampling_logps=sampling_logps,
+                                   return_terms=True, softcap=softcap, logit_scale=logit_scale,
+                                   params=params)
     return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
 
 
-def _grpo_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
-                params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-                grad_filter=None, sampling_logps=None, entropy_gather=None, softcap=None,
-                logit_scale=None):
-    """`policy_terms`' route, returning all of GRPOTerms (vespo's φ, the entropy mask)."""
+def _check_hidden(hidden) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
-    return fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, mask, old_logps,
-                                  ref_logps, bias, num_items_in_batch=num_items_in_batch,
-                                  importance_sampling_ratio=importance_sampling_ratio,
-                                  grad_filter=grad_filter, sampling_logps=sampling_logps,
-                                  return_terms=True, entropy_gather=entropy_gather,
-                                  softcap=softcap, logit_scale=logit_scale, params=params)
+
+
+def _grpo_loss(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
+               params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
+               grad_filter=None, sampling_logps=None, entropy_gather=None, softcap=None,
+               logit_scale=None):
+    """The trainer's loss on padded rows: (loss, entropy bonus of params.entropy_coef included,
+    the detached GRPOTerms for TRL's metrics), by the route every loss takes
+    (`fused_linear_grpo_loss(..., return_token_values=True)`: the three-pass route where it
+    applies)."""
+    _check_hidden(hidden)
+    loss, _, terms = fused_linear_grpo_loss(
+        hidden, weight, completion_ids, advantages, mask, old_logps, ref_logps, bias,
+        num_items_in_batch=num_items_in_batch,
+        importance_sampling_ratio=importance_sampling_ratio, grad_filter=grad_filter,
+        sampling_logps=sampling_logps, return_token_values=True, entropy_gather=entropy_gather,
+        softcap=softcap, logit_scale=logit_scale, params=params)
+    return loss, terms
 
 
 @contextlib.contextmanager
@@ -359,9 +370,10 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
         gather = self._gather_entropies if self.top_entropy_quantile < 1.0 else None
         multimodal = {k: inputs[k] for k in MULTIMODAL_KEYS if inputs.get(k) is not None}
         packs = self._support.packs(attention_mask, completion_mask, multimodal)
+        params = self._loss_params(mode, scale, accumulation)
         aux = []  # the MoE auxiliary loss, when TRL adds one
 
-        def terms(model):
+        def loss_and_terms(model):
             packed = None
             with self.accelerator.autocast():
                 if packs:  # the body on packed rows; the head on the kept tokens [N, D]
@@ -374,22 +386,21 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
                                                          multimodal, self.aux_loss_enabled)
                 aux.append(aux_loss)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
-            grpo = _grpo_terms if packed is None else functools.partial(packed_grpo_terms, packed)
+            grpo = _grpo_loss if packed is None else functools.partial(packed_grpo_loss, packed)
             with torch.autocast(hidden.device.type, enabled=False):
                 return grpo(
                     hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
                     inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
-                    self._grpo_params, num_items, isr, self._grad_filter,
+                    params, num_items, isr, self._grad_filter,
                     inputs.get("sampling_per_token_logps"), gather, **logit_transform(model),
                 )
 
-        t = run_as_forward(model, terms)
-        loss = t.policy_loss * scale
+        loss, t = run_as_forward(model, loss_and_terms)
+        loss = loss * scale  # TRL's normalization; the bonus inside is pre-divided by it
         maskf = mask.to(t.entropy.dtype)
         if self._entropy_bonus_enabled:
-            loss = loss + self._entropy_bonus(mode, t, maskf, scale, accumulation)
+            self._entropy_bookkeeping(mode, t, maskf, scale)
         if self.aux_loss_enabled:
             loss = self._add_aux_loss(loss, aux[-1], mode)
-        self._log_metrics(mode, maskf, t.entropy.detach(), t.ratio, t.kl, advantages,
-                          t.vespo_phi)
+        self._log_metrics(mode, maskf, t.entropy, t.ratio, t.kl, advantages, t.vespo_phi)
         return loss

@@ -15,7 +15,7 @@ from helpers import leaf, make_grpo_batch, make_head, max_err
 import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.chunked import loss_grad
-from grpo_kernels.ops import three_pass
+from grpo_kernels.ops import route
 from grpo_kernels.params import GRPOParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +41,7 @@ def run(head, batch, kw, three=True, dtype=torch.float32, fn=None, frozen=(), gr
     for name, x in (("hidden", h), ("weight", w), ("bias", b)):
         if name in frozen and x is not None:
             x.requires_grad_(False)
-    env = {} if three else {three_pass.ENV: "0"}
+    env = {} if three else {route.ENV: "0"}
     with gk.force_backend("chunked"), pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
@@ -76,8 +76,8 @@ def hyper(loss_type, beta, temperature, delta, entropy_coef):
 def test_matches_the_four_pass_route(loss_type, beta, temperature, delta, entropy_coef):
     kw = hyper(loss_type, beta, temperature, delta, entropy_coef)
     head, batch = problem(seed=1, temperature=temperature)
-    assert three_pass.linear_loss_route(leaf(head[0]), *head[1:3], "chunked",
-                                        GRPOParams(**kw)).three_pass
+    assert route.linear_loss_route(leaf(head[0]), *head[1:3], "chunked",
+                                   GRPOParams(**kw)).three_pass
     assert_same(run(head, batch, kw), run(head, batch, kw, three=False))
 
 
@@ -156,7 +156,7 @@ def test_packed_matches_padded(cfg):
         pad = run_linear(gk.fused_linear_grpo_loss, weight, b, padded, kw)
         pack = run_linear(gk.fused_linear_grpo_loss, weight, b, packed, kw)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(three_pass.ENV, "0")
+            mp.setenv(route.ENV, "0")
             present = run_linear(gk.fused_linear_grpo_loss, weight, b, packed, kw)
     for ours, want in ((pack, pad), (pack, present)):
         assert max_err(ours[0], want[0]) <= 1e-5
@@ -169,10 +169,8 @@ def test_packed_matches_padded(cfg):
 
 
 def test_several_chunks(monkeypatch):
-    """A chunk budget that holds 16 whole rows: several chunks, same results."""
-    monkeypatch.setattr(three_pass, "CHUNK_ELEMENTS", 2 * 16 * SHAPE[3])
-    monkeypatch.setattr(loss_grad, "_tile_shape", lambda n, V, ce, buffers: (
-        min(n, ce // buffers // V), V))
+    """Chunks of 16 whole rows: several chunks, same results."""
+    monkeypatch.setattr(loss_grad, "chunk_rows", lambda n, V, D, dtype, budget: (16, ""))
     kw = hyper("sapo", 0.04, 0.7, None, 0.01)
     head, batch = problem(seed=7, temperature=0.7)
     assert_same(run(head, batch, kw), run(head, batch, kw, three=False))
@@ -188,45 +186,51 @@ def test_fully_masked_batch():
 def _route(h, w, b, backend="chunked", **kw):
     per_token = kw.pop("per_token_outputs", False)
     softcap = kw.pop("softcap", None)
-    return three_pass.linear_loss_route(h, w, b, backend, GRPOParams(**kw), softcap,
-                                        per_token_outputs=per_token)
+    grad_filter = kw.pop("grad_filter", None)
+    return route.linear_loss_route(h, w, b, backend, GRPOParams(**kw), softcap, grad_filter,
+                                   per_token_outputs=per_token)
 
 
 def test_route_and_its_reasons(monkeypatch):
     h, w = leaf(torch.randn(10, 8)), leaf(torch.randn(40, 8))
     assert _route(h, w, None).three_pass
+    assert _route(h, w, None, backend="triton").three_pass
+    # an nn.Parameter head (every model's) and calls under a dispatch mode (the operator)
+    assert _route(h, torch.nn.Parameter(w.detach()), None).three_pass
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    with TorchDispatchMode():
+        assert _route(h, w, None).three_pass
     cases = {
         "return_terms": _route(h, w, None, per_token_outputs=True),
-        "backend 'triton'": _route(h, w, None, backend="triton"),
         "whole sequences": _route(h, w, None, importance_sampling_level="sequence"),
         "whole sequences ": _route(h, w, None, loss_type="vespo"),
         " whole sequences": _route(h, w, None, off_policy_mask_threshold=0.5),
         "whole sequences  ": _route(h, w, None, top_entropy_quantile=0.5),
         "soft cap": _route(h, w, None, softcap=30.0),
+        "grad_filter": _route(h, w, None, backend="triton", grad_filter=0.0),
         "neither": _route(h.detach(), w.detach(), None),
-        "dispatch": None,
         "grad mode": None,
     }
     with torch.no_grad():
         cases["grad mode"] = _route(h, w, None)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    with TorchDispatchMode():
-        cases["dispatch"] = _route(h, w, None)
-    for words, route in cases.items():
-        assert not route.three_pass and words.strip() in route.reason, (words, route)
-    monkeypatch.setenv(three_pass.ENV, "0")
+    for words, r in cases.items():
+        assert not r.three_pass and words.strip() in r.reason, (words, r)
+    monkeypatch.setenv(route.ENV, "0")
     assert not _route(h, w, None).three_pass
-    monkeypatch.delenv(three_pass.ENV)
-    big = torch.empty(300_000, 8)  # whole rows of 300k logits do not fit two 32 MiB buffers
-    assert "do not fit" in _route(leaf(torch.randn(1024, 8)), big, None).reason
+    assert "minimum-memory" in _route(h, w, None, backend="triton").reason
+    monkeypatch.delenv(route.ENV)
+    monkeypatch.setenv(route.CHUNK_ENV, "lots")
+    with pytest.raises(ValueError, match="GRPO_KERNELS_CHUNK_MIB must be a number of MiB > 0"):
+        _route(h, w, None)
 
 
 def test_calls_that_keep_the_four_pass_route(monkeypatch):
     """no_grad scoring and return_terms never reach the three-pass launcher."""
     called = []
-    monkeypatch.setattr(three_pass, "linear_loss_grad",
-                        lambda *a, **k: called.append(1) or loss_grad.linear_loss_grad(*a, **k))
+    launcher = loss_grad.linear_loss_grad
+    monkeypatch.setattr(loss_grad, "linear_loss_grad",
+                        lambda *a, **k: called.append(1) or launcher(*a, **k))
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(seed=9)
     with gk.force_backend("chunked"):
         with torch.no_grad():
@@ -244,7 +248,7 @@ def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypat
     """As on the four-pass route (whose linear-head op is once differentiable): the gradients
     come back under create_graph=True, and differentiating them raises."""
     if not three:
-        monkeypatch.setenv(three_pass.ENV, "0")
+        monkeypatch.setenv(route.ENV, "0")
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(seed=10)
     h, w = leaf(hidden), leaf(weight)
     with gk.force_backend("chunked"):
@@ -256,11 +260,10 @@ def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypat
 
 
 def test_the_route_is_logged_once_with_its_reason(caplog):
-    route = three_pass.Route(True, "a reason seen once")
     with caplog.at_level(logging.INFO, logger="grpo_kernels"):
-        assert route.log_once() is route
-        route.log_once()
-        three_pass.Route(False, "a reason seen once").log_once()
+        assert route._log_route(True, "a reason seen once") is True
+        route._log_route(True, "a reason seen once")
+        assert route._log_route(False, "a reason seen once") is False
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["grpo_kernels: linear-head loss on the three-pass path: a reason seen once",
-                     "grpo_kernels: linear-head loss on the four-pass path: a reason seen once"]
+    assert lines == ["grpo_kernels: linear-head loss on the three-pass route: a reason seen once",
+                     "grpo_kernels: linear-head loss on the four-pass route: a reason seen once"]

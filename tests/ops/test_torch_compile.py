@@ -276,3 +276,74 @@ def test_reference_and_unfused_paths_compile_with_in_graph_checks():
             fn(hidden, ids, adv * float("nan"))
     with pytest.raises(RuntimeError, match="completion_ids has a token id outside"):
         torch.compile(ref_step, fullgraph=True, backend="eager")(hidden, ids + 37, adv)
+
+
+# ---- the three-pass route in a compiled graph ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_three_pass_route_compiles_and_matches_eager(backend, compiler, caplog, monkeypatch):
+    """With a gradient at token level a compiled step takes the three-pass route too (the
+    operator grpo_kernels::linear_grpo_loss_grad), and gives the eager call's loss, metrics and
+    gradients; the route is logged while tracing, outside the graph."""
+    import logging
+
+    from grpo_kernels.ops import route
+
+    head, grpo = problem(seed=7)
+    with gk.force_backend(backend), caplog.at_level(logging.INFO, logger="grpo_kernels"):
+        want = run(linear_step, None, head, grpo)
+        monkeypatch.setattr(route, "_LOGGED", set())
+        caplog.clear()
+        ours = run(linear_step, compiler, head, grpo)
+    assert_same(ours, want, exact=compiler == "eager")
+    assert any("three-pass route" in r.getMessage() for r in caplog.records)
+
+
+def test_opcheck_three_pass_op():
+    (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(B=2, T=2, D=4, V=5)
+    params = GRPOParams(beta=0.04, entropy_coef=0.01)
+    inputs = LossInputs(mask, adv.reshape(-1, 1), old, ref, None, None)
+    g_ent = torch.full((4,), -0.01 / 4)
+    for backend in BACKENDS:
+        _opcheck(torch.ops.grpo_kernels.linear_grpo_loss_grad.default,
+                 (leaf(hidden.reshape(-1, 4)), leaf(weight), leaf(bias), ids.reshape(-1), g_ent,
+                  1.0, backend, [True, True, True], True, *_terms_args(inputs, params)))
+
+
+FRESH = """
+import logging, os, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+import torch, grpo_kernels as gk
+torch.manual_seed(0)
+h = torch.randn(2, 5, 8, requires_grad=True)
+lm_head = torch.nn.Linear(8, 37, bias=False)  # an nn.Parameter head, as every model's
+ids, adv = torch.randint(0, 37, (2, 5)), torch.randn(2)
+def step(h, w):
+    return gk.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0, entropy_coef=0.01)[0]
+with gk.force_backend(sys.argv[1]):
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(h, lm_head.weight)
+    loss.backward()
+    want = step(h.detach().requires_grad_(), lm_head.weight)
+print("LOSS", float(loss), float(want))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_compile_in_a_fresh_process(backend, tmp_path):
+    """A fresh process compiles the fused loss with fullgraph=True before any eager call (no
+    logger call inside the trace), takes the three-pass route and says so once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH)
+    proc = subprocess.run([sys.executable, str(script), backend], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    routes = [line for line in lines if "linear-head loss on the" in line]
+    assert len(routes) == 1 and "three-pass route" in routes[0], lines
+    loss, want = (float(x) for x in lines[-1].split()[1:])
+    assert abs(loss - want) <= 1e-6 * (1 + abs(want))

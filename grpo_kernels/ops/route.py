@@ -1,0 +1,116 @@
+"""Which route a linear-head GRPO loss call takes, and one log line that says which and why.
+
+    three-pass   the loss is a scalar with a gradient and each token's loss reads its own
+                 log-prob: per chunk of whole vocabulary rows, the logits, their statistics, the
+                 GRPO math, the d-logits and the two gradient products, all in the forward
+                 (`three_pass.py`); three [N, V, D] matrix products. Between forward and backward
+                 it holds the input gradients, which the backward only scales.
+    four-pass    the token-terms op (Triton) or the selective log-prob op and `grpo_math`
+                 (chunked): the forward keeps per-token statistics and the backward recomputes
+                 the logits; four products, and only [N] statistics held between the passes.
+                 It is the minimum-memory setting: GRPO_KERNELS_THREE_PASS=0.
+
+The chunks of the three-pass route are whole rows [C, V] within a memory budget: the backend's
+default (`chunked.loss_grad.CPU_BUDGET_BYTES`, `kernels.linear_loss_grad.CUDA_BUDGET_BYTES`) or
+GRPO_KERNELS_CHUNK_MIB. Each backend turns the budget into rows (its `chunk_rows`).
+
+The decision reads only what a trace sees as constant (shapes, dtypes, requires_grad, grad mode,
+the environment), so torch.compile traces it; the log line is written by `_log_route`, which
+dynamo runs as a constant function at trace time instead of tracing it (a logger call inside a
+fullgraph trace is an error). One INFO line per (route, reason) per process, on the
+"grpo_kernels" logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+
+from ..chunked import loss_grad as chunked_loss_grad
+from ..kernels import linear_loss_grad as triton_loss_grad
+from ..params import GRPOParams
+
+ENV = "GRPO_KERNELS_THREE_PASS"  # "0": the four-pass route everywhere (minimum memory)
+CHUNK_ENV = "GRPO_KERNELS_CHUNK_MIB"  # the three-pass route's chunk budget, MiB
+
+_LOG = logging.getLogger("grpo_kernels")
+_LOGGED: set = set()  # the (route, reason) pairs already logged in this process
+
+
+class Route(NamedTuple):
+    three_pass: bool
+    reason: str
+
+
+def chunk_budget_bytes(backend: str) -> int:
+    """The three-pass route's chunk budget in bytes: GRPO_KERNELS_CHUNK_MIB if set, else the
+    backend's default."""
+    text = os.environ.get(CHUNK_ENV, "").strip()
+    if not text:
+        return (chunked_loss_grad.CPU_BUDGET_BYTES if backend == "chunked"
+                else triton_loss_grad.CUDA_BUDGET_BYTES)
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not mib > 0 or mib == float("inf"):
+        raise ValueError(f"{CHUNK_ENV} must be a number of MiB > 0 (the three-pass route's chunk "
+                         f"budget), got {text!r}")
+    return int(mib * 2**20)
+
+
+def linear_loss_route(hidden, weight, bias, backend: str, params: GRPOParams, softcap=None,
+                      grad_filter=None, per_token_outputs: bool = False) -> Route:
+    """Does a linear-head GRPO loss call take the three-pass route, and why (or why not)?
+    hidden [N, D], weight [V, D], bias [V] | None: the tensors the head's op would get. The
+    route is logged once per (route, reason)."""
+    route = _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
+                    per_token_outputs)
+    _log_route(route.three_pass, route.reason)
+    return route
+
+
+def _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
+            per_token_outputs) -> Route:
+    def no(reason):
+        return Route(False, reason)
+
+    if per_token_outputs:
+        return no("per-token outputs asked for (return_terms): they stay differentiable")
+    if os.environ.get(ENV, "1").strip() == "0":
+        return no(f"{ENV}=0 (the minimum-memory setting)")
+    if params.needs_whole_sequences:
+        return no("sequence-level ratios, a per-sequence loss type or a sequence/batch option: "
+                  "every token of a sequence is needed before any token's gradient, and a chunk "
+                  "of rows does not hold whole sequences")
+    if softcap is not None:
+        return no("soft cap: the capped head keeps its four-pass route")
+    if grad_filter is not None:
+        return no("grad_filter: the four-pass backward filters its tiles")
+    if not torch.is_grad_enabled():
+        return no("no gradient: grad mode is off")
+    if not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return no("no gradient: neither the hidden states nor the head require grad")
+    budget = chunk_budget_bytes(backend)
+    if backend == "chunked":
+        V, D = weight.shape
+        rows, why_not = chunked_loss_grad.chunk_rows(hidden.shape[0], V, D, weight.dtype, budget)
+        if rows is None:
+            return no(why_not)
+    return Route(True, f"scalar loss with a gradient, token-level loss: chunks of whole "
+                       f"vocabulary rows within {budget / 2**20:g} MiB ({backend} backend)")
+
+
+@torch.compiler.assume_constant_result
+def _log_route(three_pass: bool, reason: str) -> bool:
+    """Logs a route the first time it is taken in this process. Dynamo calls it with constant
+    arguments while tracing (assume_constant_result) rather than tracing the logger."""
+    key = (three_pass, reason)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        _LOG.info("grpo_kernels: linear-head loss on the %s route: %s",
+                  "three-pass" if three_pass else "four-pass", reason)
+    return three_pass

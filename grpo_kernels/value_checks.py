@@ -1,0 +1,112 @@
+"""Value checks: every token id inside the vocabulary, every advantage finite, a normalizer
+positive. A check of a value reads it, and on a GPU reading a value on the host waits for the
+whole queue of work before it (the model's forward, the loss's kernels), so there are three ways
+to check:
+
+- on the CPU, or where a host read is paid anyway (the four-pass ops' bodies): read it now and
+  raise the error that names the argument (`check_token_id_values`, `check_finite_advantages`);
+- under torch.compile: an in-graph assertion (no host read, no graph break);
+- on CUDA where nothing else reads the device (the three-pass route, a normalizer given as a
+  CUDA tensor): a device check (`defer`). Its flag is copied without blocking into pinned host
+  memory behind an event; the next loss call and the loss's backward raise its error once the
+  event says the copy has landed (`raise_ready`, which never waits unless asked to), and the
+  call that computed it makes its loss NaN where it can (`poison`), so a bad batch never gives
+  a number that looks right. The kernels it feeds clamp the ids they load, so nothing reads out
+  of bounds meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+# device checks in flight: (pinned flag, event behind its copy, the error's message)
+_PENDING: deque = deque()
+NAN_NOTE = " (found by a device check of an earlier call; that call's loss was NaN)"
+
+
+def check_token_id_values(name: str, ids: torch.Tensor, vocab_size: int,
+                          vocab_from: str = "weight.shape[0]") -> None:
+    """Every id in [0, vocab_size): an out-of-range id would read out of bounds. Under
+    torch.compile (code traced around the ops, e.g. the reference) an in-graph assertion."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
+                            f"{name} has a token id outside [0, {vocab_size}) ({vocab_from})")
+        return
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        lo, hi = int(lo), int(hi)  # one host sync
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{name} has token id {bad} outside [0, {vocab_size}) (vocabulary size = "
+                f"{vocab_from}); padded positions need a valid id such as the pad token, "
+                "not -100"
+            )
+
+
+def check_finite_advantages(advantages: torch.Tensor) -> None:
+    """No NaN/inf; under torch.compile an in-graph assertion (no graph break)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(torch.isfinite(advantages).all(),
+                            "advantages contain NaN or inf (docs/semantics.md: nan_to_num)")
+        return
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
+                         "scored (docs/semantics.md: nan_to_num)")
+
+
+def defer(failed: torch.Tensor, message: str) -> None:
+    """Queue a device check: `failed` is a 0-dim bool CUDA tensor, True when the check failed;
+    `message` is the error raised for it (by `raise_ready`)."""
+    raise_ready()  # an earlier call's failure first
+    if failed.device.type != "cuda":  # (a CPU flag is ready at once: how the tests drive it)
+        _PENDING.append((failed.detach().clone(), None, message))
+        return
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(failed, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    _PENDING.append((host, done, message))
+
+
+def raise_ready(wait: bool = False) -> None:
+    """Raises the error of the oldest device check that failed and whose flag has landed;
+    checks still in flight stay queued (with wait=True, they are waited for)."""
+    while _PENDING:
+        host, done, message = _PENDING[0]
+        if done is not None:
+            if not wait and not done.query():
+                return
+            done.synchronize()
+        _PENDING.popleft()
+        if bool(host):
+            raise ValueError(message + NAN_NOTE)
+
+
+def poison(value: torch.Tensor, failed: torch.Tensor | None) -> torch.Tensor:
+    """value, or NaN where a device check failed (no host read)."""
+    if failed is None:
+        return value
+    return torch.where(failed, torch.full_like(value, float("nan")), value)
+
+
+def check_ids_and_advantages(ids: torch.Tensor, vocab_size: int, advantages: torch.Tensor,
+                             ids_name: str = "completion_ids",
+                             vocab_from: str = "weight.shape[0]") -> torch.Tensor | None:
+    """ids [N] int64 in [0, vocab_size) and finite advantages. On the CPU: the host checks
+    (raise now). On CUDA: device checks (`defer`); returns their combined flag, a 0-dim bool
+    tensor on the device, for `poison`."""
+    if ids.device.type != "cuda":
+        check_token_id_values(ids_name, ids, vocab_size, vocab_from)
+        check_finite_advantages(advantages)
+        return None
+    bad_ids = ((ids < 0) | (ids >= vocab_size)).any()
+    bad_advantages = ~torch.isfinite(advantages).all()
+    defer(bad_ids, f"{ids_name} has a token id outside [0, {vocab_size}) (vocabulary size = "
+                   f"{vocab_from}); padded positions need a valid id such as the pad token, "
+                   "not -100")
+    defer(bad_advantages, "advantages contain NaN or inf; use 0 for completions that could not "
+                          "be scored (docs/semantics.md: nan_to_num)")
+    return bad_ids | bad_advantages
