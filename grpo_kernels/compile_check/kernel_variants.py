@@ -21,6 +21,7 @@ from ..kernels import accumulate_mm as amm
 from ..kernels import linear_backward_atomic as atomic
 from ..kernels import linear_backward_gemm as gemm
 from ..kernels import linear_logprobs as lin
+from ..kernels import linear_loss_grad as llg
 from ..kernels import logits_logprobs as lgt
 from ..kernels import precision, tile_configs
 from ..kernels.epilogue import epilogue_flags
@@ -286,6 +287,30 @@ def _logits(arch: int, V: int, dtype, quick: bool):
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
 
 
+def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
+    """The row kernels as the three-pass route (kernels/linear_loss_grad.py) launches them: on
+    its float32 [C, V] logits chunk viewed as [C, 1, V] (T = 1, both strides V; chunks of
+    ALIGN_ROWS rows keep every chunk's [N] pointers aligned), the forward always with the GRPO
+    epilogue, the backward writing d logits in the GEMM dtype (the weight's)."""
+    C = llg.chunk_rows(TOKENS[0], V, 4096, gemm_dtype, llg.CUDA_BUDGET_BYTES)
+    rows = dict(x_ptr=Ptr("fp32"), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
+                N=C, V=V, T=1, stride_xb=V, stride_xt=V, inv_temp=1.0)
+    cfg, opts = _split_cfg(tile_configs.logits(V, None, arch=arch))
+    for epi, tr in _with_transforms(EPILOGUES[1:], EPILOGUES[1:2], quick):
+        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg,
+                    **_transform_args(tr))
+        yield Variant(f"logits_fwd[fp32,three-pass,V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
+                      lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
+    d = ELEM[gemm_dtype]
+    for gent, tr in _with_transforms((False, True), (True, False), quick):
+        bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1],
+                                                     converting_backward=d != "fp32"))
+        args = dict(rows, dx_ptr=Ptr(d), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
+                    stride_db=V, stride_dt=V, HAS_GENT=gent, **bcfg, **_transform_args(tr))
+        yield Variant(f"logits_bwd[fp32->{d},three-pass,V={V},gent={gent}{_transform_tag(tr)}]",
+                      lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
+
+
 def default_linear_backward() -> str:
     """The backward the dispatch picks with no setting (no grad_filter, variable unset)."""
     saved = os.environ.pop(BACKWARD_ENV, None)
@@ -321,6 +346,10 @@ def variants(arch: int, quick: bool = False) -> list:
             continue
         for V in sorted({v for _, v in heads}):
             for v in _logits(arch, V, hdt, quick):
+                _add(out, seen, v)
+    for wdt in dict.fromkeys(w for _, w in pairs):  # the three-pass route's GEMM dtypes
+        for V in sorted({v for _, v in heads}):
+            for v in _three_pass(arch, V, wdt, quick):
                 _add(out, seen, v)
     default_blocks = {triton.next_power_of_2(tile_configs.split_cap(grid[1]))
                       for hdt, _ in pairs for (D, V), N in itertools.product(heads, TOKENS)

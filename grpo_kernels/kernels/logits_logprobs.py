@@ -31,6 +31,13 @@ def _row_offsets(offs_n, T, stride_b, stride_t):
     return (offs // T) * stride_b + (offs % T) * stride_t
 
 
+@triton.jit
+def _clamped_targets(tgt_ptr, offs_n, n_mask, V):
+    """The rows' target ids [ROWS] int64, clamped to [0, V): memory-safe with any id."""
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+    return tl.minimum(tl.maximum(tgt, 0), V - 1)
+
+
 @triton.jit(do_not_specialize=["N", "T"])
 def _logits_logprob_fwd_kernel(
     x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
@@ -42,7 +49,9 @@ def _logits_logprob_fwd_kernel(
     offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_mask = offs_n < N
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
-    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+    # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into the
+    # row, so that no load leaves the logits; the backward clamps it the same way
+    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
     # the target logit is one load per row, not a search through the tiles
     x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
     z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
@@ -74,14 +83,15 @@ def _logits_logprob_fwd_kernel(
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
-                           logit_scale=None):
+                           logit_scale=None, out=None):
     """logits [B, T, V] (last dim contiguous), targets [B·T] int64
     -> float32 (logp, entropy, lse), each [B·T]. softcap / logit_scale: the logits given are
-    raw, and z = cap(s·logits) / τ (`logit_transform.py`)."""
+    raw, and z = cap(s·logits) / τ (`logit_transform.py`). out: three [B·T] float32 tensors
+    (contiguous) to write (logp, entropy, lse) into instead of fresh ones."""
     B, T, V = logits.shape
     N = B * T
     f32 = dict(device=logits.device, dtype=torch.float32)
-    logp, ent, lse = (torch.empty(N, **f32) for _ in range(3))
+    logp, ent, lse = out if out is not None else (torch.empty(N, **f32) for _ in range(3))
     if N == 0:
         return logp, ent, lse
     cfg = tile_configs.logits(V, logits.device)
@@ -116,7 +126,7 @@ def _logits_logprob_bwd_kernel(
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
         busy += tl.max(tl.abs(gh), axis=0)
-    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
+    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)  # the forward's target column
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
@@ -152,7 +162,8 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     dx = torch.empty_like(logits) if out is None else out
     if N == 0:
         return dx
-    cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None)
+    cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
+                              converting_backward=dx.dtype != logits.dtype)
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),

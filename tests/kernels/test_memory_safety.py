@@ -15,6 +15,9 @@ from triton.runtime import interpreter
 
 import grpo_kernels as gk
 from grpo_kernels.kernels import logits_logprobs, tile_configs
+from grpo_kernels.kernels.epilogue import epilogue_args
+from grpo_kernels.kernels.linear_loss_grad import linear_loss_grad
+from grpo_kernels.params import GRPOParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,6 +169,30 @@ def test_logits_kernels_stay_in_bounds(checker, arch, dtype):
         run_logits(3, 7, 4100 if arch else 150, dtype)  # V past one 4096-wide chunk (real)
         run_logits(2, 5, 37, dtype, inplace=True, importance_sampling_level="sequence")
     assert_clean(checker)
+
+
+def test_bad_target_ids_are_clamped_in_the_row_kernels(checker, arch):
+    """The three-pass route's row kernels (kernels/linear_loss_grad.py) with ids outside
+    [0, V): no access outside the launch's tensors, and the results of the clamped ids (the
+    caller reports a bad id; the kernels only stay in bounds)."""
+    B, T, D, V = 1, 13, 24, 75
+    hidden, weight, bias, ids = make_head(B, T, D, V, torch.float32, "cpu", bias=True)
+    h, ids = hidden[0], ids[0]
+    ids[[2, 7, 11]] = torch.tensor([-5, V, V + 1000])
+    rule = GRPOParams(loss_type="dapo", beta=0.04).token_loss_args
+    g = torch.Generator().manual_seed(0)
+    adv, old, ref = (torch.randn(T, generator=g) for _ in range(3))
+    g_ent = torch.full((T,), -0.01)
+
+    def run(targets):
+        ep = epilogue_args(rule, torch.full((T,), 1.0 / T), adv, old - 3, ref - 3, None)
+        out = linear_loss_grad(h, weight, bias, targets, 0.9, ep, g_ent, chunk_rows=4)
+        return [*out, *ep.outputs]
+
+    bad = run(ids)
+    assert_clean(checker)
+    for x, want in zip(bad, run(ids.clamp(0, V - 1))):
+        assert torch.equal(x, want)
 
 
 class OffByOne:

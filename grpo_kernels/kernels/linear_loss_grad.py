@@ -1,0 +1,211 @@
+"""The linear head's GRPO loss and its gradient in three passes over [N, V, D] (the CUDA route).
+
+For token-level losses L = Σ_n weight_n·ℓ_n(logp_n) + Σ_n g_H,n·H_n, row n of d L / d logits
+depends on row n's logits alone. So once a chunk of C whole rows holds its logits, the GRPO
+epilogue (`epilogue.py`) gives each row's coefficient c_n = weight_n·dℓ_n/dlogp_n, and the chunk's
+d logits go straight into the gradient GEMMs. Per chunk of rows r:
+
+  1. y = h[r] @ W^T (+ b)              [C, V] float32, a library GEMM (`gemm.product`)
+  2. the Triton row forward with the epilogue (`logits_logprobs._logits_logprob_fwd_kernel`):
+     logp, entropy, lse and weight·ℓ, c, kl, ratio per row (into the epilogue's outputs)
+  3. the Triton row backward (`_logits_logprob_bwd_kernel`, g_logp = c, g_entropy = g_H):
+     d y [C, V] in the GEMM dtype, a second buffer
+  4. d hidden[r] = d y @ W              [C, D], one GEMM rounded once to hidden's dtype
+     d W += d y^T @ h[r]                [V, D], float32 across chunks; d b += Σ_rows d y (float32)
+
+against four passes for a forward plus a backward that recomputes the logits. With a logit
+transform z = cap(s·y) / τ (`logit_transform.py`) the row kernels apply it, so d y is the
+gradient of the raw logits y and the GEMMs are unchanged.
+
+Dtypes: the GEMM dtype is the weight's (hidden's for 16-bit heads; float32 for float32 heads and
+for the mixed head, 16-bit hidden with a float32 weight, whose hidden chunk is upcast). Logits
+are float32 in every case (cuBLAS with a float32 output for 16-bit operands); d y is in the GEMM
+dtype. Float32 GEMMs follow PyTorch's float32 matmul setting (TF32 or not, `gemm.py`).
+
+Memory: one [C, V] float32 logits buffer and one [C, V] d y buffer per call, reused by every
+chunk (`chunk_rows`). A float32 d W accumulator [V, D] only for a 16-bit weight over several
+chunks (a float32 d W is its own accumulator; one chunk writes a 16-bit d W with one GEMM).
+
+No host synchronization: the code reads shapes, dtypes and its arguments, never a tensor's
+values (no .item(), no data-dependent shapes); Triton and cuBLAS launches are asynchronous. A
+target id outside [0, V) is clamped by the row kernels (memory safety; the caller reports it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import gemm
+from .epilogue import EPILOGUE, EpilogueArgs
+from .logits_logprobs import logits_logprob_backward, logits_logprob_forward
+
+F32 = torch.float32
+# The default budget of a call's chunk buffers on a GPU (`chunk_rows`): 1 GiB gives 1,328 rows
+# at V = 128,256, D = 4,096 with bf16 d logits, where cuBLAS should run near its peak at
+# K = 4,096 (M >= 512 is the usual knee). A model estimate, not a measurement: the measured
+# optimum replaces it.
+CUDA_BUDGET_BYTES = 2**30
+# Chunks are a multiple of this many rows when they hold at least that many: every chunk's
+# slices of the [N] per-token tensors then start 64-byte aligned, so every chunk launches the
+# binary the first one compiled (Triton specializes pointers on 16-byte alignment).
+ALIGN_ROWS = 16
+
+
+class LossGrad(NamedTuple):
+    """What `linear_loss_grad` returns (the fields of `chunked.loss_grad.LossGrad`)."""
+
+    logp: torch.Tensor  # [Na] float32
+    entropy: torch.Tensor  # [Na] float32, nats
+    lse: torch.Tensor  # [Na] float32, of z = cap(s·y) / τ
+    coef: torch.Tensor  # [Na] float32: weight·dℓ/dlogp, the epilogue's output
+    d_hidden: torch.Tensor | None  # [Na, D] in hidden's dtype
+    d_weight: torch.Tensor | None  # [V, D] in weight's dtype
+    d_bias: torch.Tensor | None  # [V] in bias's dtype
+
+
+def chunk_rows(n: int, V: int, D: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """Rows per chunk for n rows: the largest count whose buffers fit `budget_bytes`, at least
+    1 and at most n (1 for n = 0), a multiple of ALIGN_ROWS when at least ALIGN_ROWS and < n.
+
+    Bytes per row: V·4 (float32 logits) + V·itemsize (d logits in the GEMM dtype `dtype`)
+    + D·8 (at most two [rows, D] float32 temporaries: the mixed head's upcast hidden chunk and
+    its d hidden before rounding, or the CPU emulation's partial sums)."""
+    per_row = V * (4 + dtype.itemsize) + D * 8
+    rows = int(budget_bytes) // per_row
+    if rows >= ALIGN_ROWS:
+        rows -= rows % ALIGN_ROWS
+    return max(1, min(rows, n))
+
+
+def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: EpilogueArgs,
+                     g_ent=None, needs=(True, True, True), chunk_rows=None, budget_bytes=None,
+                     softcap=None, logit_scale=None) -> LossGrad:
+    """Loss terms and gradients of Σ weight·ℓ + Σ g_ent·H for z = cap(s·(h W^T + b)) / τ.
+
+    hidden [Na, D] (contiguous; the rows to compute, masked tokens already dropped), weight
+    [V, D], bias [V] | None, targets [Na] int64. epilogue: the GRPO epilogue's bundle
+    (`epilogue.epilogue_args`) on these rows; the kernels fill its four [Na] outputs. g_ent:
+    [Na] float32 entropy coefficients or None. needs: which of (hidden, weight, bias) want a
+    gradient. chunk_rows: rows per chunk (default: `chunk_rows` of budget_bytes, default
+    CUDA_BUDGET_BYTES). softcap, logit_scale: the logit transform. Shapes are the caller's to
+    guarantee; nothing here waits for the device."""
+    _check(hidden, weight, bias, targets, epilogue, g_ent)
+    with torch.no_grad():  # the GEMMs write into buffers (out=): no autograd graph here
+        return _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, needs,
+                          chunk_rows, budget_bytes, dict(softcap=softcap, logit_scale=logit_scale))
+
+
+def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, needs, rows_arg,
+               budget_bytes, transform) -> LossGrad:
+    (Na, D), V = hidden.shape, weight.shape[0]
+    dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype (= weight's)
+    C = _resolve_rows(rows_arg, budget_bytes, Na, V, D, dt)
+    f32 = dict(device=hidden.device, dtype=F32)
+    logp, ent, lse = (torch.empty(Na, **f32) for _ in range(3))
+    coef = epilogue.outputs[1]
+    grads = _Grads(hidden, weight, bias, needs, several=C < Na)
+    logits = torch.empty(min(C, Na), V, **f32)  # [C, V], reused by every chunk
+    dz = torch.empty(min(C, Na), V, device=hidden.device, dtype=dt) if grads.wanted else None
+    for r0 in range(0, Na, C):
+        rows = slice(r0, min(r0 + C, Na))
+        r = rows.stop - r0
+        h = hidden[rows].to(dt)  # a copy only for the mixed head: [r, D] float32
+        y = logits[:r]
+        gemm.product(y, h, weight.T, bias)  # pass 1: raw logits [r, V] float32
+        logits_logprob_forward(y.view(r, 1, V), targets[rows], temperature,
+                               _chunk_epilogue(epilogue, rows), **transform,
+                               out=(logp[rows], ent[rows], lse[rows]))
+        if dz is None:
+            continue
+        d = dz[:r]  # d loss / d y [r, V]
+        logits_logprob_backward(y.view(r, 1, V), targets[rows], lse[rows], ent[rows],
+                                coef[rows], None if g_ent is None else g_ent[rows],
+                                temperature, out=d.view(r, 1, V), **transform)
+        grads.add_chunk(rows, d, h, weight, first=r0 == 0)
+    return LossGrad(logp, ent, lse, coef, *grads.finish())
+
+
+def _resolve_rows(rows, budget_bytes, Na, V, D, dtype) -> int:
+    if rows is None:
+        budget = CUDA_BUDGET_BYTES if budget_bytes is None else budget_bytes
+        return chunk_rows(Na, V, D, dtype, budget)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int or None, got {rows!r}")
+    return min(rows, max(Na, 1))
+
+
+def _chunk_epilogue(ep: EpilogueArgs, rows: slice) -> EpilogueArgs:
+    """The epilogue's bundle on rows `rows` of its [Na] tensors (views: outputs land in place)."""
+    return EpilogueArgs(tuple(t[rows] for t in ep.tensors), ep.scalars, ep.flags)
+
+
+class _Grads:
+    """The gradients' buffers and the chunks' GEMMs into them. d hidden [Na, D] (hidden's
+    dtype): each chunk writes its rows. d weight: summed over chunks in float32 (`acc`), which is
+    d weight itself for a float32 weight; a 16-bit weight in one chunk gets one GEMM rounded
+    once. d bias: float32 column sums of the d y chunks, cast at the end."""
+
+    def __init__(self, hidden, weight, bias, needs, several: bool):
+        (Na, D), V = hidden.shape, weight.shape[0]
+        f32 = dict(device=hidden.device, dtype=F32)
+        self.weight_dtype = weight.dtype
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.dh = torch.empty_like(hidden) if needs[0] else None
+        self.dw = None
+        if needs[1]:
+            self.dw = (torch.empty_like(weight) if weight.dtype == F32 or not several
+                       else torch.empty(V, D, **f32))
+            if Na == 0:
+                self.dw.zero_()
+        self.db = torch.zeros(V, **f32) if bias is not None and needs[2] else None
+
+    @property
+    def wanted(self) -> bool:
+        return not (self.dh is None and self.dw is None and self.db is None)
+
+    def add_chunk(self, rows: slice, d, h, weight, first: bool) -> None:
+        """One chunk's products: d [r, V] (d y), h [r, D] hidden rows, both in the GEMM dtype."""
+        if self.dh is not None:
+            gemm.product(self.dh[rows], d, weight)  # complete for these rows: rounded once
+        if self.dw is not None:
+            gemm.product(self.dw, d.T, h, add=not first)  # the first chunk writes
+        if self.db is not None:
+            self.db += d.sum(dim=0, dtype=F32)
+
+    def finish(self) -> tuple:
+        dw = None if self.dw is None else self.dw.to(self.weight_dtype)  # no copy if float32
+        db = None if self.db is None else self.db.to(self.bias_dtype)
+        return self.dh, dw, db
+
+
+def _check(hidden, weight, bias, targets, epilogue, g_ent) -> None:
+    """Shapes, dtypes and devices (metadata only: nothing is read from the device)."""
+    if hidden.dim() != 2 or not hidden.is_contiguous():
+        raise ValueError(f"hidden must be a contiguous [Na, D] tensor, got shape "
+                         f"{tuple(hidden.shape)} with strides {hidden.stride()}")
+    Na, D = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != D or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [V, {D}] with contiguous rows, got shape "
+                         f"{tuple(weight.shape)} with strides {weight.stride()}")
+    mixed = hidden.dtype in (torch.float16, torch.bfloat16) and weight.dtype == F32
+    if hidden.dtype != weight.dtype and not mixed:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a "
+                        "dtype, or be 16-bit with a float32 weight")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}] in weight's dtype "
+                         f"{weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if targets.shape != (Na,) or targets.dtype != torch.int64 or not targets.is_contiguous():
+        raise ValueError(f"targets must be a contiguous [Na] = [{Na}] int64 tensor, got "
+                         f"{tuple(targets.shape)} {targets.dtype}")
+    if not isinstance(epilogue, EpilogueArgs) or not EPILOGUE.value & epilogue.flags:
+        raise ValueError("epilogue must be the GRPO epilogue's bundle (epilogue.epilogue_args)")
+    for name, t in [("epilogue tensor", t) for t in epilogue.tensors] + [("g_ent", g_ent)]:
+        if t is not None and (t.shape != (Na,) or t.dtype != F32 or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous [Na] = [{Na}] float32 tensor, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    for name, t in (("weight", weight), ("bias", bias), ("targets", targets), ("g_ent", g_ent),
+                    *(("epilogue tensor", t) for t in epilogue.tensors)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}")
