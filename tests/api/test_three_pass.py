@@ -20,6 +20,7 @@ from grpo_kernels.params import GRPOParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = (3, 47, 31, 123)  # B, T, D, V
+BACKENDS = ["chunked", "triton"]  # Triton: the kernels in the interpreter, torch.mm for cuBLAS
 CELLS = list(itertools.product(gk.LOSS_TYPES, [0.0, 0.04], [1.0, 0.7], [None, 1.5], [0.0, 0.01]))
 
 
@@ -32,7 +33,7 @@ def problem(seed=0, bias=True, temperature=1.0, shape=SHAPE):
 
 
 def run(head, batch, kw, three=True, dtype=torch.float32, fn=None, frozen=(), grad=3.0,
-        extra=None):
+        extra=None, backend="chunked"):
     """(loss, metrics, grads) of loss·grad (+ extra(h, w)) backward; `frozen`: the names of the
     head's tensors that do not require grad (their gradient is None)."""
     hidden, weight, bias, ids = head
@@ -42,7 +43,7 @@ def run(head, batch, kw, three=True, dtype=torch.float32, fn=None, frozen=(), gr
         if name in frozen and x is not None:
             x.requires_grad_(False)
     env = {} if three else {route.ENV: "0"}
-    with gk.force_backend("chunked"), pytest.MonkeyPatch.context() as mp:
+    with gk.force_backend(backend), pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
         loss, metrics = (fn or gk.fused_linear_grpo_loss)(h, w, ids, adv, mask, old, ref, b,
@@ -72,24 +73,28 @@ def hyper(loss_type, beta, temperature, delta, entropy_coef):
                 epsilon_high=5.0 if loss_type == "cispo" else 0.28)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss_type,beta,temperature,delta,entropy_coef", CELLS)
-def test_matches_the_four_pass_route(loss_type, beta, temperature, delta, entropy_coef):
+def test_matches_the_four_pass_route(loss_type, beta, temperature, delta, entropy_coef,
+                                     backend):
     kw = hyper(loss_type, beta, temperature, delta, entropy_coef)
     head, batch = problem(seed=1, temperature=temperature)
-    assert route.linear_loss_route(leaf(head[0]), *head[1:3], "chunked",
+    assert route.linear_loss_route(leaf(head[0]), *head[1:3], backend,
                                    GRPOParams(**kw)).three_pass
-    assert_same(run(head, batch, kw), run(head, batch, kw, three=False))
+    assert_same(run(head, batch, kw, backend=backend),
+                run(head, batch, kw, three=False, backend=backend))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss_type", gk.LOSS_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_against_the_float64_reference(loss_type, dtype):
+def test_against_the_float64_reference(loss_type, dtype, backend):
     """Within the four-pass route's own error bound (tests/api/test_fused_linear_grpo.py)."""
     kw = hyper(loss_type, 0.04, 0.7, 1.5, 0.01)
     head, batch = problem(seed=2, temperature=0.7)
     truth = run(head, batch, kw, dtype=torch.float64, fn=reference.fused_linear_grpo_loss)
     same = run(head, batch, kw, dtype=dtype, fn=reference.fused_linear_grpo_loss)
-    ours = run(head, batch, kw, dtype=dtype)
+    ours = run(head, batch, kw, dtype=dtype, backend=backend)
     tol = {torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]
     assert max_err(ours[0], truth[0]) <= 2 * max_err(same[0], truth[0]) + tol * (
         1 + truth[0].abs().item())
@@ -103,18 +108,20 @@ def test_against_the_float64_reference(loss_type, dtype):
 
 @pytest.mark.parametrize("frozen", [("weight", "bias"), ("hidden",), ("bias",),
                                     ("hidden", "bias")])
-def test_frozen_parts(frozen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_parts(frozen, backend):
     """A frozen head (no d weight, d bias), frozen hidden states, or a frozen bias alone."""
     kw = hyper("dapo", 0.04, 1.0, None, 0.01)
     head, batch = problem(seed=3)
-    ours = run(head, batch, kw, frozen=frozen)
-    assert_same(ours, run(head, batch, kw, three=False, frozen=frozen))
+    ours = run(head, batch, kw, frozen=frozen, backend=backend)
+    assert_same(ours, run(head, batch, kw, three=False, frozen=frozen, backend=backend))
     for name, g in zip(("hidden", "weight", "bias"), ours[2]):
         assert (g is None) == (name in frozen)
 
 
 @pytest.mark.parametrize("grad", [1.0, -0.5])
-def test_incoming_gradient_and_a_larger_graph(grad):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_incoming_gradient_and_a_larger_graph(grad, backend):
     """loss·grad + something else of the head: the saved gradients are scaled, and the other
     term's gradients add to them."""
     kw = hyper("grpo", 0.04, 0.7, None, 0.01)
@@ -123,15 +130,16 @@ def test_incoming_gradient_and_a_larger_graph(grad):
     def extra(h, w):
         return (h ** 2).sum() * 1e-3 + w.sum() * 0.1
 
-    assert_same(run(head, batch, kw, grad=grad, extra=extra),
-                run(head, batch, kw, three=False, grad=grad, extra=extra))
+    assert_same(run(head, batch, kw, grad=grad, extra=extra, backend=backend),
+                run(head, batch, kw, three=False, grad=grad, extra=extra, backend=backend))
 
 
-def test_second_backward_of_a_retained_graph_recomputes():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_backward_of_a_retained_graph_recomputes(backend):
     kw = hyper("dapo", 0.04, 0.7, 1.5, 0.01)
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(seed=5, temperature=0.7)
     h, w, b = leaf(hidden), leaf(weight), leaf(bias)
-    with gk.force_backend("chunked"):
+    with gk.force_backend(backend):
         loss, _ = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, b, **kw)
     first = torch.autograd.grad(loss * 2.0, (h, w, b), retain_graph=True)
     second = torch.autograd.grad(loss * 2.0, (h, w, b))
@@ -140,7 +148,8 @@ def test_second_backward_of_a_retained_graph_recomputes():
 
 
 @pytest.mark.parametrize("cfg", ["plain", "entropy-bias-isr", "no_old-num_items"])
-def test_packed_matches_padded(cfg):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_matches_padded(cfg, backend):
     """A packed batch (a length-1 and a zero-length sequence) on the three-pass path gives the
     padded call's loss, metrics and gradients on the same tokens."""
     from test_packed import lengths_for, make_batch, run_linear
@@ -152,7 +161,7 @@ def test_packed_matches_padded(cfg):
               num_items_in_batch=13 if cfg == "no_old-num_items" else None)
     weight, b, padded, packed, real = make_batch(lengths_for(6), seed=6, temperature=0.7,
                                                  **opts)
-    with gk.force_backend("chunked"):
+    with gk.force_backend(backend):
         pad = run_linear(gk.fused_linear_grpo_loss, weight, b, padded, kw)
         pack = run_linear(gk.fused_linear_grpo_loss, weight, b, packed, kw)
         with pytest.MonkeyPatch.context() as mp:
@@ -168,18 +177,25 @@ def test_packed_matches_padded(cfg):
             assert max_err(o, t) <= 1e-5 * t.abs().max().item()
 
 
-def test_several_chunks(monkeypatch):
-    """Chunks of 16 whole rows: several chunks, same results."""
-    monkeypatch.setattr(loss_grad, "chunk_rows", lambda n, V, D, dtype, budget: (16, ""))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_several_chunks(monkeypatch, backend):
+    """Chunks of 16 whole rows (a budget of 16 rows' buffers): several chunks, same results."""
+    V, D = SHAPE[3], SHAPE[2]
+    per_row = 2 * 4 * V if backend == "chunked" else V * 8 + D * 8
+    monkeypatch.setenv(route.CHUNK_ENV, str(16 * per_row / 2**20))
+    if backend == "chunked":  # past any minimum-rows rule of the chunked backend
+        monkeypatch.setattr(loss_grad, "chunk_rows", lambda n, V, D, dtype, budget: (16, ""))
     kw = hyper("sapo", 0.04, 0.7, None, 0.01)
     head, batch = problem(seed=7, temperature=0.7)
-    assert_same(run(head, batch, kw), run(head, batch, kw, three=False))
+    assert_same(run(head, batch, kw, backend=backend),
+                run(head, batch, kw, three=False, backend=backend))
 
 
-def test_fully_masked_batch():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_batch(backend):
     head, (mask, adv, old, ref) = problem(seed=8)
     loss, _, grads = run(head, (torch.zeros_like(mask), adv, old, ref), hyper(
-        "dapo", 0.04, 1.0, None, 0.01))
+        "dapo", 0.04, 1.0, None, 0.01), backend=backend)
     assert loss.item() == 0.0 and not any(g.any() for g in grads)
 
 
@@ -244,14 +260,15 @@ def test_calls_that_keep_the_four_pass_route(monkeypatch):
 
 
 @pytest.mark.parametrize("three", [True, False])
-def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypatch, backend):
     """As on the four-pass route (whose linear-head op is once differentiable): the gradients
     come back under create_graph=True, and differentiating them raises."""
     if not three:
         monkeypatch.setenv(route.ENV, "0")
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(seed=10)
     h, w = leaf(hidden), leaf(weight)
-    with gk.force_backend("chunked"):
+    with gk.force_backend(backend):
         loss, _ = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, entropy_coef=0.01)
     gh, gw = torch.autograd.grad(loss, (h, w), create_graph=True)
     assert gh.requires_grad and gw.requires_grad
