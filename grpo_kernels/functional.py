@@ -4,21 +4,15 @@
     logprobs_from_logits(logits, targets)                log p(target) from logits
     fused_linear_grpo_loss(hidden, weight, ids, adv)     GRPO loss of a linear head
     grpo_loss(logits, ids, adv)                          GRPO loss from logits
-    ...(..., return_terms=True)                          their per-token terms (GRPOTerms)
+    ...(..., return_token_values=True)                   and their per-token values, detached
+    ...(..., return_terms=True)                          their differentiable per-token terms
 
-None of them materializes full-vocabulary float32 logits. Each checks shapes and dtypes here
-(traceable by torch.compile) and calls a custom operator (`ops/custom_ops.py`) on the backend of
-`ops/backends.py`. Every GRPO loss takes one route (`_linear_route`, `_logits_route`), which the
-losses, the modules, the Hugging Face helpers and the TRL trainer all reach:
-
-    token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
-        GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
-    a linear head's scalar loss that needs a gradient, at token level: the three-pass route,
-        the gradient formed in the forward (`ops/three_pass.py`; `ops/route.py` says when);
-    sequence-level (GSPO) ratios and the options that need whole sequences or the batch (vespo,
-        the off-policy mask, the entropy quantile; `grpo_options`), and the chunked PyTorch
-        backend: the selective log-prob op, then `grpo_math.policy_loss` around it;
-    then Σ weight·ℓ, the entropy bonus and the metrics in PyTorch (`grpo_math.finish_loss`).
+None of them materializes full-vocabulary float32 logits. Each checks shapes and dtypes
+(traceable by torch.compile) and calls a custom operator (`ops/custom_ops.py`,
+`ops/three_pass_op.py`) on the backend of `ops/backends.py`. Every GRPO loss takes one route
+(`loss_call.py`: three passes where a linear head's loss is a scalar with a gradient at token
+level, four otherwise; `ops/route.py` decides), which the losses, the modules, the Hugging Face
+helpers, grpo_train and the TRL trainer all reach.
 
 The semantics are in docs/semantics.md.
 
@@ -34,106 +28,32 @@ see its N tokens, and `grpo_math` works on [N] with the segment sums of `token_l
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from .grpo_math import entropy_bonus_weights, finish_loss, grpo_metrics, policy_loss, token_weights
-from .ops import route, three_pass_op
+from .loss_call import (
+    GRPOTerms,
+    as_btv,
+    eager_inplace,
+    finish,
+    linear_call,
+    linear_inputs,
+    linear_loss,
+    logits_call,
+)
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS
 from .params import GRPOParams, signature_with_params
-from .token_layouts import layout_of
 from .validation import (
-    LossInputs,
-    check_finite_advantages,
     check_grad_filter,
     check_linear_head,
-    check_linear_loss_inputs,
     check_logit_transform,
     check_logits,
-    check_logits_loss_inputs,
     check_temperature,
     check_token_ids,
 )
 
-
-def _linear_inputs(hidden, weight, bias):
-    """The tensors the linear-head kernels take: contiguous hidden [N, D], weight, bias."""
-    return hidden.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous()
-
-
-def _as_btv(logits: torch.Tensor) -> torch.Tensor:
-    """A [B, T, V] view (a copy only if the layout forbids one) with a unit-stride last dim."""
-    if logits.dim() == 1:
-        logits = logits.reshape(1, 1, -1)
-    elif logits.dim() == 2:
-        logits = logits.unsqueeze(0)
-    elif logits.dim() > 3:
-        logits = logits.reshape(-1, *logits.shape[-2:])
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
-
-
-def _eager(inplace: bool) -> bool:
-    """`inplace` holds in eager mode; a compiled graph allocates d logits itself (an in-place
-    write into a forward input from the backward graph is not something it can express)."""
-    return bool(inplace) and not torch.compiler.is_compiling()
-
-
-class GRPOTerms(NamedTuple):
-    """The per-token results of the GRPO route: what the losses aggregate and what a trainer
-    logs. Per-token values are [B, T] (packed: [N]); per-sequence ones [B, 1] (packed: [S, 1])."""
-
-    policy_loss: torch.Tensor  # Σ weight·ℓ, 0-dim float32 (no entropy bonus), differentiable
-    logp: torch.Tensor  # per token, float32, differentiable
-    entropy: torch.Tensor  # per token, float32, differentiable
-    ratio: torch.Tensor  # importance ratio w, detached: per token, or per sequence (GSPO)
-    kl: torch.Tensor | None  # k3 KL per token, detached; None when beta == 0
-    vespo_phi: torch.Tensor | None = None  # vespo's φ per sequence, detached; else None
-    entropy_mask: torch.Tensor | None = None  # top_entropy_quantile < 1: kept tokens (0/1)
-
-
-def _takes_terms_op(backend: str, params: GRPOParams) -> bool:
-    """Does the call take the token-terms op (the GRPO epilogue inside the forward kernel)?
-    Not for options that need a whole sequence or the batch before any token's loss."""
-    return backend == "triton" and not params.needs_whole_sequences
-
-
-def _terms_args(inputs: LossInputs, params: GRPOParams) -> tuple:
-    """A token-terms op's GRPO arguments: [N] float32 weights, advantages, old/ref log-probs
-    and rollout ratios in the kernels' token order, then what the per-token loss reads
-    (TokenLossArgs, the only hyperparameters an op takes)."""
-    layout = layout_of(inputs.mask, inputs.cu_seqlens)
-    weights = token_weights(inputs.mask, params, inputs.num_items_in_batch, layout)
-    flat = lambda x: None if x is None else layout.flat(x)  # noqa: E731
-    return (flat(weights), flat(inputs.advantages), flat(inputs.old_logps),
-            flat(inputs.ref_logps), flat(inputs.importance_sampling_ratio),
-            *params.token_loss_args.to_op_args())
-
-
-def _terms_from_op(outputs, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
-    """GRPOTerms from a token-terms op's [N] outputs."""
-    logp, ent, _, token_loss, _, kl, ratio = outputs
-    shape = inputs.mask.shape  # [B, T], or [N] packed
-    return GRPOTerms(token_loss.sum(), logp.reshape(shape), ent.reshape(shape),
-                     ratio.reshape(shape), kl.reshape(shape) if params.beta != 0.0 else None)
-
-
-def _unfused_terms(logp, ent, inputs: LossInputs, params: GRPOParams,
-                   entropy_gather=None) -> GRPOTerms:
-    """Sequence-level ratios, the whole-sequence options, or the chunked PyTorch backend: the
-    differentiable log-probs [N] of the selective op (which checks the token ids) go through
-    `grpo_math` on [B, T] (or [N] packed) (traceable)."""
-    check_finite_advantages(inputs.advantages)  # in-graph under torch.compile
-    shape = inputs.mask.shape  # [B, T], or [N] packed
-    logp, ent = logp.reshape(shape), ent.reshape(shape)
-    t = policy_loss(logp, inputs, params, entropy=ent, entropy_gather=entropy_gather)
-    return GRPOTerms(t.loss, logp, ent, t.ratio, t.kl, t.vespo_phi, t.entropy_mask)
-
-
-def _loss_and_metrics(terms: GRPOTerms, inputs: LossInputs, params: GRPOParams):
-    return finish_loss(terms.policy_loss, terms.entropy, terms.ratio, terms.kl, inputs, params,
-                       vespo_phi=terms.vespo_phi, entropy_mask=terms.entropy_mask)
+__all__ = ["GRPOTerms", "fused_linear_grpo_loss", "grpo_loss", "logprobs_from_logits",
+           "selective_logprobs"]
 
 
 # ---- selective log-probs ----------------------------------------------------------------------
@@ -185,7 +105,7 @@ def selective_logprobs(
                           check_values=False)  # the op checks the range (torch.compile)
     eps = check_grad_filter(grad_filter, hidden.dtype)
     logp, ent, _ = OPS.linear_logprobs(
-        *_linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias), ids.reshape(-1),
+        *linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias), ids.reshape(-1),
         temperature, eps, backend_for(hidden), "targets", *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
@@ -216,67 +136,14 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
     lead = logits.shape[:-1]
     ids = check_token_ids("targets", targets, logits.shape[-1], lead, logits.device,
                           "logits.shape[-1]", check_values=False)  # the op checks the range
-    x = _as_btv(logits)
+    x = as_btv(logits)
     logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), temperature, backend_for(x),
-                                       "targets", _eager(inplace), *transform)
+                                       "targets", eager_inplace(inplace), *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
 
 
 # ---- GRPO losses ------------------------------------------------------------------------------
-
-
-def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
-                  ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                  grad_filter, params: GRPOParams, sampling_logps=None, softcap=None,
-                  logit_scale=None) -> tuple:
-    """The route of every linear-head GRPO loss: these checks (shapes and dtypes; traceable),
-    then the three-pass path (`ops/three_pass.py`) or `_linear_terms`. Returns the checked call:
-    (ids [N], inputs, grad_filter's eps, backend, head = contiguous (hidden [N, D], weight
-    [V, D], bias [V] | None), transform = (softcap, logit_scale))."""
-    transform = check_logit_transform(softcap, logit_scale)
-    ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
-                                           completion_mask, advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch,
-                                           check_values=False,  # the op checks values
-                                           cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
-    eps = check_grad_filter(grad_filter, hidden.dtype)
-    head = _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias)  # [N, D]
-    return ids.reshape(-1), inputs, eps, backend_for(hidden), head, transform
-
-
-def _linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOTerms:
-    """The token-terms op, or the selective log-prob op with grpo_math, on a checked call."""
-    ids, inputs, eps, backend, head, transform = call
-    if _takes_terms_op(backend, params):
-        outputs = OPS.linear_grpo_terms(*head, ids, params.temperature, eps, backend,
-                                        *_terms_args(inputs, params), *transform)
-        return _terms_from_op(outputs, inputs, params)
-    logp, ent, _ = OPS.linear_logprobs(*head, ids, params.temperature, eps, backend,
-                                       "completion_ids", *transform)
-    return _unfused_terms(logp, ent, inputs, params, entropy_gather)
-
-
-def _three_pass_loss(call: tuple, params: GRPOParams) -> tuple:
-    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route."""
-    ids, inputs, _, backend, head, (_, logit_scale) = call
-    g_ent = None
-    if params.entropy_coef != 0.0:  # the bonus's d(loss)/d entropy per token
-        g_ent = entropy_bonus_weights(inputs.mask, params.entropy_coef).reshape(-1)
-    # a packed CUDA batch is not compacted: counting its masked tokens would read the device
-    compact = inputs.cu_seqlens is None or head[0].device.type != "cuda"
-    out = three_pass_op.linear_grpo_loss(head, ids, _terms_args(inputs, params), g_ent, backend,
-                                         params.temperature, logit_scale, compact)
-    shape = inputs.mask.shape  # [B, T], or [N] packed
-    ent, ratio = out.entropy.reshape(shape), out.ratio.reshape(shape)
-    kl = None if params.beta == 0.0 else out.kl.reshape(shape)
-    metrics = grpo_metrics(ent, ratio, kl, inputs.advantages, inputs.mask, params,
-                           layout_of(inputs.mask, inputs.cu_seqlens), old_logps=inputs.old_logps)
-    return out.loss, metrics, GRPOTerms(out.policy, out.logp.reshape(shape), ent, ratio, kl)
-
-
-def _detached(terms: GRPOTerms) -> GRPOTerms:
-    return GRPOTerms(*(None if x is None else x.detach() for x in terms))
 
 
 @signature_with_params
@@ -350,45 +217,11 @@ def fused_linear_grpo_loss(
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    call = _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
-                         ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
-                         cu_seqlens, grad_filter, params, sampling_logps, softcap, logit_scale)
-    if return_terms and return_token_values:
-        raise ValueError("return_terms (differentiable per-token terms) and return_token_values "
-                         "(detached ones beside the loss) exclude each other; ask for one")
-    _, inputs, eps, backend, head, (softcap, _) = call
-    if route.linear_loss_route(*head, backend, params, softcap, eps,
-                               per_token_outputs=return_terms).three_pass:
-        loss, metrics, terms = _three_pass_loss(call, params)
-        return (loss, metrics, terms) if return_token_values else (loss, metrics)
-    terms = _linear_terms(call, params, entropy_gather)
-    if return_terms:
-        return terms
-    loss, metrics = _loss_and_metrics(terms, inputs, params)
-    return (loss, metrics, _detached(terms)) if return_token_values else (loss, metrics)
-
-
-def _logits_route(logits, completion_ids, advantages, completion_mask, old_logps, ref_logps,
-                  num_items_in_batch, importance_sampling_ratio, cu_seqlens, inplace,
-                  params: GRPOParams, sampling_logps=None, entropy_gather=None,
-                  softcap=None, logit_scale=None) -> tuple[GRPOTerms, LossInputs]:
-    """The route of every logits-input GRPO loss (see `_linear_route`)."""
-    transform = check_logit_transform(softcap, logit_scale)
-    ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
-                                           advantages, old_logps, ref_logps,
-                                           importance_sampling_ratio, num_items_in_batch,
-                                           check_values=False,  # the op checks values
-                                           cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
-    x = _as_btv(logits)  # [N, V] -> [1, N, V]
-    backend = backend_for(x)
-    if _takes_terms_op(backend, params):
-        outputs = OPS.logits_grpo_terms(x, ids.reshape(-1), params.temperature, backend,
-                                        _eager(inplace), *_terms_args(inputs, params),
-                                        *transform)
-        return _terms_from_op(outputs, inputs, params), inputs
-    logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
-                                       "completion_ids", _eager(inplace), *transform)
-    return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs
+    call = linear_call(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
+                       ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
+                       grad_filter, params, sampling_logps, softcap, logit_scale)
+    return linear_loss(call, params, entropy_gather, return_terms=return_terms,
+                       return_token_values=return_token_values)
 
 
 @signature_with_params
@@ -408,10 +241,11 @@ def grpo_loss(
     logit_scale: float | None = None,
     sampling_logps: torch.Tensor | None = None,
     return_terms: bool = False,
+    return_token_values: bool = False,
     entropy_gather=None,
     params: GRPOParams | None = None,
     **hyperparameters,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | GRPOTerms:
+) -> tuple:
     """GRPO loss (docs/semantics.md) from logits [B, T, V]; logits[b, t] predicts
     completion_ids[b, t]. Nothing of [B, T, V] float32 is allocated: logits are read in their
     own dtype, and views sliced out of a model's output are read in place.
@@ -420,14 +254,17 @@ def grpo_loss(
     `inplace=True` writes d logits over the logits buffer in backward (the logits are garbage
     afterwards). `softcap` / `logit_scale` transform the logits given, as in
     `fused_linear_grpo_loss`: for raw logits only (a Hugging Face model's output logits are
-    already capped and scaled).
+    already capped and scaled). return_token_values / return_terms: as in
+    `fused_linear_grpo_loss`.
 
     Returns:
-        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors), or GRPOTerms
+        (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors); with
+        return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    terms, inputs = _logits_route(logits, completion_ids, advantages, completion_mask, old_logps,
-                                  ref_logps, num_items_in_batch, importance_sampling_ratio,
-                                  cu_seqlens, inplace, params, sampling_logps, entropy_gather,
-                                  softcap, logit_scale)
-    return terms if return_terms else _loss_and_metrics(terms, inputs, params)
+    terms, inputs = logits_call(logits, completion_ids, advantages, completion_mask, old_logps,
+                                ref_logps, num_items_in_batch, importance_sampling_ratio,
+                                cu_seqlens, inplace, params, sampling_logps, entropy_gather,
+                                softcap, logit_scale)
+    return finish(terms, inputs, params, return_terms=return_terms,
+                  return_token_values=return_token_values)

@@ -3,7 +3,7 @@
 This is the one PyTorch implementation of the per-token loss, aggregation, entropy bonus and
 metrics of docs/semantics.md; each objective's own formulas (ℓ and its clip flags) are in
 `objectives.py`, looked up by the loss type's `Objective`. The reference
-(`grpo_kernels.reference`) and the loss route (`functional._linear_route`: the chunked CPU path,
+(`grpo_kernels.reference`) and the loss route (`loss_call.linear_call`: the chunked CPU path,
 sequence-level ratios and the options that need whole sequences or the batch, from
 `grpo_options`) call it on top of their own log-probs; the fused token-level Triton kernels
 carry the same per-token loss in a Triton epilogue (`kernels/epilogue.py`), its one twin,

@@ -3,7 +3,7 @@
 `grpo_math` (the per-token loss, weights, bonus and metrics) calls these; the semantics are in
 docs/semantics.md ("Sequence and batch options"). None of them can run in the per-token Triton
 epilogue, so a loss that uses one takes the selective log-prob op and `grpo_math`
-(`functional._takes_terms_op`):
+(`loss_call.takes_terms_op`):
 
     compute_vespo_phi  vespo's per-sequence weight φ(w) of the summed log-ratio
     off_policy_mask    drops negative-advantage sequences that drifted too far from the sampler

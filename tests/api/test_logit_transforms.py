@@ -239,7 +239,7 @@ def test_good_arguments_are_accepted_as_floats():
 def test_custom_ops_take_the_transform(backend):
     """The operators' schema, fake tensors and autograd registration with the transform as
     their trailing (defaulted) arguments; the token-terms op on Triton (the fused path)."""
-    from grpo_kernels.functional import _terms_args
+    from grpo_kernels.loss_call import terms_args as _terms_args
     from grpo_kernels.ops.custom_ops import OPS
     from grpo_kernels.params import GRPOParams
     from grpo_kernels.validation import LossInputs

@@ -20,8 +20,8 @@ from helpers import triton_unavailable
 from trl_compute_loss import assert_close_to_trl, trl_loss
 
 from grpo_kernels import GRPOParams, force_backend, fused_linear_grpo_loss, reference
-from grpo_kernels.functional import _takes_terms_op
 from grpo_kernels.grpo_options import EntropyController
+from grpo_kernels.loss_call import takes_terms_op as _takes_terms_op
 from grpo_kernels.reference import logprobs_from_logits
 
 trl = pytest.importorskip("trl")

@@ -295,7 +295,7 @@ def test_packed_call_compiles_fullgraph(backend, level):
 
 def test_opcheck_packed_loss_op():
     """The loss op's schema, fake tensors and autograd registration with cu_seqlens."""
-    from grpo_kernels.functional import _terms_args
+    from grpo_kernels.loss_call import terms_args as _terms_args
     from grpo_kernels.ops.custom_ops import OPS
     from grpo_kernels.params import GRPOParams
     from grpo_kernels.validation import check_loss_inputs

@@ -14,8 +14,8 @@ from helpers import leaf, make_grpo_batch, make_head, scaled_err
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
 from grpo_kernels.chunked import launchers as chunked
-from grpo_kernels.functional import _terms_args
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
+from grpo_kernels.loss_call import terms_args as _terms_args
 from grpo_kernels.ops import custom_ops
 from grpo_kernels.params import GRPOParams
 from grpo_kernels.validation import LossInputs
