@@ -16,7 +16,7 @@ Which names are checked, and how:
    `file.py::name` must also define (or assign) `name` in that file.
 3. A relative name, in a docstring: a dotted name or a path whose first part is a module, a
    package or a file beside the docstring's module or beside one of the packages above it. So
-   `grpo_math.policy_loss` in grpo_kernels/functional.py is checked as rule 1 checks
+   `grpo_math.policy_loss` in grpo_kernels/loss_call.py is checked as rule 1 checks
    `grpo_kernels.grpo_math.policy_loss`, and `launch.py` in grpo_kernels/ops/ as the path
    grpo_kernels/ops/launch.py. In the docs, relative names are read the same way from the
    grpo_kernels package (the package they describe). A first part that is also the name of an
@@ -210,7 +210,7 @@ def test_the_collection_finds_the_references_it_should():
     assert ("docs/testing.md", "tests/conftest.py") in found
     assert ("docs/semantics.md", "grpo_kernels.trl.GRPOTrainer") in found
     assert ("docs/compatibility.md", ".ci/run") in found
-    assert ("grpo_kernels/functional.py", "grpo_math.policy_loss") in found
+    assert ("grpo_kernels/loss_call.py", "grpo_math.policy_loss") in found
     assert ("grpo_kernels/ops/__init__.py", "launch.py") in found
     assert not any(name.startswith(("torch.", "trl.")) for _, name in found)
 
