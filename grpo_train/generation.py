@@ -5,20 +5,18 @@ held-out evaluation), with EOS handling and the completion mask.
 prompt + completion token ids [B, Lp + T] with prompts left-padded and completions right-padded,
 and the [B, T] completion mask (1 up to and including the first EOS).
 
-Three paths give the same batch (--generation): "padded" = `model.generate` on the
-left-padded batch, which computes every row until the longest completion ends; "continuous" =
-transformers' continuous batching (`continuous.py`), where a finished sequence stops costing
-anything; "static" = `model.generate` with a static cache and, with --static_compile, its decode
-step compiled (`static_decode.py`; CUDA graphs on a GPU). "auto" takes the first path that runs
-of `GENERATION_RULES[device kind]`, a table set from measurements on that kind of device (an
-entry not yet measured there says so). The path that ran, and why, is logged once.
+Three paths give the same batch (--generation): "padded" = `model.generate` on the left-padded
+batch, which computes every row until the longest completion ends; "continuous" = transformers'
+continuous batching (`continuous.py`), where a finished sequence stops costing anything;
+"static" = `model.generate` with a static cache and, with --static_compile, its decode step
+compiled (`static_decode.py`; CUDA graphs on a GPU). "auto" takes the first path that runs of
+`GENERATION_RULES[device kind]`, a table set from measurements on that kind of device (an entry
+not yet measured there says so). The path that ran, and why, is logged once.
 
 All of them compute each prompt's prefill once for its G completions: continuous batching forks
 the prompt's cache; the padded and static paths run the P distinct prompts once and repeat their
-KV cache G times before `model.generate` (`_prefill_refusal`: where it applies, and why not
-elsewhere).
-
-Benchmarks can force completion lengths on either path (`forced_lengths`).
+KV cache G times (`_prefill_refusal`: where it applies, and why not elsewhere). Benchmarks can
+force completion lengths on any path (`forced_lengths`).
 
 What generation reads comes from the trainer's run state (`run_state.RunState`): cfg, tokenizer,
 eos_ids, autocast, say, and accel for `evaluate`; the path chosen on the first call is kept
@@ -82,26 +80,24 @@ class EosSchedule:
 
 @dataclass(frozen=True)
 class GenerationRule:
-    """prefer: generation paths in order of preference ("auto" runs the first that this run's
-    model and settings allow; the padded path is the last resort); source: the measurement
-    that set the order; placeholder: True while none was taken on this kind of device (the
-    order is then today's default)."""
+    """prefer: paths in order ("auto" runs the first this run allows, padded as the last
+    resort); source: the measurement that set the order; placeholder: True while none was taken
+    on this kind of device (the order is then today's default)."""
 
     prefer: tuple[str, ...]
     source: str
     placeholder: bool = False
 
 
-PATHS = ("padded", "continuous", "static")
+PATHS = ("continuous", "padded", "static")  # --generation's, besides "auto"
 GENERATION_RULES = {  # device kind -> rule (docs/trainer.md, Generation paths)
     "cpu": GenerationRule(
         ("padded",), "2-core AMD EPYC, python -m benchmarks.generation: at the default run's "
         "shape padded 4,989-10,519 tokens/s, continuous 1,909-2,582; continuous batching wins "
         "only for long completions of varied length"),
-    "cuda": GenerationRule(
-        ("continuous", "padded"), "today's default, not yet measured on a GPU: "
-        "benchmarks/gpu_trainer.sh times padded, static and continuous against TRL's "
-        "generation", placeholder=True),
+    "cuda": GenerationRule(("continuous", "padded"), "today's default, not yet measured on a "
+                           "GPU (benchmarks/gpu_trainer.sh times padded, static and continuous "
+                           "against TRL's generation)", placeholder=True),
 }
 
 
@@ -140,9 +136,9 @@ def _say(run, msg: str) -> None:
 
 
 def _path(model, run, sampling: dict) -> str:
-    """The generation path, decided on the first call and kept in `run.generation_path`: the
-    asked one, or with "auto" the first of the device's rule, that runs here (else padded). The
-    padded and static paths log their line now, continuous batching after its first call."""
+    """The path, decided on the first call and kept in `run.generation_path`: the asked one or
+    the device rule's first that runs here, else padded (its line logged now; continuous
+    batching's after its first call)."""
     if run.generation_path is None:
         cfg = run.cfg
         kind = next(model.parameters()).device.type
@@ -159,10 +155,8 @@ def _path(model, run, sampling: dict) -> str:
             if refusal is None:
                 break
             refusals.append(refusal if path == "continuous" else f"{path}: {refusal}")
-        if cfg.generation != "auto" and refusals:  # the asked path cannot run: say why only
-            why = "; ".join(refusals)
-        elif refusals:
-            why += f"; {'; '.join(refusals)}"
+        if refusals:  # an asked path that cannot run: only why not
+            why = "; ".join(refusals if cfg.generation != "auto" else [why, *refusals])
         run.generation_path, run.generation_reason = path, why
         if path != "continuous":
             _take_path(model, run, path, why)
@@ -170,12 +164,12 @@ def _path(model, run, sampling: dict) -> str:
 
 
 def _refusal(path: str, model, cfg, sampling: dict) -> str | None:
-    """Why `path` cannot serve this run (None: it can)."""
-    if path == "continuous":
-        return continuous.unsupported_reason(model, cfg, sampling)
+    """Why `path` cannot serve this run (None: it can; padded always can)."""
+    if path == "padded":
+        return None
     if path == "static":
         return static_decode.unsupported_reason(model, cfg)
-    return None
+    return continuous.unsupported_reason(model, cfg, sampling)
 
 
 def _take_path(model, run, path: str, reason: str) -> None:
@@ -353,6 +347,8 @@ def _padded(model, prompt_ids, prompt_mask, G, sampling, lengths, run) -> torch.
         if run.generation_path != "static":
             raise
         run.static_caches.clear()
+        run.prefill_once = None  # decided again for the padded path (the static cache's
+        # own refusal, a sliding-window layer, does not hold there)
         _take_path(model, run, "padded", f"static cache failed: {type(err).__name__}: {err}")
         return _padded(model, prompt_ids, prompt_mask, G, sampling, lengths, run)
     completion_ids = out[:, Lp:]  # [B, T]

@@ -155,6 +155,11 @@ def test_auto_takes_the_first_path_of_the_rule_that_runs(tiny, monkeypatch):
     padded, and the line names the rule and both refusals; the CPU rule as built: padded."""
     models, tok, cfg = tiny
     model = models["embedded"]
+    from grpo_train.checks import CHOICES
+
+    assert CHOICES["generation"] == ("auto", *generation.PATHS)
+    assert all(set(r.prefer) <= set(generation.PATHS) and r.source
+               for r in generation.GENERATION_RULES.values())
     assert generation.GENERATION_RULES["cpu"].prefer == ("padded",)
     assert generation.GENERATION_RULES["cuda"].prefer == ("continuous", "padded")
     assert generation.GENERATION_RULES["cuda"].placeholder  # not measured on a GPU yet
