@@ -85,6 +85,7 @@ def describe(args, cuda: bool) -> dict:
                          and args.padding_free == "on" else "off"),
         "generation": "synthetic" if args.synthetic else
         "generate (padded)" if args.provider.startswith("trl") else args.generation,
+        "attn_implementation": getattr(args, "attn_implementation", "auto"),
         "beta": args.beta,
         "warmup": args.warmup,
         "bf16_autocast": cuda and not args.no_bf16,

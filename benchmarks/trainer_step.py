@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_train.checks import CHOICES
 from grpo_train.flags import Parser, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +80,9 @@ def length_reward(prompts, completions, **columns):
 
 
 def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
-    """Random-weight model + matching tokenizer saved for the Auto classes; a prompts file."""
+    """Random-weight model + matching tokenizer saved for the Auto classes (in --assets, where
+    a model of the same shape and seed saved by an earlier run is used as it is); a prompts
+    file."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grpo_train.tiny import build_tokenizer
@@ -87,14 +90,18 @@ def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
     shape = dict(TINY if args.tiny else QWEN25_05B)
     if args.num_layers is not None:
         shape.update(num_hidden_layers=args.num_layers, max_window_layers=args.num_layers)
-    tokenizer = build_tokenizer(vocab_size=shape["vocab_size"])
-    config = Qwen2Config(**shape, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    torch.manual_seed(args.seed)
-    model = Qwen2ForCausalLM(config)
-    model_dir = workdir / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    name = f"model-{'tiny' if args.tiny else 'qwen2.5-0.5b'}-{shape['num_hidden_layers']}l-" \
+           f"seed{args.seed}"
+    model_dir = (Path(args.assets) if args.assets else workdir) / name
+    if not (model_dir / "config.json").exists():  # written last by save_pretrained
+        tokenizer = build_tokenizer(vocab_size=shape["vocab_size"])
+        config = Qwen2Config(**shape, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=tokenizer.bos_token_id)
+        torch.manual_seed(args.seed)
+        model = Qwen2ForCausalLM(config)
+        tokenizer.save_pretrained(model_dir)
+        model.save_pretrained(model_dir)
     # the chat template appends "=", so the prompt text is one token shorter than the prompt
     text = ("0123456789" * (args.prompt_tokens // 10 + 1))[: args.prompt_tokens - 1]
     data = workdir / "prompts.jsonl"
@@ -105,8 +112,9 @@ def build_assets(workdir: Path, args) -> tuple[Path, Path, str]:
 
 
 def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
-                   recorder) -> list[dict]:
-    """Steps of our trainer; per-step numbers from its metrics.jsonl."""
+                   recorder) -> tuple[list[dict], object, dict]:
+    """Steps of our trainer (per-step numbers from its metrics.jsonl), the recorder, and what
+    ran: the row layout, the attention implementation and the generation path."""
     from grpo_train import train
     from grpo_train.config import TrainConfig
     from grpo_train.logs import read_metrics
@@ -120,6 +128,7 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         num_prompts=1, num_generations=args.num_generations,
         max_new_tokens=args.completion_tokens, padding_free=args.padding_free == "on",
         share_prompt=args.share_prompt == "on", generation=args.generation,
+        static_compile=args.static_compile == "on", attn_implementation=args.attn_implementation,
         micro_batch_size=args.num_generations, beta=args.beta, num_iterations=1,
         loss_type="dapo",
         loss=args.provider, learning_rate=1e-6, bf16=cuda and not args.no_bf16,
@@ -128,11 +137,13 @@ def run_grpo_train(args, model_dir: Path, data: Path, workdir: Path, device,
         eval_every=0, save_every=0, plot=False, save_final_model=False, progress=False,
         seed=args.seed, device="cuda" if cuda else "cpu", backend=args.backend)
     with phases.recording(recorder):
-        train(cfg, phases=phases)
+        result = train(cfg, phases=phases)
     steps = [dict(step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
                   peak_gib=r["peak_memory_gib"], completion_length=r["completion_length"])
              for r in read_metrics(workdir / "run" / "metrics.jsonl") if "reward" in r]
-    return steps, recorder
+    ran = dict(row_layout=result["layout"], attention=result["attention"],
+               generation_path=result["generation"])
+    return steps, recorder, ran
 
 
 PROVIDERS = ("fused", "reference", "trl", "trl-kernels")
@@ -166,9 +177,18 @@ def parse_args(argv):
                              "usual; generation is not); grpo_train takes its padded path")
     parser.add_argument("--num_layers", type=int, default=None,
                         help="decoder layers (default: the shape's, 24 for Qwen2.5-0.5B)")
-    parser.add_argument("--generation", default="auto", choices=("auto", "continuous", "padded"),
-                        help="grpo_train providers' generation path (auto: padded on CPU); "
-                             "TRL uses model.generate")
+    parser.add_argument("--generation", default="auto", choices=CHOICES["generation"],
+                        help="grpo_train providers' generation path (auto: the device's rule, "
+                             "grpo_train.generation.GENERATION_RULES); TRL uses model.generate")
+    parser.add_argument("--static_compile", default="on", choices=("on", "off"),
+                        help="--generation static: compile the decode step (on) or not")
+    parser.add_argument("--attn_implementation", default="auto",
+                        choices=CHOICES["attn_implementation"],
+                        help="grpo_train providers: the scoring and loss forwards' attention "
+                             "(auto: the rule, grpo_kernels.hf.ATTENTION_RULES)")
+    parser.add_argument("--assets", default=None, metavar="DIR",
+                        help="keep the random-weight model in DIR and use a saved one of the "
+                             "same shape and seed (runs of one session share it)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--model_dtype", default="float32", choices=("float32", "bfloat16"))
@@ -205,6 +225,9 @@ def parse_args(argv):
             parser.error("--synthetic replaces model.generate, grpo_train's padded path: it "
                          "cannot take --generation continuous")
         args.generation = "padded"
+    if args.attn_implementation != "auto" and args.provider.startswith("trl"):
+        parser.error("--attn_implementation is grpo_train's flag; the TRL subclass takes the "
+                     "rule's choice, TRL its model's attention")
     if args.num_layers is not None and args.num_layers < 1:
         parser.error(f"--num_layers must be >= 1, got {args.num_layers}")
     if args.beta < 0:
@@ -244,18 +267,18 @@ def measure(args, argv) -> dict:
             from benchmarks.trl_providers import run_trl
 
             with forcing.installed(synthetic=args.synthetic):
-                steps, recorder = run_trl(args, model_dir, prompt_text, workdir, device,
-                                          recorder, forcing, length_reward)
+                steps, recorder, ran = run_trl(args, model_dir, prompt_text, workdir, device,
+                                               recorder, forcing, length_reward)
         elif args.synthetic:  # grpo_train's padded generation path calls model.generate
             with forcing.installed(synthetic=True):
-                steps, recorder = run_grpo_train(args, model_dir, data, workdir, device,
-                                                 recorder)
+                steps, recorder, ran = run_grpo_train(args, model_dir, data, workdir, device,
+                                                      recorder)
         else:
             from grpo_train.generation import forced_lengths
 
             with forced_lengths(forcing.draw):
-                steps, recorder = run_grpo_train(args, model_dir, data, workdir, device,
-                                                 recorder)
+                steps, recorder, ran = run_grpo_train(args, model_dir, data, workdir, device,
+                                                      recorder)
     timed = steps[args.warmup:]
     if not timed:
         raise RuntimeError(f"no timed steps ({len(steps)} steps ran, --warmup {args.warmup})")
@@ -269,7 +292,7 @@ def measure(args, argv) -> dict:
         raise RuntimeError(f"completions averaged {statistics.mean(ours)} tokens, drawn "
                            f"{mean_len}")
     row = {
-        **describe(args, cuda), "status": "ok", "timed_steps": len(timed),
+        **describe(args, cuda), **ran, "status": "ok", "timed_steps": len(timed),
         "completion_tokens_mean": round(mean_len, 1),
         "step_time_s_median": round(statistics.median(s["step_time_s"] for s in timed), 4),
         "tokens_per_s_median": round(statistics.median(s["tokens_per_s"] for s in timed), 1),

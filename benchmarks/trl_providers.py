@@ -30,8 +30,9 @@ def trainer_class(provider: str):
 
 
 def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
-            recorder, forcing, reward) -> tuple[list[dict], object]:
-    """Steps of a TRL-based trainer, timed and measured by a callback around each step."""
+            recorder, forcing, reward) -> tuple[list[dict], object, dict]:
+    """Steps of a TRL-based trainer, timed and measured by a callback around each step; and
+    what ran: its row layout, attention implementation and generation."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
@@ -87,7 +88,10 @@ def run_trl(args, model_dir: Path, prompt_text: str, workdir: Path, device,
         print(f"trl-kernels: scoring and loss forwards run {trainer._layout} rows", flush=True)
     with phases.recording(recorder):
         trainer.train()
-    return per_step, recorder
+    ran = dict(row_layout=str(getattr(trainer, "_layout", "padded")),
+               attention=trainer.model.config._attn_implementation,
+               generation_path="TRL's model.generate (a prefill per row)")
+    return per_step, recorder, ran
 
 
 def metered(base):

@@ -24,7 +24,9 @@ CHOICES = {
     "backend": ("auto", "triton", "chunked"),
     "lr_scheduler": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
-    "generation": ("auto", "continuous", "padded"),
+    "generation": ("auto", "continuous", "padded", "static"),
+    # grpo_kernels.hf.attention_choice.IMPLEMENTATIONS (not imported: it loads transformers)
+    "attn_implementation": ("auto", "sdpa", "eager", "flex_attention", "torch_varlen_flash"),
 }
 
 

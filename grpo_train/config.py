@@ -110,10 +110,15 @@ class TrainConfig:
         "How completions are generated: \"continuous\" = transformers' continuous batching (paged"
         " attention: a finished completion leaves the batch and costs nothing more); \"padded\" ="
         " model.generate on the left-padded batch (every row runs until the longest ends); "
-        "\"auto\" = continuous on CUDA where supported; padded on CPU, where continuous batching "
-        "is faster only for long completions of varied length (docs/trainer.md, Generation "
-        "paths). Set-ups continuous batching cannot serve (--fsdp, --bf16 autocast, ...) run "
-        "padded; the log names the path that ran and why.")
+        "\"static\" = model.generate with a static KV cache and its decode step compiled "
+        "(--static_compile; CUDA graphs on a GPU); \"auto\" = the first that runs of the rule "
+        "for this device (grpo_train.generation.GENERATION_RULES: padded on CPU; continuous, "
+        "then padded on CUDA). Set-ups a path cannot serve (--fsdp, ...) run padded; the log "
+        "names the path that ran and why (docs/trainer.md, Generation paths).")
+    static_compile: bool = option(True,
+        "With --generation static: compile the decode step with torch.compile (mode "
+        "reduce-overhead: CUDA graphs on a GPU; on a CPU it compiles too, slowly). Off: the "
+        "static cache without compiling.")
 
     loss: str = option("fused",
         "\"fused\" (hidden states, no logits) | \"reference\" (materialized logits)")
@@ -168,6 +173,13 @@ class TrainConfig:
         "once instead of G times (same loss and gradients). Used where the model takes a 4-D "
         "mask (sdpa, eager, flex attention; no sliding windows, no MoE; checked once at start, "
         "otherwise one line and packed rows).")
+    attn_implementation: str = option("auto",
+        "Attention implementation of the scoring and loss forwards (generation keeps the "
+        "model's own): auto = the rule for this device and row layout "
+        "(grpo_kernels.hf.ATTENTION_RULES; one log line names the choice and why); or sdpa, "
+        "eager, flex_attention, torch_varlen_flash (PyTorch's bundled FlashAttention varlen "
+        "kernel, packed rows on CUDA), refused with the reason where the model, the device or "
+        "the row layout cannot take it.")
     bf16: bool = option(False, "bfloat16 autocast (with float32 weights: mixed precision)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward (less memory)")
 

@@ -5,22 +5,23 @@ held-out evaluation), with EOS handling and the completion mask.
 prompt + completion token ids [B, Lp + T] with prompts left-padded and completions right-padded,
 and the [B, T] completion mask (1 up to and including the first EOS).
 
-Two paths give the same batch (--generation): "padded" = `model.generate` on the left-padded
+Three paths give the same batch (--generation): "padded" = `model.generate` on the left-padded
 batch, which computes every row until the longest completion ends; "continuous" = transformers'
-continuous batching (`continuous.py`), where a finished sequence stops costing anything. "auto"
-takes continuous batching on CUDA where it is supported and the padded path on CPU, where
-continuous batching is faster only for long completions of varied length (docs/trainer.md,
-Generation paths). The path that ran is logged once.
+continuous batching (`continuous.py`), where a finished sequence stops costing anything;
+"static" = `model.generate` with a static cache and, with --static_compile, its decode step
+compiled (`static_decode.py`; CUDA graphs on a GPU). "auto" takes the first path that runs of
+`GENERATION_RULES[device kind]`, a table set from measurements on that kind of device (an entry
+not yet measured there says so). The path that ran, and why, is logged once.
 
-Both compute each prompt's prefill once for its G completions: continuous batching forks the
-prompt's cache, the padded path runs the P distinct prompts once and repeats their KV cache G
-times before `model.generate` (`_prefill_refusal`: where it applies, and why not elsewhere).
-
-Benchmarks can force completion lengths on either path (`forced_lengths`).
+All of them compute each prompt's prefill once for its G completions: continuous batching forks
+the prompt's cache; the padded and static paths run the P distinct prompts once and repeat their
+KV cache G times (`_prefill_refusal`: where it applies, and why not elsewhere). Benchmarks can
+force completion lengths on any path (`forced_lengths`).
 
 What generation reads comes from the trainer's run state (`run_state.RunState`): cfg, tokenizer,
 eos_ids, autocast, say, and accel for `evaluate`; the path chosen on the first call is kept
-there too. Direct calls pass a `GenerationSetup` holding the same (benchmarks/generation.py).
+there too (with the static path's caches). Direct calls pass a `GenerationSetup` holding the
+same (benchmarks/generation.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import continuous, sharding
+from . import continuous, sharding, static_decode
 from .models import completion_mask, encode_prompts, position_ids, render_prompts
 from .rewards import accuracy
 
@@ -77,6 +78,29 @@ class EosSchedule:
         return torch.where(t == lengths - 1, only_eos, scores)
 
 
+@dataclass(frozen=True)
+class GenerationRule:
+    """prefer: paths in order ("auto" runs the first this run allows, padded as the last
+    resort); source: the measurement that set the order; placeholder: True while none was taken
+    on this kind of device (the order is then today's default)."""
+
+    prefer: tuple[str, ...]
+    source: str
+    placeholder: bool = False
+
+
+PATHS = ("continuous", "padded", "static")  # --generation's, besides "auto"
+GENERATION_RULES = {  # device kind -> rule (docs/trainer.md, Generation paths)
+    "cpu": GenerationRule(
+        ("padded",), "2-core AMD EPYC, python -m benchmarks.generation: at the default run's "
+        "shape padded 4,989-10,519 tokens/s, continuous 1,909-2,582; continuous batching wins "
+        "only for long completions of varied length"),
+    "cuda": GenerationRule(("continuous", "padded"), "today's default, not yet measured on a "
+                           "GPU (benchmarks/gpu_trainer.sh times padded, static and continuous "
+                           "against TRL's generation)", placeholder=True),
+}
+
+
 @dataclass
 class GenerationSetup:
     """What `generate` reads besides the model and the prompts, for a caller without a run
@@ -88,10 +112,13 @@ class GenerationSetup:
     autocast: Any = field(default_factory=contextlib.nullcontext)  # a context manager
     say: Callable[[str], None] | None = None  # one log line (None: print)
     forced_lengths: Callable[[int], list[int]] | None = None  # see `forced_lengths`
-    continuous: bool | None = None  # the path, decided on the first call and kept
+    generation_path: str | None = None  # one of PATHS, decided on the first call and kept
+    generation_reason: str = ""  # why that path (the log line's parenthesis)
     continuous_logged: bool = False  # whether the continuous path's log line was printed
-    prefill_once: bool | None = None  # the padded path's prefill, decided with the path and
-    # kept (False beforehand: every row prefills its own prompt, as benchmarks compare)
+    prefill_once: bool | None = None  # the padded/static paths' prefill, decided with the path
+    # and kept (False beforehand: every row prefills its own prompt, as benchmarks compare)
+    static_caches: dict = field(default_factory=dict)  # the static path's caches, by shape
+    decode_compile: tuple | None = None  # the static path's (generate keywords, log phrase)
 
 
 def _draw_lengths(run, B: int, max_new_tokens: int) -> list[int] | None:
@@ -108,30 +135,62 @@ def _say(run, msg: str) -> None:
     (run.say or print)(msg)
 
 
-def _wants_continuous(model, run, sampling: dict) -> bool:
-    """Decided on the first call and kept in `run.continuous`; a refusal is logged then."""
-    if run.continuous is None:
+def _path(model, run, sampling: dict) -> str:
+    """The path, decided on the first call and kept in `run.generation_path`: the asked one or
+    the device rule's first that runs here, else padded (its line logged now; continuous
+    batching's after its first call)."""
+    if run.generation_path is None:
         cfg = run.cfg
-        mode = cfg.generation
-        reason = None if mode != "padded" else "--generation padded"
-        if reason is None:
-            reason = continuous.unsupported_reason(model, cfg, sampling)
-        device = next(model.parameters()).device
-        if reason is None and mode == "auto" and device.type == "cpu":
-            reason = "auto on CPU: continuous batching only pays off for long, varied completions"
-        run.continuous = reason is None
-        if reason is not None:
-            _take_padded(model, run, reason)
-    return run.continuous
+        kind = next(model.parameters()).device.type
+        if cfg.generation == "auto":
+            rule = GENERATION_RULES.get(kind) or GenerationRule(
+                ("padded",), f"no rule for {kind}", placeholder=True)
+            tag = "placeholder until measured here" if rule.placeholder else "measured"
+            wanted, why = rule.prefer, f"auto, rule {kind}: {', '.join(rule.prefer)} ({tag})"
+        else:
+            wanted, why = (cfg.generation,), f"--generation {cfg.generation}"
+        refusals = []
+        for path in (*wanted, "padded"):
+            refusal = _refusal(path, model, cfg, sampling)
+            if refusal is None:
+                break
+            refusals.append(refusal if path == "continuous" else f"{path}: {refusal}")
+        if refusals:  # an asked path that cannot run: only why not
+            why = "; ".join(refusals if cfg.generation != "auto" else [why, *refusals])
+        run.generation_path, run.generation_reason = path, why
+        if path != "continuous":
+            _take_path(model, run, path, why)
+    return run.generation_path
 
 
-def _take_padded(model, run, reason: str) -> None:
-    """The padded path from now on: decide its prefill (kept in `run.prefill_once`) and log the
-    one line that names the path, why, and how the prompts are prefilled."""
+def _refusal(path: str, model, cfg, sampling: dict) -> str | None:
+    """Why `path` cannot serve this run (None: it can; padded always can)."""
+    if path == "padded":
+        return None
+    if path == "static":
+        return static_decode.unsupported_reason(model, cfg)
+    return continuous.unsupported_reason(model, cfg, sampling)
+
+
+def _take_path(model, run, path: str, reason: str) -> None:
+    """The padded or static path from now on (kept in `run.generation_path`): decide its prefill
+    (kept in `run.prefill_once`) and log the one line that names the path, why, and how the
+    prompts are prefilled."""
     refusal = _prefill_refusal(model, run)
+    name = "padded"
+    if path == "static":
+        run.decode_compile = static_decode.compile_settings(model, run.cfg)
+        name = f"static cache, {run.decode_compile[1]}"
+        if refusal is None:
+            from transformers import StaticCache
+
+            hf = continuous.base_model(model)
+            refusal = static_decode.full_attention_layers(StaticCache(
+                config=hf.config.get_text_config(decoder=True), max_cache_len=1))
+    run.generation_path = path
     run.prefill_once = refusal is None
     how = "each prompt prefilled once" if refusal is None else f"prefill per row: {refusal}"
-    _say(run, f"generation: padded ({reason}); {how}")
+    _say(run, f"generation: {name} ({reason}); {how}")
 
 
 def _prefill_refusal(model, run) -> str | None:
@@ -223,9 +282,9 @@ def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
     completion_ids = None  # [B, T], right-padded with pad_token_id
     try:
         with sharding.full_parameters(model), run.autocast:  # FSDP: gathered once per call
-            if _wants_continuous(model, run, sampling):
+            if _path(model, run, sampling) == "continuous":
                 completion_ids = _continuous(model, prompts, G, sampling, lengths, run, device)
-            if completion_ids is None:
+            if completion_ids is None:  # padded or static (or continuous batching failed)
                 completion_ids = _padded(model, prompt_ids, prompt_mask, G, sampling, lengths,
                                          run)
     finally:
@@ -242,12 +301,13 @@ def _continuous(model, prompts, G, sampling, lengths, run, device) -> torch.Tens
             model, prompts, G, sampling, cfg.max_new_tokens, cfg.min_new_tokens, run.eos_ids,
             tok.pad_token_id, lengths)
     except Exception as err:  # noqa: BLE001 - any failure of the engine: fall back, say why
-        run.continuous = False
-        _take_padded(model, run, f"continuous batching failed: {type(err).__name__}: {err}")
+        _take_path(model, run, "padded",
+                   f"continuous batching failed: {type(err).__name__}: {err}")
         return None
     if not run.continuous_logged:
         run.continuous_logged = True
-        _say(run, f"generation: continuous batching ({attn})")
+        why = "" if cfg.generation == "continuous" else f"; {run.generation_reason}"
+        _say(run, f"generation: continuous batching ({attn}{why})")
     T = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -257,21 +317,41 @@ def _continuous(model, prompts, G, sampling, lengths, run, device) -> torch.Tens
 
 def _padded(model, prompt_ids, prompt_mask, G, sampling, lengths, run) -> torch.Tensor:
     """[B, T] completion ids from `model.generate` on the [B, Lp] left-padded prompts (each
-    prompt G times), its prefill computed once per prompt where `run.prefill_once`."""
+    prompt G times), its prefill computed once per prompt where `run.prefill_once`; on the
+    static path into the kept static cache, with the decode step compiled as decided."""
     cfg, tok = run.cfg, run.tokenizer
+    B, Lp = prompt_ids.shape
+    hf = continuous.base_model(model)
     extra = {}
     if lengths is not None:
-        extra["logits_processor"] = [EosSchedule(torch.tensor(lengths), run.eos_ids,
-                                                 prompt_ids.shape[1])]
-    if run.prefill_once and G > 1 and prompt_ids.shape[1] > 1:  # G = 1: nothing to share
-        hf = continuous.base_model(model)
+        extra["logits_processor"] = [EosSchedule(torch.tensor(lengths), run.eos_ids, Lp)]
+    cache = None
+    if run.prefill_once and G > 1 and Lp > 1:  # G = 1: nothing to share
         # rows j·G .. j·G + G - 1 hold prompt j: [::G] is each prompt once, [P, Lp]
-        extra[_cache_kwarg(hf)] = _prefilled_cache(model, prompt_ids[::G], prompt_mask[::G], G)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                         max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                         eos_token_id=run.eos_ids, pad_token_id=tok.pad_token_id,
-                         use_cache=True, **sampling, **extra)
-    completion_ids = out[:, prompt_ids.shape[1]:]  # [B, T]
+        cache = _prefilled_cache(model, prompt_ids[::G], prompt_mask[::G], G)
+    if run.generation_path == "static":
+        static = static_decode.static_cache(
+            model, run, B, static_decode.cache_length(Lp, cfg.max_new_tokens))
+        if cache is not None:
+            static_decode.fill_from(static, cache)
+        cache = static
+        extra.update(run.decode_compile[0])
+    if cache is not None:
+        extra[_cache_kwarg(hf)] = cache
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                             max_new_tokens=cfg.max_new_tokens,
+                             min_new_tokens=cfg.min_new_tokens, eos_token_id=run.eos_ids,
+                             pad_token_id=tok.pad_token_id, use_cache=True, **sampling, **extra)
+    except Exception as err:  # noqa: BLE001 - the static path (a compile): fall back, say why
+        if run.generation_path != "static":
+            raise
+        run.static_caches.clear()
+        run.prefill_once = None  # decided again for the padded path (the static cache's
+        # own refusal, a sliding-window layer, does not hold there)
+        _take_path(model, run, "padded", f"static cache failed: {type(err).__name__}: {err}")
+        return _padded(model, prompt_ids, prompt_mask, G, sampling, lengths, run)
+    completion_ids = out[:, Lp:]  # [B, T]
     if completion_ids.shape[1] == 0:  # nothing generated at all: keep one masked column
         completion_ids = torch.full((out.shape[0], 1), tok.pad_token_id, device=out.device)
     return completion_ids

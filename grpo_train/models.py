@@ -17,7 +17,9 @@ import torch
 
 from grpo_kernels import selective_logprobs
 from grpo_kernels.hf import (
+    AttentionChoice,
     RowLayout,
+    choose_attention,
     choose_layout,
     completion_hidden_states,
     logit_transform,
@@ -95,8 +97,9 @@ def add_lora_adapters(model, cfg, say=print):
 
 
 def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
-    """(policy, reference or None, tokenizer, EOS ids, micro-batch layout) on `device`,
-    sharded with --fsdp; the policy with LoRA adapters and gradient checkpointing if asked."""
+    """(policy, reference or None, tokenizer, EOS ids, micro-batch layout, the attention of the
+    scoring and loss forwards) on `device`, sharded with --fsdp; the policy with LoRA adapters
+    and gradient checkpointing if asked."""
     model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say)
     if cfg.fp32_lm_head:
         use_fp32_head(model)
@@ -107,6 +110,7 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
         model = add_lora_adapters(model, cfg, say)  # no copy (trainer's `_reference_policy`)
     eos_ids = eos_token_ids(model, tokenizer)
     layout = micro_batch_layout(model, cfg, say)  # before any wrapper: checks the bare model
+    attention = forward_attention(model, cfg, layout, device, say)
     if cfg.gradient_checkpointing:  # transformers >= 5.2x renamed the method
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -116,20 +120,48 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
         model = sharding.shard_model(model, device)
         if ref_model is not None:
             ref_model = sharding.shard_model(ref_model, device, frozen=True)
-    return model, ref_model, tokenizer, eos_ids, layout
+    return model, ref_model, tokenizer, eos_ids, layout, attention
+
+
+# the row layouts an --attn_implementation runs (the others: any)
+_LAYOUTS_OF = {"torch_varlen_flash": (RowLayout.PACKED,)}
 
 
 def micro_batch_layout(model, cfg, say) -> RowLayout:
     """How micro-batches are laid out (`grpo_kernels.hf.choose_layout`): "shared" (each group's
     prompt once, --share_prompt), "packed" (--padding_free) or "padded", as far as the flags
-    ask and the model allows; one line says which and why. Checks the bare model, once."""
+    ask, the model allows and an --attn_implementation asked for runs; one line says which and
+    why. Checks the bare model, once."""
+    share = cfg.padding_free and getattr(cfg, "share_prompt", False)
+    asked = getattr(cfg, "attn_implementation", "auto")
+    unshared = share and RowLayout.SHARED not in _LAYOUTS_OF.get(asked, (RowLayout.SHARED,))
     choice = choose_layout(model, padding_free=cfg.padding_free,
-                           share_prompt=cfg.padding_free and getattr(cfg, "share_prompt", False))
+                           share_prompt=share and not unshared)
+    reason = choice.reason
+    if unshared and choice.layout is RowLayout.PACKED:
+        reason = f"the prompt not shared: --attn_implementation {asked} takes no 4-D mask"
     padded = "--no_padding_free" if not cfg.padding_free else "--padding_free"
     flags = {RowLayout.PADDED: padded, RowLayout.PACKED: "--padding_free",
              RowLayout.SHARED: "--share_prompt"}[choice.layout]
-    say(f"micro-batches: {choice.layout} rows, {choice.reason} ({flags})")
+    say(f"micro-batches: {choice.layout} rows, {reason} ({flags})")
     return choice.layout
+
+
+def forward_attention(model, cfg, layout: RowLayout, device, say) -> AttentionChoice:
+    """The attention implementation of the scoring and loss forwards
+    (`grpo_kernels.hf.choose_attention`: the rule for this device and layout, or
+    --attn_implementation), checked under the run's autocast; one line says which and why.
+    A UsageError naming the flag where the asked implementation cannot run."""
+    asked = getattr(cfg, "attn_implementation", "auto")
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    try:
+        choice = choose_attention(model, layout, device, requested=asked, autocast=autocast)
+    except ValueError as err:
+        raise UsageError(f"--attn_implementation {asked}: {err}") from err
+    why = f"asked for (--attn_implementation {asked})" if asked != "auto" else choice.reason
+    say(f"attention: {choice.implementation} for the scoring and loss forwards of {layout} rows "
+        f"on {choice.device_kind}, {why}")
+    return choice
 
 
 def save_model(model, tokenizer, path) -> None:

@@ -10,7 +10,7 @@ F reward functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # heavy imports, for the annotations only
     from accelerate import Accelerator
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from grpo_kernels.hf import RowLayout
+    from grpo_kernels.hf import AttentionChoice, RowLayout
 
 
 @dataclass
@@ -72,6 +72,8 @@ class RunState:
     tokenizer: PreTrainedTokenizerBase  # with a pad token; left padding for prompts
     eos_ids: list[int]  # token ids that end a completion; eos_ids[0] ends a forced one
     layout: RowLayout  # micro-batch rows: padded, packed or shared (batching.py)
+    attention: AttentionChoice  # the attention implementation of the scoring and loss forwards
+    # (set around them: `grpo_kernels.hf.using_attention`; generation keeps the model's own)
     head: dict[str, torch.dtype]  # extra keyword of the fused calls: {"head_dtype": float32}
     # with --fp32_lm_head, else {}
     autocast: torch.autocast  # bf16 autocast with --bf16, else a disabled one
@@ -83,11 +85,14 @@ class RunState:
     # generation (generation.py reads and keeps these)
     forced_lengths: Callable[[int], list[int]] | None = None  # completion lengths to force,
     # per call (None: generation.forced_lengths' hook, if any)
-    continuous: bool | None = None  # whether generation takes continuous batching; decided on
-    # the first call (None: not yet)
+    generation_path: str | None = None  # padded, continuous or static (generation.PATHS);
+    # decided on the first call (None: not yet)
+    generation_reason: str = ""  # why that path, as its log line says
     continuous_logged: bool = False  # whether the continuous path's log line was printed
-    prefill_once: bool | None = None  # whether the padded path prefills each prompt once;
-    # decided with the path (False beforehand: every row prefills its own prompt)
+    prefill_once: bool | None = None  # whether the padded/static paths prefill each prompt
+    # once; decided with the path (False beforehand: every row prefills its own prompt)
+    static_caches: dict = field(default_factory=dict)  # the static path's caches, by shape
+    decode_compile: tuple | None = None  # the static path's (generate keywords, log phrase)
 
 
 def setup(cfg: TrainConfig) -> RunState:
@@ -101,7 +106,7 @@ def setup(cfg: TrainConfig) -> RunState:
     train_ex, eval_ex = load_examples(cfg)
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
-    model, ref_model, tokenizer, eos_ids, layout = build_models(
+    model, ref_model, tokenizer, eos_ids, layout, attention = build_models(
         cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=cfg.learning_rate,
@@ -125,6 +130,7 @@ def setup(cfg: TrainConfig) -> RunState:
         log=MetricsLog(out_dir, accel.is_main_process, resume_step=start or None),
         model=model, ref_model=ref_model, ddp_model=ddp_model,
         model_config=model.config, tokenizer=tokenizer, eos_ids=eos_ids, layout=layout,
+        attention=attention,
         head=dict(head_dtype=torch.float32) if cfg.fp32_lm_head else {},
         autocast=torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16),
         loss_fn=FusedLinearGRPOLoss(params=grpo_params(cfg),

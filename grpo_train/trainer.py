@@ -59,7 +59,9 @@ class NoPhases:
 def train(cfg, phases=None) -> dict:
     """Run GRPO with a prepared config (as `grpo_train.train` makes it: "auto" fields filled,
     validated, output directory checked); returns {"step", "interrupted", "eval_accuracy":
-    {step: acc}, "model", "tokenizer", "main_process"}. phases: see `NoPhases`."""
+    {step: acc}, "model", "tokenizer", "main_process", "layout", "attention", "generation"}
+    (the last three: the micro-batches' row layout, the scoring and loss forwards' attention
+    implementation, the generation path that ran). phases: see `NoPhases`."""
     phases = NoPhases() if phases is None else phases
     if cfg.backend == "auto":  # CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
         return _train(cfg, phases)
@@ -138,19 +140,23 @@ def _step(run: RunState, step: int, phases) -> dict:
         # 1. generate G completions per prompt: [B, Lp + T]
         with phases.phase("generation"):
             batch = generate(run.model, examples, run)
-        with phases.phase("scoring"):
-            # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
-            rewards_per_func, failures = score(run.specs, batch["prompts"], batch["texts"],
-                                               batch["columns"])
-            all_rewards, rewards, advantages = _advantages(run, rewards_per_func)
-            # 4. micro-batches (shared-prefix, packed or padded rows, batching.py), then
-            # reference and old log-probs per micro-batch
-            mbs = batching.micro_batches(batch, run.layout, run.micro,
-                                         cfg.max_tokens_per_microbatch, run.agree, run.model_config)
-            ref_logps, old_logps = _scoring_logprobs(run, mbs)
-        # 5. optimize: micro-batches, accumulation normalized as TRL does
-        sums, loss_total, grad_norms = _optimize(run, batch, mbs, advantages, old_logps,
-                                                 ref_logps, phases)
+        # scoring and loss forwards run the chosen attention (run.attention); generation
+        # keeps the model's own
+        with hf.using_attention([run.model, run.ref_model], run.attention.implementation):
+            with phases.phase("scoring"):
+                # 2.-3. rewards [B, F] of this process -> all processes -> advantages [B]
+                rewards_per_func, failures = score(run.specs, batch["prompts"], batch["texts"],
+                                                   batch["columns"])
+                all_rewards, rewards, advantages = _advantages(run, rewards_per_func)
+                # 4. micro-batches (shared-prefix, packed or padded rows, batching.py), then
+                # reference and old log-probs per micro-batch
+                mbs = batching.micro_batches(batch, run.layout, run.micro,
+                                             cfg.max_tokens_per_microbatch, run.agree,
+                                             run.model_config)
+                ref_logps, old_logps = _scoring_logprobs(run, mbs)
+            # 5. optimize: micro-batches, accumulation normalized as TRL does
+            sums, loss_total, grad_norms = _optimize(run, batch, mbs, advantages, old_logps,
+                                                     ref_logps, phases)
     record = step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_norms,
                           start)
     fails = {k: v for d in gather_object([failures]) for k, v in d.items()}
@@ -341,4 +347,6 @@ def _finish(run: RunState, step: int, interrupted: bool, history: dict) -> dict:
             run.say(plot_curves(run.out_dir))
     accel.wait_for_everyone()
     return {"step": step, "interrupted": interrupted, "eval_accuracy": history,
-            "model": model, "tokenizer": run.tokenizer, "main_process": accel.is_main_process}
+            "model": model, "tokenizer": run.tokenizer, "main_process": accel.is_main_process,
+            "layout": str(run.layout), "attention": run.attention.implementation,
+            "generation": run.generation_path}

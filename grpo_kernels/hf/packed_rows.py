@@ -300,13 +300,17 @@ def check_packed_attention(model: nn.Module, atol: float = 1e-4) -> str | None:
 
     Runs the model once (cached per model) on two short sequences, packed and one at a time, and
     compares the logits: attention implementations or models that do not read sequence
-    boundaries from position_ids would let the second sequence see the first. Pass the model
-    before a DDP/FSDP wrapper is put around it (a PEFT wrapper is fine)."""
+    boundaries from position_ids would let the second sequence see the first. Implementations
+    that take the boundaries (`takes_boundaries`) are handed them, as the trainers hand them.
+    The outcome is cached per model and attention implementation (`hf.attention_choice` may
+    check another implementation than the model's own). Pass the model before a DDP/FSDP
+    wrapper is put around it (a PEFT wrapper is fine)."""
     inner = model
-    if inner in _PACKING_CHECKED:
-        return _PACKING_CHECKED[inner]
     config = getattr(inner, "config", None)
     impl = getattr(config, "_attn_implementation", None)
+    seen = _PACKING_CHECKED.setdefault(inner, {})
+    if impl in seen:
+        return seen[impl]
     vocab = getattr(config, "vocab_size", None) or 2
     device = next(inner.parameters()).device
     generator = torch.Generator().manual_seed(0)
@@ -319,7 +323,9 @@ def check_packed_attention(model: nn.Module, atol: float = 1e-4) -> str | None:
     inner.eval()  # no dropout in the comparison
     try:
         with torch.no_grad():
-            packed = inner(input_ids=row, position_ids=pos, use_cache=False).logits.float()
+            bounds = boundaries_of(pos) if takes_boundaries(config) else {}
+            packed = inner(input_ids=row, position_ids=pos, use_cache=False,
+                           **bounds).logits.float()
             alone = torch.cat([inner(input_ids=x, use_cache=False).logits.float()
                                for x in (a, b)], dim=1)
         err = (packed - alone).abs().max().item()
@@ -332,7 +338,7 @@ def check_packed_attention(model: nn.Module, atol: float = 1e-4) -> str | None:
                   f"{type(exc).__name__}: {exc}")
     finally:
         inner.train(was_training)
-    _PACKING_CHECKED[inner] = reason
+    seen[impl] = reason
     return reason
 
 

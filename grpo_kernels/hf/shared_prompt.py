@@ -208,16 +208,20 @@ def _config_refusal(config) -> str | None:
 def check_shared_prompt(model: nn.Module, atol: float = 1e-4) -> str | None:
     """None if `model` can run shared-prefix rows exactly, else why not (a sentence).
 
-    Refuses from the config first (`_config_refusal`), then runs the model once (cached per
-    model) on a prompt with two completions, shared and one sequence at a time, and compares the
-    completions' logits. Pass the model before any DDP/FSDP wrapper (a PEFT wrapper is fine)."""
-    if model in _SHARING_CHECKED:
-        return _SHARING_CHECKED[model]
+    Refuses from the config first (`_config_refusal`), then runs the model once on a prompt
+    with two completions, shared and one sequence at a time, and compares the completions'
+    logits. Cached per model and attention implementation (`hf.attention_choice` may check
+    another implementation than the model's own). Pass the model before any DDP/FSDP wrapper (a
+    PEFT wrapper is fine)."""
     config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    seen = _SHARING_CHECKED.setdefault(model, {})
+    if impl in seen:
+        return seen[impl]
     reason = _config_refusal(config) if config is not None else "the model has no config"
     if reason is None:
         reason = _compare_with_separate(model, config, atol)
-    _SHARING_CHECKED[model] = reason
+    seen[impl] = reason
     return reason
 
 

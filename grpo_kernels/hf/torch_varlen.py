@@ -63,6 +63,7 @@ def varlen_flash_attention(module, query, key, value, attention_mask, scaling=No
         max_q = max_k = L
     else:
         max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    query, key, value = _autocast_inputs(query, key, value)
     if key.shape[1] != H:  # grouped-query attention: repeat the key/value heads
         key = key.repeat_interleave(H // key.shape[1], dim=1)
         value = value.repeat_interleave(H // value.shape[1], dim=1)
@@ -70,6 +71,20 @@ def varlen_flash_attention(module, query, key, value, attention_mask, scaling=No
     out = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                       **_keywords(varlen_attn, scaling, D))
     return out.reshape(B, L, H, D), None
+
+
+def _autocast_inputs(query, key, value):
+    """q, k, v in the autocast dtype where autocast is on and one of them is float32: with
+    float32 weights under bf16 autocast, the projections give bf16 but rotary embeddings
+    (cos/sin in the residual stream's float32) promote q and k back to float32, and the flash
+    kernels take 16-bit inputs only (sdpa is cast by autocast itself; this custom op is not)."""
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device)
+    if all(x.dtype == dtype for x in (query, key, value)):
+        return query, key, value
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
 
 
 def register() -> str:

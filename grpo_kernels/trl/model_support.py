@@ -21,12 +21,19 @@ quirk with how it is detected and what is checked, and the row layout that follo
     attention over packed     the attention implementation,     the layout (`hf.choose_layout`):
       or shared-prefix rows     layer types, MoE                shared, packed or padded, said
                                                                 on one log line with the reason
+    attention implementation  the device, the layout, the       `hf.choose_attention`'s rule
+                              model class and config            among sdpa and eager (set for
+                                                                the whole model: TRL generates
+                                                                with it too), checked to give
+                                                                the model's own logits; its own
+                                                                log line
     vision inputs             the batch's image keys            that batch runs padded rows
                               (`model_inputs.MULTIMODAL_KEYS`)  (`ModelSupport.packs`)
 
 `ModelSupport` holds the outcome: `fallback` (why TRL's own implementation must run, or None),
-`aux_loss` (the bound MoE loss), `layout`. The trainer is composed of one and reads nothing else
-about the model's family.
+`aux_loss` (the bound MoE loss), `layout`, `attention` (the `hf.AttentionChoice` set on the
+model's config, or None where the model keeps its own). The trainer is composed of one and
+reads nothing else about the model's family.
 """
 
 from __future__ import annotations
@@ -36,13 +43,16 @@ import logging
 import torch
 
 from ..hf import (
+    AttentionChoice,
     RowLayout,
     check_output_head,
+    choose_attention,
     choose_layout,
     fsdp2_root,
     load_balancing_loss,
     resolved_head,
 )
+from ..hf.unwrap import unwrap_model
 from ..hf.zero3 import zero3_head
 from .padding_free import packable
 
@@ -60,6 +70,7 @@ class ModelSupport:
         self.padding_free, self.share_prompt = padding_free, share_prompt
         self.aux_loss = None  # fn(router_logits, attention_mask): the MoE load-balancing loss
         self.forward_check_pending = False  # ZeRO-3: the head's forward check waits for a batch
+        self.attention: AttentionChoice | None = None  # set by `_decide_layout`
         self.fallback = self._moe(model, aux_loss_enabled) or self._head(model)
         self.layout = self._decide_layout(model)
 
@@ -106,7 +117,21 @@ class ModelSupport:
         (logger.info if quiet else logger.warning)(
             "grpo_kernels.trl.GRPOTrainer: scoring and loss forwards run %s rows: %s "
             "(padding_free=%s, share_prompt=%s)", layout, reason, padding_free, share_prompt)
+        self.attention = self._decide_attention(model, layout)
         return layout
+
+    def _decide_attention(self, model, layout: RowLayout) -> AttentionChoice | None:
+        """The rule's attention for this device and layout (`hf.choose_attention`), among the
+        implementations fit for every forward (scoped=False: TRL's generation runs the same
+        model), set on the model's config; None (the model's own implementation) while TRL's
+        implementation runs or the decision waits for the first batch (ZeRO-3)."""
+        if self.fallback is not None or self.forward_check_pending:
+            return None
+        choice = choose_attention(model, layout, scoped=False)  # logs its own line, once
+        config = unwrap_model(model).config
+        if config._attn_implementation != choice.implementation:
+            config._attn_implementation = choice.implementation
+        return choice
 
     def at_batch(self, model, fsdp_enabled: bool) -> str | None:
         """Before a forward on `model` (as TRL hands it, possibly wrapped): runs the checks

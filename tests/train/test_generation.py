@@ -192,13 +192,12 @@ def test_fallback_and_the_log_line(embedded, monkeypatch):
     ctx = make_ctx(model, tok, cfg, "auto", log)
     generation.generate(model, EXAMPLES, ctx)
     generation.generate(model, EXAMPLES, ctx)
-    assert log == ["generation: padded (auto on CPU: continuous batching only pays off for long, "
-                   f"varied completions); {ONCE}"]
+    assert log == [f"generation: padded (auto, rule cpu: padded (measured)); {ONCE}"]
 
     log = []
-    generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "continuous", log, bf16=True))
-    assert log == ["generation: padded (--bf16 autocast does not reach continuous batching's "
-                   f"generation thread); {ONCE}"]
+    generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "continuous", log, fsdp=True))
+    assert log == ["generation: padded (--fsdp: continuous batching needs the full parameters in "
+                   f"one process); {ONCE}"]
 
     def broken(*args, **kwargs):
         raise RuntimeError("no cache for you")

@@ -1,0 +1,99 @@
+"""benchmarks/gpu_trainer.sh, the prepared device script: its dry run (DRY_RUN=1: every step on
+the CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows, the loss runs
+taking each attention implementation the rule considers on the CPU and reporting the layout and
+attention that ran; and the step runner's rows (ok, n/a for a missing package, timeout, failure,
+skipped at the deadline), which the dry run cannot reach."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def read(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_steps_rows(tmp_path):
+    """~2-3 minutes on a 2-core CPU (ten short processes)."""
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
+    env.pop("TRITON_INTERPRET", None)  # as a user runs it
+    run = subprocess.run(["bash", "benchmarks/gpu_trainer.sh"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = {r["step"]: r for r in read(tmp_path / "gpu_trainer.csv")}
+    trl = summary["step-p16-trl"]["status"] != "n/a: trl, datasets not installed"
+    assert list(summary) == [
+        "loss-p16-padded", "loss-p16-packed-sdpa", "loss-p16-packed-eager", "loss-p48-padded",
+        "loss-p48-shared-sdpa", "loss-p48-shared-eager", "step-p16-trl", "step-p16-trl-kernels",
+        "step-p16-fused", "generation-p16"], run.stdout[-3000:]
+    for name, r in summary.items():
+        missing = name.startswith("step-p16-trl") and not trl
+        assert r["status"] == ("n/a: trl, datasets not installed" if missing else "ok"), (
+            name, r, (tmp_path / "gpu_trainer.log").read_text()[-3000:])
+    for name in ("env.txt", "steps.txt", "gpu_trainer.log"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    results = tmp_path / "results"
+    steps = read(next(results.glob("*-trainer.csv")))
+    ran = [(r["provider"], r["prompt_tokens"], r["attn_implementation"], r["row_layout"],
+            r["attention"]) for r in steps]
+    fused = "grpo_train+fused"
+    assert ran[:6] == [(fused, "16", "auto", "padded", "sdpa"),
+                       (fused, "16", "sdpa", "packed", "sdpa"),
+                       (fused, "16", "eager", "packed", "eager"),
+                       (fused, "48", "auto", "padded", "sdpa"),
+                       (fused, "48", "sdpa", "shared", "sdpa"),
+                       (fused, "48", "eager", "shared", "eager")]
+    assert all(r["status"] == "ok" and float(r["loss_s"]) > 0 for r in steps)
+    assert all(r["generation"] == "synthetic" for r in steps[:6])
+    whole = [(r["provider"], r["row_layout"], r["generation_path"]) for r in steps[6:]]
+    assert whole[-1] == (fused, "shared", "padded")  # real generation, the CPU rule's path
+    if trl:
+        assert [w[0] for w in whole] == ["trl GRPOTrainer", "grpo_kernels.trl GRPOTrainer", fused]
+        assert whole[0][1] == "padded" and whole[1][1] == "shared"
+    gen = read(next(results.glob("*-generation.csv")))
+    assert [r["path"] for r in gen] == ["per-row", "padded", "static-eager", "continuous"]
+    assert len({r["completion_tokens"] for r in gen}) == 1  # the same forced lengths
+    assert {r["prompt_tokens"] for r in gen} == {"16"}
+
+
+STEPS = """
+set -u
+cd "$ROOT"
+stamp() { echo "[stamp] $*"; }
+START=$(date +%s); DEADLINE_S=$DEADLINE; MIN_STEP_S=3
+SUMMARY="$OUT/s.csv"; LOG="$OUT/s.log"
+echo "step,status,seconds,command" > "$SUMMARY"
+source benchmarks/gpu_steps.sh
+run_step fine 10 - true
+run_step missing 10 "no_such_module_for_this_test" true
+run_step broken 10 - bash -c "exit 3"
+run_step slow 1 - sleep 5
+run_step "with, comma" 10 "os, sys" echo "a, b"
+"""
+
+
+@pytest.mark.parametrize("deadline", [60, 2])
+def test_step_runner_rows(tmp_path, deadline):
+    env = dict(os.environ, ROOT=str(ROOT), OUT=str(tmp_path), DEADLINE=str(deadline))
+    run = subprocess.run(["bash", "-c", STEPS], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = {r["step"]: r["status"] for r in read(tmp_path / "s.csv")}
+    if deadline == 2:  # under MIN_STEP_S left: nothing starts; a missing package still says so
+        assert rows.pop("missing") == "n/a: no_such_module_for_this_test not installed"
+        assert list(rows) == ["fine", "broken", "slow", "with, comma"]
+        assert all(v.startswith("skipped: ") and v.endswith("s left of the 2s deadline")
+                   for v in rows.values()), rows
+        return
+    assert rows == {"fine": "ok", "missing": "n/a: no_such_module_for_this_test not installed",
+                    "broken": "failed: exit 3", "slow": "timeout after 1s", "with, comma": "ok"}
+    assert "a, b" in (tmp_path / "s.log").read_text()
