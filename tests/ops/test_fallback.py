@@ -28,7 +28,7 @@ from grpo_kernels.kernels import (
     logits_logprobs,
 )
 from grpo_kernels.kernels.epilogue import EPILOGUE, KIND_SHIFT
-from grpo_kernels.ops import fallback
+from grpo_kernels.ops import fallback, route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 KW = dict(beta=0.04, loss_type="dapo", epsilon_high=0.28, entropy_coef=0.01)
@@ -64,7 +64,10 @@ def failing_forward(monkeypatch, error=None, **kw) -> FailingKernel:
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
+    """No earlier failure; the four-pass route (its kernels are the ones these tests fail; the
+    three-pass route's fallback has its own test at the end)."""
     monkeypatch.delenv(fallback.STRICT_ENV, raising=False)
+    monkeypatch.setenv(route.ENV, "0")
     fallback.reset()
     yield
     fallback.reset()
@@ -335,3 +338,27 @@ def test_classification_of_driver_errors():
     assert fallback.fallback_cause(oom, on_gpu=True).startswith("OutOfResources")
     for error in (torch.cuda.OutOfMemoryError("CUDA out of memory"), MemoryError()):
         assert fallback.fallback_cause(_raise_inside_triton(error), on_gpu=True) is None
+
+
+THREE_PASS = "linear-head/three-pass+epilogue:clipped+old+kl/cpu/float32/bias"
+
+
+def test_the_three_pass_route_falls_back_to_its_chunked_twin(monkeypatch):
+    """The Triton three-pass route's row kernel fails to build: the call runs the chunked
+    three-pass computation (same contract) under the route's own variant key, with one warning;
+    strict mode raises instead."""
+    monkeypatch.setenv(route.ENV, "1")
+    head, grpo = batch(seed=4)
+    want = on_torch(linear_loss, head, grpo)
+    kernel = FailingKernel(compile_error())
+    monkeypatch.setattr(logits_logprobs, "_logits_logprob_fwd_kernel", kernel)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours = linear_loss(head, grpo)
+    (warning,) = fallback_warnings(record)
+    assert f"kernel {THREE_PASS} failed" in str(warning.message)
+    assert fallback.fallback_counts() == {THREE_PASS: 1}
+    assert_equal(ours, want)
+    monkeypatch.setenv(fallback.STRICT_ENV, "1")
+    with pytest.raises(CompilationError):
+        linear_loss(head, grpo)
