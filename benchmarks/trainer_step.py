@@ -211,7 +211,11 @@ def parse_args(argv):
                         help="CPU: also count the scoring and loss phases' allocator bytes "
                              "with torch.profiler (<phase>_alloc_rise_gib; slows those phases)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    args = parser.parse_args(argv)
+    return _checked(parser, parser.parse_args(argv))
+
+
+def _checked(parser, args):
+    """The parsed arguments with the tiny or full defaults filled in, or a parser error."""
     defaults = dict(num_generations=(8, 4), completion_tokens=(1024, 16), prompt_tokens=(64, 16))
     for name, (full, tiny) in defaults.items():
         if getattr(args, name) is None:

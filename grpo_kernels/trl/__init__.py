@@ -6,6 +6,7 @@ See `trainer.py` for what changes and what falls back to TRL's own code.
 """
 
 from ..hf import fsdp2_root, run_as_forward  # re-exported: the FSDP2 helper lives in hf/fsdp.py
-from .trainer import GRPOTrainer, policy_terms
+from .losses import policy_terms
+from .trainer import GRPOTrainer
 
 __all__ = ["GRPOTrainer", "fsdp2_root", "policy_terms", "run_as_forward"]

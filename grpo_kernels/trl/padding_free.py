@@ -16,7 +16,7 @@ normalization, metrics and accumulation see the batch TRL built.
   padded scoring chunks, so fewer forwards run and none holds more than TRL's did. Shared rows
   are cut between prompt groups, so a forward holds whole groups of the generation batch (TRL
   puts a prompt's G completions next to each other there).
-- The loss (`packed_completion_hidden`, `packed_grpo_loss`) runs one forward per TRL
+- The loss (`packed_completion_hidden`, then `losses.packed_grpo_loss`) runs one forward per TRL
   micro-batch, as TRL does; the micro-batch is TRL's, so its loss normalization and
   gradient-accumulation scaling are TRL's. Shared rows share every prompt whose completions
   meet in the micro-batch, wherever TRL's shuffle put them; the micro-batches stay TRL's.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from ..functional import fused_linear_grpo_loss
 from ..hf import (
     RowLayout,
     completion_hidden_states,
@@ -47,7 +46,7 @@ from ..hf import (
 from ..hf.packed_rows import boundaries_of, takes_boundaries
 from ..hf.shared_prompt import prompt_groups
 
-__all__ = ["equal_count_across", "packable", "packed_completion_hidden", "packed_grpo_loss",
+__all__ = ["equal_count_across", "packable", "packed_completion_hidden",
            "packed_scores"]
 
 
@@ -86,41 +85,6 @@ def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: tor
                                    **row_inputs(packed, config))
     hidden, aux = (out[0], aux_loss(out[1], packed.real_mask())) if aux_loss else (out, None)
     return hidden[0], packed, aux
-
-
-def packed_grpo_loss(packed, hidden, weight, bias, completion_ids, mask, advantages, old_logps,
-                     ref_logps, params, num_items_in_batch=None, importance_sampling_ratio=None,
-                     grad_filter=None, sampling_logps=None, entropy_gather=None, **transform):
-    """The fused loss on the packed tokens: TRL's per-token inputs [S, T] packed to the N kept
-    tokens (`packed.pack`; per-sequence values [S] / [S, 1] stay), the head on hidden [N, D]
-    with packed.cu_seqlens. Returns (loss, the detached GRPOTerms with their per-token values
-    back on the [S, T] grid) (zero at the tokens the rows do not hold, which TRL's mask
-    already excludes) for TRL's metrics. Equals the fused loss on the grid: the tokens left out
-    are masked there. mask: TRL's loss mask (completion mask times tool mask), 0 allowed at
-    kept tokens."""
-    S, T = packed.shape
-
-    def per_token(x):  # [S, T] -> [N]; per-sequence values as they are
-        return packed.pack(x) if x is not None and tuple(x.shape) == (S, T) and T > 1 else x
-
-    loss, _, terms = fused_linear_grpo_loss(
-        hidden, weight, packed.pack(completion_ids), per_token(advantages), packed.pack(mask),
-        packed.pack(old_logps), packed.pack(ref_logps), bias,
-        num_items_in_batch=num_items_in_batch,
-        importance_sampling_ratio=per_token(importance_sampling_ratio),
-        cu_seqlens=packed.cu_seqlens.to(hidden.device), grad_filter=grad_filter,
-        sampling_logps=packed.pack(sampling_logps), return_token_values=True,
-        entropy_gather=entropy_gather, params=params, **transform)
-    N = hidden.shape[0]
-
-    def grid(x):  # per-token [N] -> [S, T]; per-sequence [S, 1] and None as they are
-        if x is None or x.dim() != 1 or x.shape[0] != N:
-            return x
-        return packed.unpack(x)
-
-    return loss, terms._replace(logp=grid(terms.logp), entropy=grid(terms.entropy),
-                                ratio=grid(terms.ratio), kl=grid(terms.kl),
-                                entropy_mask=grid(terms.entropy_mask))
 
 
 def _row_chunks(R: int, W: int, budget: int, equal_count_across=None) -> list[range]:

@@ -83,7 +83,6 @@ except ImportError as exc:  # TRL is an optional dependency
         "grpo_kernels.trl needs TRL (>= 1.16): pip install grpo-kernels[trl]"
     ) from exc
 
-from ..functional import fused_linear_grpo_loss
 from ..grpo_options import EntropyController
 from ..hf import (
     RowLayout,
@@ -99,14 +98,10 @@ from ..params import GRPOParams
 from ..validation import check_grad_filter
 from .bookkeeping import LossBookkeeping
 from .compat import trl_checked
+from .losses import packed_grpo_loss, padded_grpo_loss, policy_terms
 from .model_inputs import MULTIMODAL_KEYS, ModelInputs
 from .model_support import ModelSupport
-from .padding_free import (
-    equal_count_across,
-    packed_completion_hidden,
-    packed_grpo_loss,
-    packed_scores,
-)
+from .padding_free import equal_count_across, packed_completion_hidden, packed_scores
 
 # `_compute_loss` below mirrors the conventions of this TRL release (its parity is tested on it)
 TESTED_TRL = (1, 16)
@@ -147,50 +142,6 @@ def _warn_at_user_frame(message: str) -> None:
 # What runs instead, as the fallback warnings say it (the module docstring's Fallbacks)
 _TRL_ENTIRELY = "TRL's own implementation runs instead, its model forward and lm_head included"
 _TRL_LOSS = "TRL's loss math runs instead, on log-probs from grpo-kernels' fused kernels"
-
-
-def policy_terms(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
-                 params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-                 grad_filter=None, sampling_logps=None, softcap=None, logit_scale=None):
-    """The GRPO policy loss with differentiable per-token values, for a trainer that forms its
-    own loss from them (`fused_linear_grpo_loss(..., return_terms=True)`: the four-pass route,
-    no [N, V] logits); params.entropy_coef is ignored.
-    hidden [B, T, D], weight [V, D], bias [V] | None, completion_ids/mask [B, T].
-    Returns (Σ weight·ℓ: 0-dim float32, entropy [B, T] (differentiable), ratio [B, T] or [B, 1]
-    (detached), kl [B, T] (detached) or None). grad_filter, softcap, logit_scale: see
-    `selective_logprobs` (`grpo_kernels.hf.logit_transform(model)` gives a model's).
-    """
-    _check_hidden(hidden)
-    terms = fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, mask, old_logps,
-                                   ref_logps, bias, num_items_in_batch=num_items_in_batch,
-                                   importance_sampling_ratio=importance_sampling_ratio,
-                                   grad_filter=grad_filter, sampling_logps=sampling_logps,
-                                   return_terms=True, softcap=softcap, logit_scale=logit_scale,
-                                   params=params)
-    return terms.policy_loss, terms.entropy, terms.ratio, terms.kl
-
-
-def _check_hidden(hidden) -> None:
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, T, D], got {getattr(hidden, 'shape', hidden)}")
-
-
-def _grpo_loss(hidden, weight, bias, completion_ids, mask, advantages, old_logps, ref_logps,
-               params: GRPOParams, num_items_in_batch=None, importance_sampling_ratio=None,
-               grad_filter=None, sampling_logps=None, entropy_gather=None, softcap=None,
-               logit_scale=None):
-    """The trainer's loss on padded rows: (loss, entropy bonus of params.entropy_coef included,
-    the detached GRPOTerms for TRL's metrics), by the route every loss takes
-    (`fused_linear_grpo_loss(..., return_token_values=True)`: the three-pass route where it
-    applies)."""
-    _check_hidden(hidden)
-    loss, _, terms = fused_linear_grpo_loss(
-        hidden, weight, completion_ids, advantages, mask, old_logps, ref_logps, bias,
-        num_items_in_batch=num_items_in_batch,
-        importance_sampling_ratio=importance_sampling_ratio, grad_filter=grad_filter,
-        sampling_logps=sampling_logps, return_token_values=True, entropy_gather=entropy_gather,
-        softcap=softcap, logit_scale=logit_scale, params=params)
-    return loss, terms
 
 
 @contextlib.contextmanager
@@ -386,7 +337,8 @@ class GRPOTrainer(LossBookkeeping, ModelInputs, _TRLGRPOTrainer):
                                                          multimodal, self.aux_loss_enabled)
                 aux.append(aux_loss)
                 hidden, weight, bias = head_for(hidden, model, self._head_dtype)
-            grpo = _grpo_loss if packed is None else functools.partial(packed_grpo_loss, packed)
+            grpo = (padded_grpo_loss if packed is None
+                    else functools.partial(packed_grpo_loss, packed))
             with torch.autocast(hidden.device.type, enabled=False):
                 return grpo(
                     hidden, weight, bias, completion_ids.to(hidden.device), mask, advantages,
