@@ -103,10 +103,12 @@ def arguments(P, dtype, weight_dtype=None):
             epilogue(P, dev), g_ent)
 
 
-def ours(P, dtype, weight_dtype=None, needs=(True, True, True), chunk_rows=4, **transform):
+def ours(P, dtype, weight_dtype=None, needs=(True, True, True), chunk_rows=4, fused=False,
+         **transform):
     args = arguments(P, dtype, weight_dtype)
     ep = args[5]
-    out = llg.linear_loss_grad(*args, needs, chunk_rows=chunk_rows, **transform)
+    out = llg.linear_loss_grad(*args, needs, chunk_rows=chunk_rows, fused_rows=fused,
+                               **transform)
     assert out.coef is ep.outputs[1]
     stats = dict(zip(("logp", "entropy", "lse", "coef"), (out.logp, out.entropy, out.lse,
                                                           out.coef)))
@@ -146,14 +148,14 @@ def assert_bounded(got, same, truth, tol, what):
         assert max_err(o, t) <= bound, f"{what} {k}: {max_err(o, t):.3g} > {bound:.3g}"
 
 
-def check(P, dtype, weight_dtype=None, chunk_rows=4, **transform):
+def check(P, dtype, weight_dtype=None, chunk_rows=4, fused=False, **transform):
     """Ours against the truth (bounded by PyTorch's same-dtype error) and the four-pass route.
     The head is rounded to its dtypes first: the truth is that of the values the kernels see."""
     P = dict(P, **dict(zip(("h", "w", "b"), (
         None if x is None else x.float() for x in head(P, dtype, weight_dtype)))))
     truth = torch_terms(P, torch.float64, **transform)
     same = torch_terms(P, weight_dtype or dtype, **transform)  # the mixed head: a float32 head
-    got = ours(P, dtype, weight_dtype, chunk_rows=chunk_rows, **transform)
+    got = ours(P, dtype, weight_dtype, chunk_rows=chunk_rows, fused=fused, **transform)
     tol = 1e-4 if weight_dtype else TOL[dtype]
     assert_bounded(got[0], same[0], truth[0], tol, "stats")
     # the mixed head's d hidden is rounded to bf16: against the float32 head's, rounded so
@@ -214,6 +216,31 @@ def test_16bit_and_mixed_heads(dtype, weight_dtype, chunk_rows):
     P = problem(seed=3, loss_type="grpo", beta=0.04, temperature=0.7, delta=1.5,
                 entropy_coef=0.05, rollout=True)
     check(P, dtype, weight_dtype, chunk_rows=chunk_rows)
+
+
+FUSED_CASES = [
+    (torch.float32, None, dict(loss_type="cispo", beta=0.04, epsilon_high=5.0, delta=1.5,
+                               rollout=True, entropy_coef=0.05), {}),
+    (torch.bfloat16, None, dict(loss_type="dppo", beta=0.04, use_bias_correction_kl=True,
+                                entropy_coef=0.05), dict(softcap=3.0, logit_scale=1.6)),
+    (torch.bfloat16, torch.float32, dict(loss_type="grpo", temperature=0.7), dict(logit_scale=0.4)),
+]
+
+
+@pytest.mark.parametrize("dtype,weight_dtype,kw,transform", FUSED_CASES,
+                         ids=["fp32", "bf16-softcap", "mixed-scale"])
+def test_fused_row_kernel(dtype, weight_dtype, kw, transform):
+    """fused_rows=True (one kernel for the row forward, epilogue and backward): the numbers of
+    the two kernels, and bounded against the truth and the four-pass route like them."""
+    P = problem(seed=12, **kw)
+    two = ours(P, dtype, weight_dtype, **transform)
+    one = check(P, dtype, weight_dtype, fused=True, **transform)
+    exact = KERNEL_DEVICE.type == "cpu"  # the same operations; a GPU compiler may contract them
+    for k in STATS:
+        assert (torch.equal(one[0][k], two[0][k]) if exact else
+                max_err(one[0][k], two[0][k]) <= 1e-6 * max(1.0, _scale(two[0][k]))), k
+    for name, a, b in zip(GRADS, one[1], two[1]):
+        assert (torch.equal(a, b) if exact else max_err(a, b) <= 1e-5 * _scale(b)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
