@@ -8,7 +8,7 @@ temperature, delta, bias-corrected KL, rollout ratios, the entropy coefficient, 
 soft cap, a bias, one chunk and several, frozen parts, float32, bfloat16, float16 and the
 mixed head. Errors of 16-bit heads are bounded by twice PyTorch's own error in that dtype.
 Plus: no host synchronization and the buffers it allocates (a dispatch mode records the ops),
-the chunk-size rule, the GEMM helpers, and bad arguments."""
+the chunk-size rule and bad arguments (the GEMM helpers: test_gemm.py)."""
 
 from collections import Counter
 
@@ -373,51 +373,6 @@ def test_bad_arguments():
         call(h, w, b, P["ids"], 1.0, ep._replace(flags=0))
     with pytest.raises(ValueError, match="chunk_rows must be"):
         call(h, w, b, P["ids"], 1.0, ep, chunk_rows=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mnk", [(7, 9, 40), (40, 9, 7), (7, 40, 9)],
-                         ids=["N-longest", "M-longest", "K-longest"])
-def test_gemm_product(dtype, mnk, device, monkeypatch):
-    """gemm.product: float32 accumulation, one rounding to out's dtype, with a bias, adding into
-    a float32 out, and a 16-bit out from float32 operands; sliced (SLICE = 8) on the CPU."""
-    monkeypatch.setattr(gemm, "SLICE", 8)
-    M, N, K = mnk
-    g = torch.Generator().manual_seed(0)
-    a, b, bias, acc = (torch.randn(*s, generator=g) for s in ((M, K), (K, N), (N,), (M, N)))
-    a, b, bias = (x.to(dtype).to(device) for x in (a, b, bias))
-    exact = a.double() @ b.double()
-    for out_dtype in {dtype, torch.float32}:
-        out = torch.empty(M, N, dtype=out_dtype, device=device)
-        gemm.product(out, a, b, bias)
-        want = (exact + bias.double()).to(out_dtype)
-        assert max_err(out, want) <= 1e-5 * _scale(want.double()) + _ulp(want), out_dtype
-    out = acc.to(device).clone()
-    gemm.product(out, a, b, add=True)
-    assert max_err(out, acc.double().to(device) + exact) <= 1e-5 * _scale(exact)
-    if dtype == torch.float32:  # the mixed head's d hidden: float32 operands, a 16-bit result
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
-        gemm.product(out, a, b)
-        assert max_err(out, exact.bfloat16()) <= _ulp(exact.bfloat16())
-
-
-def _ulp(x):
-    """One unit in the last place of x's largest magnitude, in x's dtype (0 for float32)."""
-    return 0.0 if x.dtype == torch.float32 else (
-        x.abs().max().double().item() * torch.finfo(x.dtype).eps)
-
-
-@pytest.mark.gpu
-def test_gemm_accumulation_without_addmm_dtype(monkeypatch, device):
-    """The accumulate_mm fallback where torch.addmm takes no float32 self with 16-bit operands."""
-    monkeypatch.setattr(gemm, "addmm_f32_supported", lambda device: False)
-    g = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(*s, generator=g).bfloat16().to(device) for s in ((300, 70), (70, 130)))
-    acc = torch.randn(300, 130, device=device)
-    want = acc.double() + a.double() @ b.double()
-    gemm.product(acc, a, b, add=True)
-    assert max_err(acc, want) <= 1e-5 * _scale(want)
-
 
 
 @pytest.mark.parametrize("V", [75, pytest.param(151936, marks=pytest.mark.slow)])
