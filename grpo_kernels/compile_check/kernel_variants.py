@@ -81,7 +81,7 @@ class Variant:
     kernel: object  # the @triton.jit function
     args: dict  # every parameter of the kernel by name
     options: dict  # num_warps, num_stages, enable_fp_fusion
-    kind: str  # linear_fwd, combine, linear_bwd, linear_dz, logits_fwd, logits_bwd
+    kind: str  # linear_fwd, combine, linear_bwd, linear_dz, logits_fwd, logits_bwd, logits_fused
     default: bool  # launched by the default configuration (see `variants`)
     shape: tuple = ()  # (N, D, V) it was built for (the first one, when several coincide)
 
@@ -309,6 +309,18 @@ def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
                     stride_db=V, stride_dt=V, HAS_GENT=gent, **bcfg, **_transform_args(tr))
         yield Variant(f"logits_bwd[fp32->{d},three-pass,V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
+    # the fused row kernel (fused_rows=True: an option, not the default)
+    fused = itertools.product(EPILOGUES[1:2] if quick else EPILOGUES[1:], (False, True))
+    for (epi, gent), tr in _with_transforms(fused, ((EPILOGUES[1], True),), quick):
+        fcfg, fopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1],
+                                                     converting_backward=d != "fp32",
+                                                     fused=True))
+        args = dict(rows, dx_ptr=Ptr(d), logp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
+                    stride_db=V, stride_dt=V, HAS_GENT=gent, **_epilogue_args(epi), **fcfg,
+                    **_transform_args(tr))
+        yield Variant(f"logits_fused[fp32->{d},V={V},epi={_tag(epi)},gent={gent}"
+                      f"{_transform_tag(tr)}]", lgt._logits_loss_grad_kernel, args, fopts,
+                      "logits_fused", False)
 
 
 def default_linear_backward() -> str:

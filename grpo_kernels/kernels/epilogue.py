@@ -170,7 +170,7 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
 @triton.jit
 def grpo_token_outputs(offs, mask, logp, epi_tensors, epi_scalars, EPI_FLAGS: tl.constexpr):
     """Loads a block of per-token GRPO inputs ([N] float32), applies the epilogue, stores
-    weight·ℓ, weight·dℓ/dlogp, kl and the ratio."""
+    weight·ℓ, weight·dℓ/dlogp, kl and the ratio; returns weight·dℓ/dlogp (the block's g_logp)."""
     old_ptr, ref_ptr, adv_ptr, isr_ptr, wt_ptr, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr = \
         epi_tensors
     adv = tl.load(adv_ptr + offs, mask=mask, other=0.0)
@@ -186,6 +186,8 @@ def grpo_token_outputs(offs, mask, logp, epi_tensors, epi_scalars, EPI_FLAGS: tl
         isr = tl.load(isr_ptr + offs, mask=mask, other=1.0)
     loss, dloss, kl, w = grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS)
     tl.store(lossw_ptr + offs, wt * loss, mask=mask)
-    tl.store(glogp_ptr + offs, wt * dloss, mask=mask)
+    coef = wt * dloss
+    tl.store(glogp_ptr + offs, coef, mask=mask)
     tl.store(kl_ptr + offs, kl, mask=mask)
     tl.store(ratio_ptr + offs, w, mask=mask)
+    return coef

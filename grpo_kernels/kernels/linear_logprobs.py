@@ -58,13 +58,16 @@ def _store_token_results(
     epi_tensors, epi_scalars, EPI_FLAGS: tl.constexpr,
 ):
     """Stores a block's lse, entropy and logp [BLOCK_N], then runs the GRPO epilogue (the
-    bundle of `epilogue.py`) on logp when there is one."""
+    bundle of `epilogue.py`) on logp when there is one. Returns its weight·dℓ/dlogp [BLOCK_N]
+    (zeros without an epilogue; callers that do not need it let the compiler drop it)."""
     logp = tl.where(n_mask, z_target - lse, 0.0)  # rows past N stay finite in the epilogue
     tl.store(lse_ptr + offs_n, lse, mask=n_mask)
     tl.store(ent_ptr + offs_n, ent, mask=n_mask)
     tl.store(logp_ptr + offs_n, logp, mask=n_mask)
+    coef = tl.zeros_like(logp)
     if EPILOGUE & EPI_FLAGS:
-        grpo_token_outputs(offs_n, n_mask, logp, epi_tensors, epi_scalars, EPI_FLAGS)
+        coef = grpo_token_outputs(offs_n, n_mask, logp, epi_tensors, epi_scalars, EPI_FLAGS)
+    return coef
 
 
 # Sizes that vary with the batch are not specialized on: one compile serves every sequence length.

@@ -13,7 +13,8 @@ d logits go straight into the gradient GEMMs. Per chunk of rows r:
   4. d hidden[r] = d y @ W              [C, D], one GEMM rounded once to hidden's dtype
      d W += d y^T @ h[r]                [V, D], float32 across chunks; d b += Σ_rows d y (float32)
 
-against four passes for a forward plus a backward that recomputes the logits. With a logit
+against four passes for a forward plus a backward that recomputes the logits. Steps 2 and 3 may
+run as one kernel (`fused_rows`, `logits_logprobs.logits_loss_grad`). With a logit
 transform z = cap(s·y) / τ (`logit_transform.py`) the row kernels apply it, so d y is the
 gradient of the raw logits y and the GEMMs are unchanged.
 
@@ -39,7 +40,7 @@ import torch
 
 from . import gemm
 from .epilogue import EPILOGUE, EpilogueArgs
-from .logits_logprobs import logits_logprob_backward, logits_logprob_forward
+from .logits_logprobs import logits_logprob_backward, logits_logprob_forward, logits_loss_grad
 
 F32 = torch.float32
 # The default budget of a call's chunk buffers on a GPU (`chunk_rows`): 1 GiB gives 1,328 rows
@@ -81,7 +82,7 @@ def chunk_rows(n: int, V: int, D: int, dtype: torch.dtype, budget_bytes: int) ->
 
 def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: EpilogueArgs,
                      g_ent=None, needs=(True, True, True), chunk_rows=None, budget_bytes=None,
-                     softcap=None, logit_scale=None) -> LossGrad:
+                     softcap=None, logit_scale=None, fused_rows=False) -> LossGrad:
     """Loss terms and gradients of Σ weight·ℓ + Σ g_ent·H for z = cap(s·(h W^T + b)) / τ.
 
     hidden [Na, D] (contiguous; the rows to compute, masked tokens already dropped), weight
@@ -89,16 +90,19 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: Epilo
     (`epilogue.epilogue_args`) on these rows; the kernels fill its four [Na] outputs. g_ent:
     [Na] float32 entropy coefficients or None. needs: which of (hidden, weight, bias) want a
     gradient. chunk_rows: rows per chunk (default: `chunk_rows` of budget_bytes, default
-    CUDA_BUDGET_BYTES). softcap, logit_scale: the logit transform. Shapes are the caller's to
+    CUDA_BUDGET_BYTES). softcap, logit_scale: the logit transform. fused_rows: steps 2 and 3
+    in one kernel (`logits_logprobs.logits_loss_grad`; the same numbers, a candidate to race
+    on a GPU: its second read of a row block may hit L2). Shapes are the caller's to
     guarantee; nothing here waits for the device."""
     _check(hidden, weight, bias, targets, epilogue, g_ent)
     with torch.no_grad():  # the GEMMs write into buffers (out=): no autograd graph here
         return _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, needs,
-                          chunk_rows, budget_bytes, dict(softcap=softcap, logit_scale=logit_scale))
+                          chunk_rows, budget_bytes, dict(softcap=softcap, logit_scale=logit_scale),
+                          fused_rows)
 
 
 def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, needs, rows_arg,
-               budget_bytes, transform) -> LossGrad:
+               budget_bytes, transform, fused: bool) -> LossGrad:
     (Na, D), V = hidden.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype (= weight's)
     C = _resolve_rows(rows_arg, budget_bytes, Na, V, D, dt)
@@ -114,15 +118,20 @@ def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, need
         h = hidden[rows].to(dt)  # a copy only for the mixed head: [r, D] float32
         y = logits[:r]
         gemm.product(y, h, weight.T, bias)  # pass 1: raw logits [r, V] float32
-        logits_logprob_forward(y.view(r, 1, V), targets[rows], temperature,
-                               _chunk_epilogue(epilogue, rows), **transform,
-                               out=(logp[rows], ent[rows], lse[rows]))
-        if dz is None:
-            continue
-        d = dz[:r]  # d loss / d y [r, V]
-        logits_logprob_backward(y.view(r, 1, V), targets[rows], lse[rows], ent[rows],
-                                coef[rows], None if g_ent is None else g_ent[rows],
-                                temperature, out=d.view(r, 1, V), **transform)
+        stats, ep = (logp[rows], ent[rows], lse[rows]), _chunk_epilogue(epilogue, rows)
+        g_ent_rows = None if g_ent is None else g_ent[rows]
+        d = None if dz is None else dz[:r]  # d loss / d y [r, V]
+        if fused and d is not None:  # passes 2 and 3 in one kernel
+            logits_loss_grad(y.view(r, 1, V), targets[rows], temperature, ep, g_ent_rows, stats,
+                             d.view(r, 1, V), **transform)
+        else:
+            logits_logprob_forward(y.view(r, 1, V), targets[rows], temperature, ep,
+                                   **transform, out=stats)
+            if d is None:
+                continue
+            logits_logprob_backward(y.view(r, 1, V), targets[rows], stats[2], stats[1],
+                                    coef[rows], g_ent_rows, temperature, out=d.view(r, 1, V),
+                                    **transform)
         grads.add_chunk(rows, d, h, weight, first=r0 == 0)
     return LossGrad(logp, ent, lse, coef, *grads.finish())
 

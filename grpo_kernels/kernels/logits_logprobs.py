@@ -7,8 +7,10 @@
 Memory-bound: forward reads each row once (online log-sum-exp, target pick, entropy, optional
 GRPO epilogue); backward reads it once more and writes d logits once, into a fresh buffer or, with
 `inplace`, over the logits themselves. Nothing of [N, V] float32 is ever allocated.
+`logits_loss_grad` runs both in one program per row block, the backward's coefficient from the
+forward's epilogue (an option of the three-pass route, `linear_loss_grad.py`).
 
-Layout: kernel, launcher; backward kernel, launcher.
+Layout: forward kernel, launcher; backward kernel, launcher; the fused kernel, launcher.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .epilogue import no_epilogue
+from .epilogue import EPILOGUE, no_epilogue
 from .linear_logprobs import NEG_BIG, _store_token_results, loop_bound
 from .logit_transform import logit_transform_args, softcap_logits, softcap_logits_grad
 
@@ -38,23 +40,11 @@ def _clamped_targets(tgt_ptr, offs_n, n_mask, V):
     return tl.minimum(tl.maximum(tgt, 0), V - 1)
 
 
-@triton.jit(do_not_specialize=["N", "T"])
-def _logits_logprob_fwd_kernel(
-    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
-    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
-    N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
-    EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-):
-    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    n_mask = offs_n < N
-    rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
-    # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into the
-    # row, so that no load leaves the logits; the backward clamps it the same way
-    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
-    # the target logit is one load per row, not a search through the tiles
-    x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
-    z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
+@triton.jit
+def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: tl.constexpr,
+                    BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(lse, entropy) [ROWS] of z = cap(s·x) / τ for a block of rows (offsets `rows`), in one
+    online sweep over V: running max m, Σ e^(z - m) and Σ e^(z - m)·(z - m)."""
     m = tl.full([ROWS], NEG_BIG, tl.float32)  # running max
     s = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)
     t = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)·(z - m)
@@ -78,8 +68,30 @@ def _logits_logprob_fwd_kernel(
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
     log_s = tl.log(tl.where(n_mask, s, 1.0))
-    _store_token_results(offs_n, n_mask, m + log_s, log_s - t / tl.where(n_mask, s, 1.0), z_tgt,
-                         lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
+    return m + log_s, log_s - t / tl.where(n_mask, s, 1.0)
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def _logits_logprob_fwd_kernel(
+    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
+    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
+    N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
+    EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
+    # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into the
+    # row, so that no load leaves the logits; the backward clamps it the same way
+    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
+    # the target logit is one load per row, not a search through the tiles
+    x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
+    z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
+    lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
+                               BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+    _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr, epi_tensors,
+                         epi_scalars, EPI_FLAGS)
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
@@ -102,6 +114,37 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
         EPI_FLAGS=ep.flags, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     return logp, ent, lse
+
+
+@triton.jit
+def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
+                    logit_mul, softcap, HAS_GENT: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Writes the d logits of a block of rows (offsets `rows` in x, `drows` in dx) in one sweep
+    over V; tgt, lse, ent, g = g_logp, gh = g_entropy are [ROWS]; busy == 0 (no row of the block
+    has a gradient) writes zeros without reading x."""
+    for v0 in range(0, loop_bound(V), BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        msk = n_mask[:, None] & (offs_v[None, :] < V)
+        if busy != 0.0:
+            x = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
+                        other=0.0).to(tl.float32)
+            dzdx = 1.0
+            if HAS_SCALE or HAS_SOFTCAP:
+                x, dzdx = softcap_logits_grad(x, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
+            log_p = x * inv_temp - lse[:, None]
+            p = tl.exp(log_p)
+            onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+            dz = g[:, None] * (onehot - p)
+            if HAS_GENT:
+                dz -= gh[:, None] * p * (log_p + ent[:, None])
+            dz = dz * inv_temp
+            if HAS_SCALE or HAS_SOFTCAP:
+                dz = dz * dzdx
+        else:
+            dz = tl.zeros([ROWS, BLOCK_V], tl.float32)  # rows without gradient: no read
+        tl.store(dx_ptr + drows[:, None] + offs_v[None, :],
+                 dz.to(dx_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -128,28 +171,8 @@ def _logits_logprob_bwd_kernel(
         busy += tl.max(tl.abs(gh), axis=0)
     tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)  # the forward's target column
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-    for v0 in range(0, loop_bound(V), BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        msk = n_mask[:, None] & (offs_v[None, :] < V)
-        if busy != 0.0:
-            x = tl.load(x_ptr + rows[:, None] + offs_v[None, :], mask=msk,
-                        other=0.0).to(tl.float32)
-            dzdx = 1.0
-            if HAS_SCALE or HAS_SOFTCAP:
-                x, dzdx = softcap_logits_grad(x, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
-            log_p = x * inv_temp - lse[:, None]
-            p = tl.exp(log_p)
-            onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-            dz = g[:, None] * (onehot - p)
-            if HAS_GENT:
-                dz -= gh[:, None] * p * (log_p + ent[:, None])
-            dz = dz * inv_temp
-            if HAS_SCALE or HAS_SOFTCAP:
-                dz = dz * dzdx
-        else:
-            dz = tl.zeros([ROWS, BLOCK_V], tl.float32)  # rows without gradient: no read
-        tl.store(dx_ptr + drows[:, None] + offs_v[None, :],
-                 dz.to(dx_ptr.dtype.element_ty), mask=msk)
+    _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
+                    logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
@@ -171,3 +194,60 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
         HAS_GENT=g_ent is not None, **cfg, **logit_transform_args(softcap, logit_scale),
     )
     return dx
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def _logits_loss_grad_kernel(
+    x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, gent_ptr,
+    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py); EPI_FLAGS has it on
+    N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
+    EPI_FLAGS: tl.constexpr, HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    # the forward's sweep and epilogue, then the backward's sweep with g_logp = weight·dℓ/dlogp
+    # from registers: the second read of a row block may come from L2
+    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
+    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
+    x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
+    z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
+    lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
+                               BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+    g = _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+                             epi_tensors, epi_scalars, EPI_FLAGS)
+    busy = tl.max(tl.abs(g), axis=0)
+    gh = g
+    if HAS_GENT:
+        gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
+        busy += tl.max(tl.abs(gh), axis=0)
+    lse = tl.where(n_mask, lse, 0.0)  # rows past N: finite, as the backward loads them
+    _d_logits_sweep(x_ptr, dx_ptr, rows, _row_offsets(offs_n, T, stride_db, stride_dt), n_mask,
+                    tgt, lse, ent, g, gh, busy, V, inv_temp, logit_mul, softcap, HAS_GENT, ROWS,
+                    BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+
+
+def logits_loss_grad(logits, targets, temperature, epilogue, g_ent, out, dx, softcap=None,
+                     logit_scale=None) -> None:
+    """`logits_logprob_forward` with the GRPO epilogue, then `logits_logprob_backward` with
+    g_logp = the epilogue's weight·dℓ/dlogp, in one program per block of rows (each row swept
+    twice: its statistics, then its d logits). logits [B, T, V]; targets [B·T] int64; epilogue:
+    the bundle (`epilogue.epilogue_args`, on), whose outputs it fills; g_ent [B·T] float32 or
+    None; out: (logp, entropy, lse) [B·T] float32 to write; dx [B, T, V]: the d logits (any
+    float dtype; not the logits themselves)."""
+    if not EPILOGUE.value & epilogue.flags:
+        raise ValueError("logits_loss_grad needs the GRPO epilogue (epilogue.epilogue_args)")
+    B, T, V = logits.shape
+    N = B * T
+    if N == 0:
+        return
+    logp, ent, lse = out
+    cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
+                              converting_backward=dx.dtype != logits.dtype, fused=True)
+    _logits_loss_grad_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+        logits, dx, targets, lse, ent, logp, g_ent if g_ent is not None else logp,
+        epilogue.tensors, epilogue.scalars,
+        N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
+        1.0 / temperature, EPI_FLAGS=epilogue.flags, HAS_GENT=g_ent is not None, **cfg,
+        **logit_transform_args(softcap, logit_scale),
+    )

@@ -199,11 +199,13 @@ def accumulate_mm(dtype: torch.dtype, device: torch.device | None,
 
 
 def logits(V: int, device: torch.device | None, arch: int | None = None,
-           softcap_backward: bool = False, converting_backward: bool = False) -> dict:
+           softcap_backward: bool = False, converting_backward: bool = False,
+           fused: bool = False) -> dict:
     """Logits-input kernels (`logits_logprobs`); softcap_backward: the backward kernel with a
     logit soft cap (its tanh and derivative add live temporaries); converting_backward: the
     backward writes d logits in another dtype than the logits' (float32 logits, 16-bit d logits:
-    the three-pass route, `linear_loss_grad.py`)."""
+    the three-pass route, `linear_loss_grad.py`); fused: the forward, epilogue and backward in
+    one kernel (`logits_logprobs.logits_loss_grad`)."""
     cc = target_arch(device, arch)
     if cc is None:
         return dict(ROWS=4, BLOCK_V=64, **_opts(4))
@@ -213,8 +215,9 @@ def logits(V: int, device: torch.device | None, arch: int | None = None,
     # capped backward with the entropy gradient spilled 8 B at 4096 (sm_80, float32, V = 32001):
     # it takes 2048-wide chunks (8 elements per thread).
     # Float32 logits in and 16-bit d logits out with V not a multiple of 16 (scalar loads and
-    # conversions) spilled 8-16 B at 4096 with the entropy gradient (sm_75, sm_90): 2048 too.
-    narrow = softcap_backward or (converting_backward and V % 16 != 0)
+    # conversions) spilled 8-16 B at 4096 with the entropy gradient (sm_75, sm_90), and so did
+    # the fused kernel (sm_80, float32, a logit scale, 24 B): 2048 for them too.
+    narrow = softcap_backward or ((converting_backward or fused) and V % 16 != 0)
     chunk = 2048 if narrow else 4096
     block = min(triton.next_power_of_2(V), chunk)
     rows = max(1, min(16, chunk // triton.next_power_of_2(V)))

@@ -8,7 +8,7 @@ temperature, delta, bias-corrected KL, rollout ratios, the entropy coefficient, 
 soft cap, a bias, one chunk and several, frozen parts, float32, bfloat16, float16 and the
 mixed head. Errors of 16-bit heads are bounded by twice PyTorch's own error in that dtype.
 Plus: no host synchronization and the buffers it allocates (a dispatch mode records the ops),
-the chunk-size rule, the GEMM helpers, and bad arguments."""
+the chunk-size rule and bad arguments (the GEMM helpers: test_gemm.py)."""
 
 from collections import Counter
 
@@ -103,10 +103,12 @@ def arguments(P, dtype, weight_dtype=None):
             epilogue(P, dev), g_ent)
 
 
-def ours(P, dtype, weight_dtype=None, needs=(True, True, True), chunk_rows=4, **transform):
+def ours(P, dtype, weight_dtype=None, needs=(True, True, True), chunk_rows=4, fused=False,
+         **transform):
     args = arguments(P, dtype, weight_dtype)
     ep = args[5]
-    out = llg.linear_loss_grad(*args, needs, chunk_rows=chunk_rows, **transform)
+    out = llg.linear_loss_grad(*args, needs, chunk_rows=chunk_rows, fused_rows=fused,
+                               **transform)
     assert out.coef is ep.outputs[1]
     stats = dict(zip(("logp", "entropy", "lse", "coef"), (out.logp, out.entropy, out.lse,
                                                           out.coef)))
@@ -146,14 +148,14 @@ def assert_bounded(got, same, truth, tol, what):
         assert max_err(o, t) <= bound, f"{what} {k}: {max_err(o, t):.3g} > {bound:.3g}"
 
 
-def check(P, dtype, weight_dtype=None, chunk_rows=4, **transform):
+def check(P, dtype, weight_dtype=None, chunk_rows=4, fused=False, **transform):
     """Ours against the truth (bounded by PyTorch's same-dtype error) and the four-pass route.
     The head is rounded to its dtypes first: the truth is that of the values the kernels see."""
     P = dict(P, **dict(zip(("h", "w", "b"), (
         None if x is None else x.float() for x in head(P, dtype, weight_dtype)))))
     truth = torch_terms(P, torch.float64, **transform)
     same = torch_terms(P, weight_dtype or dtype, **transform)  # the mixed head: a float32 head
-    got = ours(P, dtype, weight_dtype, chunk_rows=chunk_rows, **transform)
+    got = ours(P, dtype, weight_dtype, chunk_rows=chunk_rows, fused=fused, **transform)
     tol = 1e-4 if weight_dtype else TOL[dtype]
     assert_bounded(got[0], same[0], truth[0], tol, "stats")
     # the mixed head's d hidden is rounded to bf16: against the float32 head's, rounded so
@@ -214,6 +216,31 @@ def test_16bit_and_mixed_heads(dtype, weight_dtype, chunk_rows):
     P = problem(seed=3, loss_type="grpo", beta=0.04, temperature=0.7, delta=1.5,
                 entropy_coef=0.05, rollout=True)
     check(P, dtype, weight_dtype, chunk_rows=chunk_rows)
+
+
+FUSED_CASES = [
+    (torch.float32, None, dict(loss_type="cispo", beta=0.04, epsilon_high=5.0, delta=1.5,
+                               rollout=True, entropy_coef=0.05), {}),
+    (torch.bfloat16, None, dict(loss_type="dppo", beta=0.04, use_bias_correction_kl=True,
+                                entropy_coef=0.05), dict(softcap=3.0, logit_scale=1.6)),
+    (torch.bfloat16, torch.float32, dict(loss_type="grpo", temperature=0.7), dict(logit_scale=0.4)),
+]
+
+
+@pytest.mark.parametrize("dtype,weight_dtype,kw,transform", FUSED_CASES,
+                         ids=["fp32", "bf16-softcap", "mixed-scale"])
+def test_fused_row_kernel(dtype, weight_dtype, kw, transform):
+    """fused_rows=True (one kernel for the row forward, epilogue and backward): the numbers of
+    the two kernels, and bounded against the truth and the four-pass route like them."""
+    P = problem(seed=12, **kw)
+    two = ours(P, dtype, weight_dtype, **transform)
+    one = check(P, dtype, weight_dtype, fused=True, **transform)
+    exact = KERNEL_DEVICE.type == "cpu"  # the same operations; a GPU compiler may contract them
+    for k in STATS:
+        assert (torch.equal(one[0][k], two[0][k]) if exact else
+                max_err(one[0][k], two[0][k]) <= 1e-6 * max(1.0, _scale(two[0][k]))), k
+    for name, a, b in zip(GRADS, one[1], two[1]):
+        assert (torch.equal(a, b) if exact else max_err(a, b) <= 1e-5 * _scale(b)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -346,51 +373,6 @@ def test_bad_arguments():
         call(h, w, b, P["ids"], 1.0, ep._replace(flags=0))
     with pytest.raises(ValueError, match="chunk_rows must be"):
         call(h, w, b, P["ids"], 1.0, ep, chunk_rows=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mnk", [(7, 9, 40), (40, 9, 7), (7, 40, 9)],
-                         ids=["N-longest", "M-longest", "K-longest"])
-def test_gemm_product(dtype, mnk, device, monkeypatch):
-    """gemm.product: float32 accumulation, one rounding to out's dtype, with a bias, adding into
-    a float32 out, and a 16-bit out from float32 operands; sliced (SLICE = 8) on the CPU."""
-    monkeypatch.setattr(gemm, "SLICE", 8)
-    M, N, K = mnk
-    g = torch.Generator().manual_seed(0)
-    a, b, bias, acc = (torch.randn(*s, generator=g) for s in ((M, K), (K, N), (N,), (M, N)))
-    a, b, bias = (x.to(dtype).to(device) for x in (a, b, bias))
-    exact = a.double() @ b.double()
-    for out_dtype in {dtype, torch.float32}:
-        out = torch.empty(M, N, dtype=out_dtype, device=device)
-        gemm.product(out, a, b, bias)
-        want = (exact + bias.double()).to(out_dtype)
-        assert max_err(out, want) <= 1e-5 * _scale(want.double()) + _ulp(want), out_dtype
-    out = acc.to(device).clone()
-    gemm.product(out, a, b, add=True)
-    assert max_err(out, acc.double().to(device) + exact) <= 1e-5 * _scale(exact)
-    if dtype == torch.float32:  # the mixed head's d hidden: float32 operands, a 16-bit result
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
-        gemm.product(out, a, b)
-        assert max_err(out, exact.bfloat16()) <= _ulp(exact.bfloat16())
-
-
-def _ulp(x):
-    """One unit in the last place of x's largest magnitude, in x's dtype (0 for float32)."""
-    return 0.0 if x.dtype == torch.float32 else (
-        x.abs().max().double().item() * torch.finfo(x.dtype).eps)
-
-
-@pytest.mark.gpu
-def test_gemm_accumulation_without_addmm_dtype(monkeypatch, device):
-    """The accumulate_mm fallback where torch.addmm takes no float32 self with 16-bit operands."""
-    monkeypatch.setattr(gemm, "addmm_f32_supported", lambda device: False)
-    g = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(*s, generator=g).bfloat16().to(device) for s in ((300, 70), (70, 130)))
-    acc = torch.randn(300, 130, device=device)
-    want = acc.double() + a.double() @ b.double()
-    gemm.product(acc, a, b, add=True)
-    assert max_err(acc, want) <= 1e-5 * _scale(want)
-
 
 
 @pytest.mark.parametrize("V", [75, pytest.param(151936, marks=pytest.mark.slow)])

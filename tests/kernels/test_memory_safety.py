@@ -171,10 +171,11 @@ def test_logits_kernels_stay_in_bounds(checker, arch, dtype):
     assert_clean(checker)
 
 
-def test_bad_target_ids_are_clamped_in_the_row_kernels(checker, arch):
-    """The three-pass route's row kernels (kernels/linear_loss_grad.py) with ids outside
-    [0, V): no access outside the launch's tensors, and the results of the clamped ids (the
-    caller reports a bad id; the kernels only stay in bounds)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused"])
+def test_bad_target_ids_are_clamped_in_the_row_kernels(checker, arch, fused):
+    """The three-pass route's row kernels (kernels/linear_loss_grad.py, both forms) with ids
+    outside [0, V): no access outside the launch's tensors, and the results of the clamped ids
+    (the caller reports a bad id; the kernels only stay in bounds)."""
     B, T, D, V = 1, 13, 24, 75
     hidden, weight, bias, ids = make_head(B, T, D, V, torch.float32, "cpu", bias=True)
     h, ids = hidden[0], ids[0]
@@ -186,7 +187,8 @@ def test_bad_target_ids_are_clamped_in_the_row_kernels(checker, arch):
 
     def run(targets):
         ep = epilogue_args(rule, torch.full((T,), 1.0 / T), adv, old - 3, ref - 3, None)
-        out = linear_loss_grad(h, weight, bias, targets, 0.9, ep, g_ent, chunk_rows=4)
+        out = linear_loss_grad(h, weight, bias, targets, 0.9, ep, g_ent, chunk_rows=4,
+                               fused_rows=fused)
         return [*out, *ep.outputs]
 
     bad = run(ids)
