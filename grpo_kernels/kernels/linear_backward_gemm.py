@@ -126,6 +126,7 @@ def pick_orientation(N, V, D, rows, cols, need_dh, need_dw) -> str:
     return "tokens" if tokens_cost <= vocab_cost else "vocab"
 
 
+@torch.no_grad()  # library GEMMs with out=: under create_graph=True grad mode would be on here
 def linear_logprob_backward_gemm(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
     lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None,

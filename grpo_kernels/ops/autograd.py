@@ -19,8 +19,11 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
+from torch._C import _functions
 
 from ..params import TokenLossArgs
+
+ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 # A token-terms op's GRPO arguments: weights, advantages, old/ref log-probs, the rollout ratios,
 # then TokenLossArgs' fields; the logit transform (softcap, logit_scale) follows them.
@@ -94,7 +97,9 @@ def setup_linear(ctx, inputs, output):
 
 
 def linear_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
-    return _grads_for(ctx, linear_grads(ctx, g_logp, g_ent, backward))
+    with torch.no_grad():  # the backward op has no autograd formula: nothing to record
+        grads = linear_grads(ctx, g_logp, g_ent, backward)
+    return _grads_for(ctx, once_differentiable(grads))
 
 
 def setup_logits(ctx, inputs, output):
@@ -108,7 +113,9 @@ def setup_logits(ctx, inputs, output):
 
 
 def logits_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
-    return _grads_for(ctx, (logits_grads(ctx, g_logp, g_ent, backward),))
+    with torch.no_grad():
+        grads = (logits_grads(ctx, g_logp, g_ent, backward),)
+    return _grads_for(ctx, once_differentiable(grads))
 
 
 # ---- the token-terms ops: inputs (kernel tensors, targets, options, GRPO tensors, hyperparameters)
@@ -147,7 +154,9 @@ def setup_linear_terms(ctx, inputs, output):
 
 
 def linear_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
-    grads = linear_grads(ctx, _token_grads(ctx, g_logp, g_token_loss), g_ent)
+    with torch.no_grad():
+        grads = linear_grads(ctx, _token_grads(ctx, g_logp, g_token_loss), g_ent)
+    grads = once_differentiable(grads)
     return (*grads, *[None] * (ctx.n_inputs - len(grads)))
 
 
@@ -159,5 +168,20 @@ def setup_logits_terms(ctx, inputs, output):
 
 
 def logits_terms_backward(ctx, g_logp, g_ent, _g_lse, g_token_loss, *_):
-    grad = logits_grads(ctx, _token_grads(ctx, g_logp, g_token_loss), g_ent)
-    return (grad, *[None] * (ctx.n_inputs - 1))
+    with torch.no_grad():
+        grad = logits_grads(ctx, _token_grads(ctx, g_logp, g_token_loss), g_ent)
+    return (*once_differentiable((grad,)), *[None] * (ctx.n_inputs - 1))
+
+
+def once_differentiable(grads: tuple) -> tuple:
+    """The gradients as they are, or, under create_graph=True (grad mode on in a backward), as
+    outputs of a node that raises when differentiated: no second derivative goes through the
+    head's kernels, and saying so beats the silent zeros of an operator without an autograd
+    formula for its backward (as @once_differentiable does for an autograd.Function)."""
+    given = [x for x in grads if x is not None]
+    if not torch.is_grad_enabled() or not given:
+        return grads
+    error = _functions.DelayedError(ONCE, len(given))
+    out = error(*[x.detach().requires_grad_() for x in given])
+    out = iter(out if isinstance(out, tuple) else (out,))
+    return tuple(None if x is None else next(out) for x in grads)

@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch._C import _functions
 
 from .. import value_checks
 from ..chunked import loss_grad as chunked_loss_grad
@@ -47,11 +46,10 @@ from ..kernels import linear_loss_grad as triton_loss_grad
 from ..kernels.epilogue import epilogue_args
 from ..params import TokenLossArgs
 from . import fallback
+from .autograd import once_differentiable
 from .backends import IMPLS
 from .launch import LinearHeadOp, epilogue_variant
 from .route import chunk_budget_bytes
-
-ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 
 class ThreePass(NamedTuple):
@@ -267,19 +265,4 @@ class ThreePassLoss(torch.autograd.Function):
         value_checks.raise_ready()
         with torch.no_grad():
             grads = ctx.saved.take(ctx, g)
-        if torch.is_grad_enabled():  # create_graph=True
-            grads = once_differentiable(grads)
-        return None, *grads, None
-
-
-def once_differentiable(grads):
-    """The gradients as outputs of a node that raises when differentiated, as the operators'
-    once-differentiable backward returns them under create_graph=True (no second derivative
-    goes through the linear head on either route)."""
-    given = [x for x in grads if x is not None]
-    if not given:
-        return grads
-    error = _functions.DelayedError(ONCE, len(given))
-    out = error(*[x.detach().requires_grad_() for x in given])
-    out = iter(out if isinstance(out, tuple) else (out,))
-    return tuple(None if x is None else next(out) for x in grads)
+        return None, *once_differentiable(grads), None  # create_graph=True: no second order

@@ -144,7 +144,8 @@ def test_second_backward_of_a_retained_graph_recomputes(backend):
     first = torch.autograd.grad(loss * 2.0, (h, w, b), retain_graph=True)
     second = torch.autograd.grad(loss * 2.0, (h, w, b))
     for a, c in zip(first, second):
-        assert max_err(a, c) <= 1e-6 * max(c.abs().max().item(), 1e-3)
+        # the recompute runs the backend's four-pass backward: equal to float32 rounding
+        assert max_err(a, c) <= 1e-5 * max(c.abs().max().item(), 1e-3)
 
 
 @pytest.mark.parametrize("cfg", ["plain", "entropy-bias-isr", "no_old-num_items"])
