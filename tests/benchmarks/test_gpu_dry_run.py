@@ -209,3 +209,59 @@ def test_pack_keeps_every_file_in_one_archive(tmp_path):
         steps = tar.extractfile("peers/steps.txt").read().decode()
     assert [ln.split("] ")[1] for ln in steps.splitlines()] == ["one", "two"]
     assert _source_common("true", OUT=str(out), PACK="../x").returncode == 2
+
+
+def _block(script: str, block: str, names: list[str]) -> dict[str, list[str]]:
+    """The values that `block` (a function at the top of `script`) gives `names` (arrays or
+    strings), read by bash from the script itself."""
+    dump = " ".join(names)
+    done = subprocess.run(
+        ["bash", "-c", f"eval \"$(sed -n '/^{block}() {{/,/^}}/p' benchmarks/{script})\"; "
+         f"{block}; for n in {dump}; do declare -n v=$n; printf '%s\\0' \"${{#v[@]}}\" "
+         "\"${v[@]}\"; unset -n v; done"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    fields, out = done.stdout.split("\0")[:-1], {}
+    for name in names:
+        count = int(fields.pop(0))
+        out[name], fields = fields[:count], fields[count:]
+    return out
+
+
+# (shape array, providers variable or None for the default, kernel) of each script's sweeps
+SWEEPS = {"gpu_peers.sh": [("MAIN", "MAIN_PROVIDERS", "fused_linear"),
+                           ("HEADS", "EAGER", "fused_linear"),
+                           ("LOGITS", "LOGITS_PROVIDERS", "logits"),
+                           ("LONG", "EAGER", "fused_linear"), ("SHORT", "EAGER", "fused_linear")],
+          "gpu_session.sh": [("TARGETS", None, "fused_linear,logits"),
+                             ("SCALING", "SCALING_PROVIDERS", "fused_linear,logits")]}
+
+
+@pytest.mark.parametrize("block", ["device_block", "dry_block"])
+@pytest.mark.parametrize("script", sorted(SWEEPS))
+def test_every_sweep_of_both_blocks_takes_its_arguments(tmp_path, capsys, script, block):
+    """The device run's arguments are checked here, without a GPU: each sweep's heads, token
+    counts, modes, kernels and providers go through the harness' own checks (`--from-csv` of an
+    empty file measures nothing), and the profile's head and providers are known."""
+    from benchmarks import HEADS, make_shape
+    from benchmarks.__main__ import main
+    from benchmarks.providers import PROVIDERS
+    from benchmarks.runner import COLUMNS
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text(",".join(COLUMNS) + "\n")
+    names = sorted({x for sweep in SWEEPS[script] for x in sweep[:2] if x})
+    values = _block(script, block, names + ["SWEEP_ARGS"])
+    for shape, providers, kernels in SWEEPS[script]:
+        args = [*values[shape], *values["SWEEP_ARGS"], "--kernels", kernels, "--from-csv",
+                str(empty), "--device", "cpu"]
+        if providers:
+            args += ["--providers", values[providers][0]]
+        assert main(args) == 0, (shape, args, capsys.readouterr())
+        if "--tokens" in args:  # each head splits each N into sequences
+            for head in args[args.index("--heads") + 1].split(","):
+                for n in args[args.index("--tokens") + 1].split(","):
+                    make_shape(head, int(n))
+    if script == "gpu_peers.sh":
+        profile = _block(script, block, ["PROFILE"])["PROFILE"]
+        assert profile[profile.index("--head") + 1] in HEADS
+        assert all(f"fused_linear/{p}" in PROVIDERS for p in ("ours", "ours-4pass", "reference"))
