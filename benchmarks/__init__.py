@@ -145,3 +145,19 @@ def environment(device: torch.device) -> dict[str, str]:
         "triton": triton_version(),
         "commit": git_commit(),
     }
+
+
+def show_routes() -> None:
+    """Prints the "grpo_kernels" logger's INFO lines on stderr, as "# ..." lines: the first call
+    of each route of the linear-head loss says which route it took and why (three-pass, or
+    four-pass and the reason), so a sweep's log shows what each `ours` variant ran."""
+    import logging
+    import sys
+
+    log = logging.getLogger("grpo_kernels")
+    if not any(getattr(h, "_bench_routes", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("# %(message)s"))
+        handler._bench_routes = True
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)

@@ -24,7 +24,7 @@ import torch
 
 from grpo_train.flags import MissingPathError, Parser, UsageError, run_cli
 
-from . import HEADS, KERNELS, MODES, device_slug, environment, make_shape
+from . import HEADS, KERNELS, MODES, device_slug, environment, make_shape, show_routes
 from . import ceilings as ceilings_mod
 from .providers import NAMES, LossConfig, select
 from .runner import CsvLog, base_row, new_run_id, read_csv, sweep
@@ -214,6 +214,7 @@ def _main(argv: list[str]) -> int:
     print(f"# {env['device']}{interp} · torch {env['torch']} · triton {env['triton']}"
           f" · commit {env['commit']}", file=sys.stderr)
     print(f"# loss: {cfg}", file=sys.stderr)
+    show_routes()  # one "# ..." line per route the loss calls take
 
     if args.no_ceilings:  # reuse this device's recorded ceilings, if any ("%" stays empty)
         found = read_csv(csv_path) if csv_path.exists() else []

@@ -4,12 +4,17 @@ logits, random ids and advantages, ~25 % padding at the end of the sequences, ol
 within ~0.1 nats of the policy's; never zeros), the `Case` a provider builds (a loss call to
 time and the tensors that receive gradients) and the `Provider` record. `providers.py` and
 `peer_providers.py` build on it.
+
+The head's weight is a `torch.nn.Parameter`, as every model's lm_head weight is: a library that
+treats tensor subclasses apart (a dispatch route, a type check) meets the case users run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -34,9 +39,31 @@ class LossConfig:
                     temperature=self.temperature, loss_type=self.loss_type)
 
 
+@contextlib.contextmanager
+def env_vars(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Sets each variable to its value (None: unsets it) for the block, then puts back what it
+    found, so that one provider's setting never reaches the next provider's calls."""
+    found = {k: os.environ.get(k) for k in values}
+
+    def apply(vals):
+        for k, v in vals.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    apply(values)
+    try:
+        yield
+    finally:
+        apply(found)
+
+
 @dataclass
 class Case:
-    """Inputs built for one (provider, shape) and the loss call on them."""
+    """Inputs built for one (provider, shape) and the loss call on them. `env`: environment
+    variables set (a str) or unset (None) around every loss call and every backward of the
+    case, and restored after each (the library reads them at each call, some in the backward)."""
 
     loss: Callable[[], torch.Tensor]  # returns the 0-dim loss, with an autograd graph
     leaves: list[torch.Tensor]  # tensors that receive gradients
@@ -49,6 +76,17 @@ class Case:
     # False where the CPU memory tracker (a dispatch mode) cannot run the call: torch.compile
     # skips frames under a dispatch mode, and a fullgraph compile then raises
     cpu_memory: bool = True
+    env: dict[str, str | None] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.env:  # every call of `loss`, also one made outside `step`, sees the variables
+            inner = self.loss
+
+            def loss() -> torch.Tensor:
+                with env_vars(self.env):
+                    return inner()
+
+            self.loss = loss
 
     @property
     def grad_bytes(self) -> int:
@@ -62,10 +100,19 @@ class Case:
 
             return forward
         if mode == "fwd+bwd":
-            return lambda: self.loss().backward()
+            def fwd_bwd():
+                with env_vars(self.env):
+                    self.loss().backward()
+
+            return fwd_bwd
         if mode == "backward":
             loss = self.loss()
-            return lambda: loss.backward(retain_graph=True)
+
+            def backward():
+                with env_vars(self.env):
+                    loss.backward(retain_graph=True)
+
+            return backward
         raise ValueError(f"unknown mode {mode!r}")
 
     def timed_fresh_step(self, mode: str) -> Callable[[], float]:
@@ -135,7 +182,8 @@ def _chunk(V: int) -> int:
 
 
 def fused_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0):
-    """hidden [B, T, D] and weight [V, D] (leaves), ids, adv, mask, old, ref ([B, T])."""
+    """hidden [B, T, D] (a leaf tensor) and weight [V, D] (an nn.Parameter, as a model's
+    lm_head.weight), ids, adv, mask, old, ref ([B, T])."""
     g, ids, adv, mask = _batch(shape, device, seed)
     hidden = torch.randn(shape.B, shape.T, shape.D, device=device, dtype=dtype, generator=g)
     weight = torch.randn(shape.V, shape.D, device=device, dtype=dtype, generator=g)
@@ -145,7 +193,7 @@ def fused_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0):
     logp = _logp_blocks(blocks, ids, cfg.temperature)
     old, ref = _near(logp, g), _near(logp, g)
     del logp
-    return hidden.requires_grad_(), weight.requires_grad_(), ids, adv, mask, old, ref
+    return hidden.requires_grad_(), torch.nn.Parameter(weight), ids, adv, mask, old, ref
 
 
 def logits_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0, extra: int = 0):

@@ -13,7 +13,7 @@
 # Versions: the peers as the benchmark pins them; the rest are versions that ran TRL 1.16's head
 # on CPU (torch 2.13, transformers 5.24), except pyarrow: 24.0.0, the oldest datasets 5.2 admits,
 # has the smallest wheel (47 MiB of the 62 MiB in all; a device call carries at most 64 MiB).
-# LEAN=1 leaves out pandas and pyarrow, for an image known to have them. Packages torch and
+# LEAN=1 leaves out pandas and pyarrow, for an image known to have them (4 MiB in all then). Packages torch and
 # transformers bring with them (numpy, huggingface_hub, safetensors, pyyaml, packaging, filelock,
 # tqdm, jinja2) are not fetched.
 set -euo pipefail

@@ -1,69 +1,127 @@
 #!/usr/bin/env bash
-# One call on a machine with a CUDA device: our fused linear loss against the peers that also
-# avoid [N, V] logits (TRL's head, Cut Cross-Entropy, Liger-Kernel) and the eager and compiled
-# reference. Built to finish inside 8 minutes: every step's `timeout` is cut to what is left of
-# a 450 s deadline, each sweep stops starting new (provider, shape) pairs when its --time-budget
-# runs out, and rows are appended as they are measured, so a step cut short keeps its numbers.
-# The most important rows come first: the Llama-3-8B head at N = 16384.
+# One call on a machine with a CUDA device: our fused linear loss, on both of its routes (`ours`,
+# the default three-pass route; `ours-4pass`, GRPO_KERNELS_THREE_PASS=0), against the peers that
+# also avoid [N, V] logits (TRL's head, Cut Cross-Entropy, Liger-Kernel) and the eager and
+# compiled reference. Built to finish inside 8 minutes: every step's `timeout` is cut to what is
+# left of a 450 s deadline, each sweep stops starting new (provider, shape) pairs when its
+# --time-budget runs out, and rows are appended as they are measured, so a step cut short keeps
+# its numbers. The most important rows come first.
 #
-# Usage (repository root, with the wheels of benchmarks/fetch_wheels.sh in .whl/ when the machine
-# has no network):
-#   BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_peers.sh
+# The device run, step by step (seconds: the step's budget / its timeout):
+#   1. environment; the peers from .whl/ (90)
+#   2. peers-main: the Llama-3-8B head at N = 16384, every provider (the compiled reference
+#      last), forward and fwd+bwd, the matmul and copy ceilings first (150 / 200)
+#   3. profile: per-kernel profile of ours, ours-4pass and eager at that shape (70)
+#   4. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
+#   5. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
+#      the reference (25 / 45)
+#   6. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
+#      (70 / 90, 40 / 60)
 #
-# Writes under $OUT:
-#   env.txt                nvidia-smi, versions, commit, what the wheels installed
-#   peers-llama8b.md       Llama-3-8B head, N = 16384: all peers, forward and fwd+bwd
-#   profile.md             per-kernel profile of ours and eager at the Llama-3-8B head, N = 16384
-#   peers-n*.md            fwd+bwd at the other heads and token counts, as time allows
-#   results/<device>.csv   every row (copy into benchmarks/results/)
+# On the lent device (repository root here; wheels fetched once, 4 MiB; the tree and .whl/ must
+# stay under 64 MiB together):
+#   LEAN=1 bash benchmarks/fetch_wheels.sh
+#   run(command="BENCH_COMMIT=<sha> OUT=$OUT PACK=peers bash benchmarks/gpu_peers.sh",
+#       carry=[".whl"], timeout_s=540)
+#   with <sha> = `git rev-parse --short HEAD` here, written into the command (the device's copy
+#   of the tree has no .git); the files come back as $OUT/peers.tgz and $OUT/peers-steps.txt
+# Elsewhere: BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_peers.sh
+#
+# The dry run: DRY_RUN=1 OUT=/some/dir bash benchmarks/gpu_peers.sh runs every step on the CPU at
+# the synthetic heads (a few hundred tokens, float32; the chunked path where the device runs
+# Triton) in about two minutes, and writes the same files (tests/benchmarks/test_gpu_dry_run.py).
+#
+# Writes under $OUT (with PACK=NAME: in $OUT/NAME.tgz, and the steps in $OUT/NAME-steps.txt):
+#   env.txt, steps.txt     versions, commit, what the wheels installed; each step, timed
+#   peers-main.md          the main shape: all providers, forward and fwd+bwd
+#   profile.md             per-kernel profile of both routes of ours and eager there
+#   peers-heads.md, peers-logits.md, peers-long.md, peers-short.md   (and a .log per table)
+#   results/<device>.csv, results/<device>-profile.csv   every row (copy into benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_common.sh
-DEADLINE="${DEADLINE:-450}"  # seconds from the start; the device call's limit is 8 minutes
-# timeout for a step: its own limit, or what is left before the deadline if that is less
-limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); echo $(( left < $1 ? left : $1 )); }
 
-stamp "environment"
+device_block() {
+  DEADLINE=450  # seconds from the start; the device call's limit is 8 minutes
+  INSTALL_TIMEOUT=90
+  SWEEP_ARGS=()  # flags every sweep gets
+  MAIN=(--heads llama8b --tokens 16384)
+  MAIN_PROVIDERS=ours,ours-4pass,trl,cce,cce-filter,liger,reference,reference-compile
+  MAIN_TIME=(150 200)  # (--time-budget, timeout) in seconds
+  PROFILE=(--head llama8b --tokens 16384 --dtype bfloat16 --warmup 2 --steps 3)
+  PROFILE_TIMEOUT=70
+  EAGER=ours,ours-4pass,trl,cce,liger,reference
+  HEADS=(--heads qwen0.5b,qwen7b --tokens 16384)
+  HEADS_TIME=(60 80)
+  LOGITS=(--heads qwen0.5b --tokens 16384)
+  LOGITS_PROVIDERS=ours,liger,reference
+  LOGITS_TIME=(25 45)
+  LONG=(--heads llama8b,qwen7b,qwen0.5b --tokens 65536)
+  LONG_TIME=(70 90)
+  SHORT=(--heads llama8b,qwen7b,qwen0.5b --tokens 4096)
+  SHORT_TIME=(40 60)
+  ON_CPU=""
+}
+dry_block() {
+  DEADLINE=280
+  INSTALL_TIMEOUT=90
+  SWEEP_ARGS=(--cpu-budget 0.1 --threads 1)
+  MAIN=(--heads tiny --tokens 256)
+  MAIN_PROVIDERS=ours,ours-4pass,trl,cce,cce-filter,liger,reference,reference-compile
+  MAIN_TIME=(150 200)
+  PROFILE=(--head tiny --tokens 256 --dtype float32 --warmup 1 --steps 1)
+  PROFILE_TIMEOUT=70
+  EAGER=ours,ours-4pass,reference  # the peers run in peers-main (imports cost seconds a step)
+  HEADS=(--heads tiny --tokens 192)
+  HEADS_TIME=(60 80)
+  LOGITS=(--heads tiny --tokens 256)
+  LOGITS_PROVIDERS=ours,liger,reference
+  LOGITS_TIME=(25 45)
+  LONG=(--heads tiny --tokens 512)
+  LONG_TIME=(40 60)
+  SHORT=(--heads tiny --tokens 64)
+  SHORT_TIME=(40 60)
+  ON_CPU="CPU, float32, chunked path; CUDA-only providers n/a"
+}
+use_block device_block dry_block
+
+stamp "environment$(dry_says "$ON_CPU")"
 write_env
-stamp "installing the peers from .whl/"
-timeout "$(limit 90)" bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
-tail -n 3 "$OUT/env.txt"
+if [ "$DRY_RUN" = 1 ]; then stamp "carry size: $(carry_size)"; fi
+install_peers "$INSTALL_TIMEOUT"
 
-# sweep NAME BUDGET TIMEOUT ARGS...: one `python -m benchmarks` run into $OUT/NAME.md
+# sweep NAME BUDGET TIMEOUT ARGS...: one `python -m benchmarks` run into $OUT/NAME.md (table)
+# and $OUT/NAME.log (progress, the routes ours took, the exit status)
 sweep() {
-  local name=$1 budget=$2 cap t
-  cap=$(limit "$3")
+  local name=$1 budget=$2
+  step_cap "$name" "$3" || return 0
   shift 3
-  if [ "$cap" -le 20 ]; then stamp "skipped $name: deadline"; return; fi
-  t=$(( budget < cap - 15 ? budget : cap - 15 ))
-  stamp "sweep: $name (timeout ${cap}s, budget ${t}s)"
-  timeout "$cap" python -m benchmarks --kernels fused_linear --out "$OUT/results" \
-    --time-budget "$t" --markdown "$@" > "$OUT/$name.md" 2> "$OUT/$name.log"
+  budget=$(( budget < CAP - 15 ? budget : CAP - 15 ))
+  stamp "sweep $name: $* (timeout ${CAP}s, budget ${budget}s)$(dry_says "$ON_CPU")"
+  timeout "$CAP" python -m benchmarks --out "$OUT/results" --time-budget "$budget" --markdown \
+    "${SWEEP_ARGS[@]}" "$@" > "$OUT/$name.md" 2> "$OUT/$name.log"
   echo "exit $?" >> "$OUT/$name.log"
   tail -n 3 "$OUT/$name.log"
 }
 
-# 1. The Llama-3-8B head at N = 16384, every provider (the compiled reference runs last), with
-#    the matmul and copy ceilings measured first.
-sweep peers-llama8b 140 190 --heads llama8b --tokens 16384 --modes forward,fwd+bwd \
-  --providers ours,trl,cce,cce-filter,liger,reference,reference-compile
-# Where the time goes at that shape: a per-kernel profile of ours and the eager reference
-# (docs/gpu.md compares it across commits).
-cap=$(limit 60)
-if [ "$cap" -gt 20 ]; then
-  stamp "profile: llama8b N=16384 (timeout ${cap}s)"
-  timeout "$cap" python -m benchmarks.profile_head --head llama8b --tokens 16384 \
-    --providers ours reference --out "$OUT/results" > "$OUT/profile.md" 2> "$OUT/profile.log"
+sweep peers-main "${MAIN_TIME[@]}" --kernels fused_linear "${MAIN[@]}" \
+  --modes forward,fwd+bwd --providers "$MAIN_PROVIDERS"
+# Where the time goes at that shape, on both routes: a per-kernel profile (docs/gpu.md compares
+# it across commits).
+if step_cap profile "$PROFILE_TIMEOUT"; then
+  stamp "profile: ${PROFILE[*]} (timeout ${CAP}s)$(dry_says "CPU: ATen operators, not CUDA \
+kernels")"
+  timeout "$CAP" python -m benchmarks.profile_head "${PROFILE[@]}" \
+    --providers ours ours-4pass reference --out "$OUT/results" > "$OUT/profile.md" \
+    2> "$OUT/profile.log"
   echo "exit $?" >> "$OUT/profile.log"
-else
-  stamp "skipped profile: deadline"
 fi
-# 2. Forward + backward at the other shapes, eager providers, N = 16384 first, then 65536, 4096.
-eager=ours,trl,cce,liger,reference
-sweep peers-n16384 60 80 --heads qwen0.5b,qwen7b --tokens 16384 --modes fwd+bwd \
-  --providers "$eager" --no-ceilings
-sweep peers-n65536 70 90 --heads llama8b,qwen7b,qwen0.5b --tokens 65536 --modes fwd+bwd \
-  --providers "$eager" --no-ceilings
-sweep peers-n4096 40 60 --heads llama8b,qwen7b,qwen0.5b --tokens 4096 --modes fwd+bwd \
-  --providers "$eager" --no-ceilings
+sweep peers-heads "${HEADS_TIME[@]}" --kernels fused_linear "${HEADS[@]}" --modes fwd+bwd \
+  --providers "$EAGER" --no-ceilings
+sweep peers-logits "${LOGITS_TIME[@]}" --kernels logits "${LOGITS[@]}" --modes forward,fwd+bwd \
+  --providers "$LOGITS_PROVIDERS" --no-ceilings
+sweep peers-long "${LONG_TIME[@]}" --kernels fused_linear "${LONG[@]}" --modes fwd+bwd \
+  --providers "$EAGER" --no-ceilings
+sweep peers-short "${SHORT_TIME[@]}" --kernels fused_linear "${SHORT[@]}" --modes fwd+bwd \
+  --providers "$EAGER" --no-ceilings
 stamp "done"

@@ -7,27 +7,44 @@
 # or too-old packages come from .whl/ and nothing already there is replaced. If that resolution
 # fails (a pin the image does not meet and .whl/ does not hold), every wheel whose distribution
 # is not installed yet is installed with --no-deps; the import check below then says what works.
+#
+# TARGET=DIR installs into DIR instead of the environment (pip --target; the caller puts DIR on
+# PYTHONPATH): only the distributions not installed yet, each with --no-deps, and a wheel built
+# for another Python is reported and left out. The dry runs of the GPU scripts use it, so that
+# a rehearsal never changes the machine's environment.
 set -uo pipefail
 WHL="${WHL:-.whl}"
+TARGET="${TARGET:-}"
 PEERS=(trl==1.16.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
 
-if ls "$WHL"/*.whl > /dev/null 2>&1; then
-  if ! python -m pip install -q --no-index --find-links "$WHL" "${PEERS[@]}"; then
-    echo "install_wheels: resolution failed; installing missing distributions with --no-deps"
-    for whl in "$WHL"/*.whl; do
-      dist=$(basename "$whl" | cut -d- -f1)  # a wheel's name starts with its distribution
-      if ! python -c "import sys, importlib.metadata as m; m.version(sys.argv[1])" "$dist" \
-          2> /dev/null; then
-        python -m pip install -q --no-index --no-deps "$whl" || echo "install_wheels: $whl failed"
-      fi
-    done
-  fi
-else
+installed() {  # installed DIST: is this distribution installed (in TARGET too)?
+  PYTHONPATH="${TARGET:+$TARGET:}${PYTHONPATH:-}" python -c \
+    "import sys, importlib.metadata as m; m.version(sys.argv[1])" "$1" 2> /dev/null
+}
+missing_one_by_one() {  # each wheel whose distribution is not installed, with --no-deps
+  local whl dist
+  for whl in "$WHL"/*.whl; do
+    dist=$(basename "$whl" | cut -d- -f1)  # a wheel's name starts with its distribution
+    if ! installed "$dist"; then
+      python -m pip install -q --no-index --no-deps ${TARGET:+--target "$TARGET"} "$whl" \
+        || echo "install_wheels: $whl failed"
+    fi
+  done
+}
+
+if ! ls "$WHL"/*.whl > /dev/null 2>&1; then
   echo "install_wheels: no wheels in $WHL/ (benchmarks/fetch_wheels.sh downloads them)"
+elif [ -n "$TARGET" ]; then
+  mkdir -p "$TARGET"
+  echo "install_wheels: into $TARGET (pip --target), missing distributions only"
+  missing_one_by_one
+elif ! python -m pip install -q --no-index --find-links "$WHL" "${PEERS[@]}"; then
+  echo "install_wheels: resolution failed; installing missing distributions with --no-deps"
+  missing_one_by_one
 fi
 
 # What each provider needs: trl's head imports trl.trainer.utils in its backward.
-python - << 'EOF'
+PYTHONPATH="${TARGET:+$TARGET:}${PYTHONPATH:-}" python - << 'EOF'
 import importlib
 import importlib.metadata as m
 

@@ -4,7 +4,9 @@ CUDA: `triton.testing.do_bench` (L2 flushed between calls, CUDA events), quantil
 peak memory from the caching allocator's statistics around ONE separate call (do_bench itself
 allocates a cache-flush buffer, so memory is never read during timing).
 CPU: `time.perf_counter` around each call, the same quantiles; peak memory from a dispatch-mode
-tracker of live tensor storages (an estimate: scratch inside a single aten op is not seen). The
+tracker of live tensor storages (an estimate: scratch inside a single aten op is not seen), or,
+for a call that runs grpo_kernels' custom operators (whose insides the tracker cannot see, and
+whose route a dispatch mode changes), from torch.profiler's allocation events. The
 providers of one shape are timed in turns (`time_cpu_interleaved`), so that the load of other
 processes on a shared machine, which changes within seconds, falls on all of them alike.
 """
@@ -173,6 +175,7 @@ class LiveStorageTracker(TorchDispatchMode):
 class Memory:
     peak_bytes: float  # absolute peak during the call (inputs included)
     above_bytes: float  # peak minus what was allocated before the call minus the gradients
+    method: str = ""  # how it was counted, when not the device's own statistics
 
 
 def memory_cuda(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor],
@@ -192,15 +195,30 @@ def memory_cuda(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor],
 
 def memory_cpu(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor],
                grad_bytes: int, input_bytes: int) -> Memory | None:
-    """None when the call ran a custom operator the tracker cannot see into (grpo_kernels' own
-    losses): `python -m benchmarks.cpu_compare` measures those by peak RSS, one process each."""
+    """Peak of one call above its inputs. First under the live-storage tracker; when the call ran
+    a custom operator the tracker cannot see into (grpo_kernels' own losses), again without any
+    dispatch mode (under one, the library takes its operators' route, not the one a user's call
+    takes) under torch.profiler, whose allocation events count every CPU allocation, inside
+    operators too. `Memory.method` says which; None if neither could count."""
     _reset(grad_to_none)
     gc.collect()
     with LiveStorageTracker() as tracker:
         fn()
-    if tracker.opaque:
-        return None
-    return Memory(float(input_bytes + tracker.peak), float(tracker.peak - grad_bytes))
+    if not tracker.opaque:
+        return Memory(float(input_bytes + tracker.peak), float(tracker.peak - grad_bytes),
+                      "live tensor storages")
+    from .phases import allocated_rise
+
+    _reset(grad_to_none)
+    gc.collect()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    rise = allocated_rise(prof)
+    if rise <= 0:
+        return None  # no allocation event seen: this profiler records none
+    return Memory(float(input_bytes + rise), float(rise - grad_bytes),
+                  "torch.profiler allocations")
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -16,8 +16,13 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-COLORS = {"ours": "tab:blue", "reference": "tab:red", "reference-compile": "tab:orange",
-          "liger": "tab:green"}
+# Colour per provider (providers.NAMES); ours' variants in blues and purples, its four-pass
+# route dashed, so that the two routes of one call read as a pair.
+COLORS = {"ours": "tab:blue", "ours-4pass": "tab:cyan", "ours-atomic": "tab:purple",
+          "ours-filter": "tab:pink", "trl": "tab:brown", "cce": "tab:olive",
+          "cce-filter": "darkkhaki", "liger": "tab:green", "reference": "tab:red",
+          "reference-compile": "tab:orange"}
+DASHED = {"ours-4pass", "ours-atomic", "ours-filter", "cce-filter"}
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 
 
@@ -61,7 +66,7 @@ def plot(rows: Sequence[dict], out: Path | str, mode: str = "fwd+bwd",
                          if (k, p, h) == (kernel, provider, head))
             ns = [n for n, _ in pts]
             style = dict(color=COLORS.get(provider, "black"), marker=marker[head],
-                         label=f"{provider} · {head}")
+                         ls="--" if provider in DASHED else "-", label=f"{provider} · {head}")
             ax_t.plot(ns, [_float(r["ms_p50"]) for _, r in pts], **style)
             mem = [(n, _float(r.get("peak_above_mib"))) for n, r in pts]
             mem = [(n, m) for n, m in mem if m is not None]

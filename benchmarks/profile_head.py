@@ -1,7 +1,7 @@
 """Per-kernel profile of one loss step: where the time of a provider's forward + backward goes.
 
-    python -m benchmarks.profile_head --head llama8b --tokens 16384 --providers ours reference \
-        --out benchmarks/results
+    python -m benchmarks.profile_head --head llama8b --tokens 16384 \
+        --providers ours ours-4pass reference --out benchmarks/results
 
 For each provider of the kernel sweep (`providers.PROVIDERS`, fused linear head), at one shape:
 warm-up steps, then `torch.profiler` over the timed steps. The table lists each kernel (on a
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import HEADS, RESULTS_DIR, device_slug, environment, make_shape
+from . import HEADS, RESULTS_DIR, device_slug, environment, make_shape, show_routes
 from .providers import PROVIDERS, LossConfig
 
 COLUMNS = ("device", "date", "commit", "provider", "head", "N", "kernel", "calls_per_step",
@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.profile_head " + " ".join(argv or sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{device_slug(device)}-profile.csv"
+    show_routes()  # stderr: which route each provider's loss took
     for key in keys:
         why = PROVIDERS[key].unavailable(device)
         if why:

@@ -9,6 +9,9 @@ Kernels:
   fused_linear: hidden [B, T, D] + weight [V, D] -> loss (gradients for hidden and weight)
   logits:       logits [B, T, V] -> loss (gradient for the logits)
 The inputs, the loss configuration and the Case a provider builds are in cases.py.
+`ours` is the library's default call (the three-pass route, gradient formed in the forward,
+where the call allows it); `ours-4pass` is the same call with GRPO_KERNELS_THREE_PASS=0 (the
+four-pass route, the minimum-memory setting); each sets its variables around its own calls only.
 Liger's adapters import liger_kernel lazily; when it is missing the provider is reported
 "not installed" instead of failing the sweep. TRL's head and Cut Cross-Entropy (fused_linear
 only) are in peer_providers.py.
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 from .cases import (  # noqa: F401  (GRADED, Case, logits_inputs: re-exported for the harness)
     GRADED,
@@ -73,10 +75,17 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _fused_ours(shape, dtype, device, cfg, backward="auto", grad_filter=None):
-    """backward: GRPO_KERNELS_LINEAR_BACKWARD ("auto": the default choice, the atomic-free
-    d-logits + GEMM backward unless grad_filter > 0; "atomic": the atomic backward);
-    grad_filter: gradient filtering (None: exact)."""
+# The library's switches, read at each call (the linear backward's in the backward itself)
+THREE_PASS_ENV = "GRPO_KERNELS_THREE_PASS"  # "0": the four-pass route (minimum memory)
+BACKWARD_ENV = "GRPO_KERNELS_LINEAR_BACKWARD"  # the four-pass Triton backward: gemm / atomic
+
+
+def _fused_ours(shape, dtype, device, cfg, three_pass=True, backward=None, grad_filter=None):
+    """three_pass: False sets GRPO_KERNELS_THREE_PASS=0 (the four-pass route); True leaves the
+    route to the library (the three-pass route where the call allows it). backward:
+    GRPO_KERNELS_LINEAR_BACKWARD (None: the library's choice; "atomic": the atomic backward of
+    the four-pass route); grad_filter: gradient filtering (None: exact). Both variables are set
+    (or unset) around each call and backward of this case only (`Case.env`)."""
     import grpo_kernels
     from grpo_kernels.ops.backends import backend_for
 
@@ -87,17 +96,18 @@ def _fused_ours(shape, dtype, device, cfg, backward="auto", grad_filter=None):
         backend = cfg.backend or backend_for(h)
 
     def loss():
-        # read again by the backward that follows (ours and ours-atomic alternate in a sweep)
-        os.environ["GRPO_KERNELS_LINEAR_BACKWARD"] = backward
         with ctx():
             return grpo_kernels.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref,
                                                        grad_filter=grad_filter, **cfg.ours())[0]
 
-    note = f"backend={backend}" + (f"; backward={backward}" if backend == "triton" else "")
+    env = {THREE_PASS_ENV: None if three_pass else "0", BACKWARD_ENV: backward}
+    note = f"backend={backend}" + ("" if three_pass else f"; {THREE_PASS_ENV}=0")
+    if backward is not None:
+        note += f"; {BACKWARD_ENV}={backward}"
     if grad_filter is not None:
         note += f"; grad_filter={grad_filter}"
     return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                [ids, adv, mask, old, ref])
+                [ids, adv, mask, old, ref], env=env)
 
 
 def _fused_reference(compiled: bool):
@@ -187,10 +197,16 @@ PROVIDERS: dict[str, Provider] = {
     p.key: p
     for p in (
         Provider("fused_linear", "ours", _fused_ours, _always,
-                 "grpo_kernels.fused_linear_grpo_loss (Triton on CUDA)"),
+                 "grpo_kernels.fused_linear_grpo_loss, default route: three passes (gradient "
+                 "formed in the forward) where the call allows it; Triton on CUDA"),
+        Provider("fused_linear", "ours-4pass",
+                 functools.partial(_fused_ours, three_pass=False), _always,
+                 "ours on the four-pass route (GRPO_KERNELS_THREE_PASS=0, the minimum-memory "
+                 "setting): forward statistics, the backward recomputes the logits"),
         Provider("fused_linear", "ours-atomic",
-                 functools.partial(_fused_ours, backward="atomic"), _needs_cuda,
-                 "ours with the atomic backward (GRPO_KERNELS_LINEAR_BACKWARD=atomic)"),
+                 functools.partial(_fused_ours, three_pass=False, backward="atomic"),
+                 _needs_cuda,
+                 "ours-4pass with the atomic backward (GRPO_KERNELS_LINEAR_BACKWARD=atomic)"),
         Provider("fused_linear", "ours-filter",
                  functools.partial(_fused_ours, grad_filter="auto"), _needs_cuda,
                  "ours with gradient filtering (approximate). Its saving grows with how peaked "
@@ -208,14 +224,14 @@ PROVIDERS: dict[str, Provider] = {
         *(Provider(*peer) for peer in PEERS),
     )
 }
-NAMES = ("ours", "ours-atomic", "ours-filter", "trl", "cce", "cce-filter", "liger", "reference",
-         "reference-compile")
+NAMES = ("ours", "ours-4pass", "ours-atomic", "ours-filter", "trl", "cce", "cce-filter", "liger",
+         "reference", "reference-compile")
 
 
 def select(kernels, names) -> list[Provider]:
-    """Providers in sweep order: ours, TRL, CCE, Liger, the eager reference, the compiled
-    reference (the sweep runs compiled providers after all the others: their compile time is
-    what most often runs a time budget out)."""
+    """Providers in sweep order: ours (both routes and the variants), TRL, CCE, Liger, the eager
+    reference, the compiled reference (the sweep runs compiled providers after all the others:
+    their compile time is what most often runs a time budget out)."""
     order = {n: i for i, n in enumerate(NAMES)}
     chosen = [p for p in PROVIDERS.values() if p.kernel in kernels and p.name in names]
     return sorted(chosen, key=lambda p: (order[p.name], p.kernel))

@@ -139,6 +139,8 @@ def _result(case: Case, provider: Provider, shape: Shape, mode: str, dtype, devi
             m = memory_cpu(step, grads, gbytes, case.input_bytes)  # None: not measurable
         if m is not None:
             out.update(peak_mib=m.peak_bytes / MiB, peak_above_mib=m.above_bytes / MiB)
+            if m.method == "torch.profiler allocations":  # not the tracker the others use
+                out["note"] = f"memory: {m.method}"
     return out
 
 

@@ -5,9 +5,10 @@
     pytest benchmarks/ --benchmark-only --benchmark-compare    # against the last saved run
 
 On CPU it times small shapes of the CPU paths: the chunked PyTorch backend of the fused linear
-loss, the reference, and one tiny case of the Triton kernels through the interpreter (slow: one
-call is seconds). On CUDA (tests marked gpu) it times a real head, Qwen2.5-0.5B at N=4096, bf16,
-including Liger-Kernel when it is installed. Each case also checks that the loss is finite, so a
+loss (its default route and the four-pass one), the reference, and one tiny case of the Triton
+kernels through the interpreter (slow: one call is seconds). On CUDA (tests marked gpu) it times
+a real head, Qwen2.5-0.5B at N=4096, bf16, both routes of ours, and Liger-Kernel when it is
+installed. Each case also checks that the loss is finite, so a
 regression run catches a kernel that got fast by getting wrong.
 """
 
@@ -64,10 +65,11 @@ def _run(benchmark, device, kernel, name, shape, mode, dtype, cfg=CFG, rounds=5)
 CPU = torch.device("cpu")
 
 
+@pytest.mark.parametrize("name", ["ours", "ours-4pass"])  # the default route, the four-pass one
 @pytest.mark.parametrize("mode", ["forward", "fwd+bwd"])
-def test_fused_linear_chunked_torch_cpu(benchmark, mode):
+def test_fused_linear_chunked_torch_cpu(benchmark, mode, name):
     cfg = LossConfig(backend="chunked")
-    _run(benchmark, CPU, "fused_linear", "ours", TINY, mode, torch.bfloat16, cfg)
+    _run(benchmark, CPU, "fused_linear", name, TINY, mode, torch.bfloat16, cfg)
 
 
 @pytest.mark.parametrize("mode", ["forward", "fwd+bwd"])
@@ -98,7 +100,7 @@ def test_fused_linear_triton_interpreter_cpu(benchmark):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ours", "reference", "liger"])
+@pytest.mark.parametrize("name", ["ours", "ours-4pass", "reference", "liger"])
 @pytest.mark.parametrize("mode", ["forward", "fwd+bwd"])
 def test_fused_linear_gpu(benchmark, device, name, mode):
     _run(benchmark, device, "fused_linear", name, GPU_HEAD, mode, torch.bfloat16, rounds=10)
