@@ -256,7 +256,7 @@ def direct(*tensors) -> bool:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 class _LinearLogprobs(torch.autograd.Function):

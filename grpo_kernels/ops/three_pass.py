@@ -23,7 +23,8 @@ import torch
 from torch._C import _functions
 
 from ..chunked import launchers as chunked
-from ..chunked.loss_grad import linear_loss_grad, whole_rows
+from ..chunked.loss_grad import CPU_BUDGET_BYTES, chunk_rows, linear_loss_grad
+from ..chunked.tiles import compute_dtype
 from ..grpo_math import entropy_bonus_weights, grpo_metrics, per_token_loss
 from ..params import GRPOParams, TokenLossArgs
 from ..token_layouts import layout_of
@@ -31,7 +32,6 @@ from ..validation import LossInputs, check_finite_advantages, check_token_id_val
 from .custom_ops import direct
 
 ENV = "GRPO_KERNELS_THREE_PASS"  # "0" turns the path off (the four-pass route runs)
-CHUNK_ELEMENTS = None  # the element budget of its two [rows, V] buffers (None: the default)
 ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 
@@ -77,8 +77,10 @@ def linear_loss_route(hidden, weight, bias, backend: str, params: GRPOParams, so
     if not direct(hidden, weight, bias):
         return no("traced, under a dispatch or function mode, or tensor subclasses: the "
                   "operators run")
-    if whole_rows(hidden.shape[0], weight.shape[0], CHUNK_ELEMENTS) is None:
-        return no("whole vocabulary rows do not fit the chunk budget")
+    rows, why = chunk_rows(hidden.shape[0], *weight.shape, weight.dtype, CPU_BUDGET_BYTES,
+                           dtype=compute_dtype(hidden, weight, bias), want_dw=weight.requires_grad)
+    if rows is None:
+        return no(why)
     return Route(True, "scalar loss with a gradient, token-level loss, chunked backend")
 
 
@@ -148,7 +150,7 @@ def loss_and_metrics(head, ids, inputs: LossInputs, params: GRPOParams, grpo_arg
     terms = _TokenTerms(grpo_args, rows, N)
     needs = tuple(t is not None and t.requires_grad for t in head)
     out = linear_loss_grad(hidden, weight, bias, ids, params.temperature, terms.d_logp, g_ent,
-                           rows, needs, CHUNK_ELEMENTS, logit_scale)
+                           rows, needs, CPU_BUDGET_BYTES, logit_scale)
     value = terms.weighted_loss.sum()  # Σ weight·ℓ
     full = terms.full
     ent = full(out.entropy, 0.0)

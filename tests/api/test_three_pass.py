@@ -170,9 +170,8 @@ def test_packed_matches_padded(cfg):
 
 def test_several_chunks(monkeypatch):
     """A chunk budget that holds 16 whole rows: several chunks, same results."""
-    monkeypatch.setattr(three_pass, "CHUNK_ELEMENTS", 2 * 16 * SHAPE[3])
-    monkeypatch.setattr(loss_grad, "_tile_shape", lambda n, V, ce, buffers: (
-        min(n, ce // buffers // V), V))
+    monkeypatch.setattr(three_pass, "CPU_BUDGET_BYTES", 16 * 8 * SHAPE[3])
+    monkeypatch.setattr(loss_grad, "MIN_ROWS", 16)
     kw = hyper("sapo", 0.04, 0.7, None, 0.01)
     head, batch = problem(seed=7, temperature=0.7)
     assert_same(run(head, batch, kw), run(head, batch, kw, three=False))
@@ -218,8 +217,8 @@ def test_route_and_its_reasons(monkeypatch):
     monkeypatch.setenv(three_pass.ENV, "0")
     assert not _route(h, w, None).three_pass
     monkeypatch.delenv(three_pass.ENV)
-    big = torch.empty(300_000, 8)  # whole rows of 300k logits do not fit two 32 MiB buffers
-    assert "do not fit" in _route(leaf(torch.randn(1024, 8)), big, None).reason
+    big = torch.empty(2_000_000, 8)  # the budget holds too few whole rows of 2M logits
+    assert "fewer than" in _route(leaf(torch.randn(1024, 8)), big, None).reason
 
 
 def test_calls_that_keep_the_four_pass_route(monkeypatch):
