@@ -26,6 +26,7 @@ HEADS: dict[str, tuple[int, int]] = {
     "qwen0.5b": (896, 151936),  # Qwen2.5-0.5B
     "qwen7b": (3584, 152064),  # Qwen2.5-7B
     "llama8b": (4096, 128256),  # Llama-3-8B
+    "llama1b": (2048, 128256),  # Llama-3.2-1B
     "small": (512, 32768),  # synthetic (CPU runs)
     "tiny": (128, 4096),  # synthetic (CPU runs, tests)
 }

@@ -27,10 +27,18 @@ and s = Σ e, so the per-token factor c/s rides on the [C, D] sides of the GEMMs
 after its GEMM, onto h before d W's) and the tile itself only gets the target's -s: no pass over
 the tile beyond those the statistics need.
 
-Chunks hold whole rows ([C, V], two such buffers: the logits and their exponentials) within the
-chunked path's element budget, as the forward's whole-row tiles (`blocks._tile_shape`);
-`whole_rows` says how many, or that whole rows do not fit (then the caller keeps the four-pass
-path). Only the rows the caller lists (`rows`: tokens with a non-zero mask) are computed.
+Chunks hold whole rows ([C, V], two such buffers: the logits and their exponentials) within a
+memory budget in bytes (`chunk_rows`; `CPU_BUDGET_BYTES` by default): as many rows as the budget
+gives, or none where three passes would not pay (fewer than MIN_ROWS rows per chunk while more
+tokens remain) or cannot fit; the caller then keeps the four-pass path. Only the rows the caller
+lists (`rows`: tokens with a non-zero mask) are computed.
+
+A weight narrower than the compute dtype (a bfloat16/float16 head, float32 logits) is never
+copied whole to float32 unless the budget holds that copy beside the chunk's rows: otherwise each
+chunk's two weight GEMMs (logits, d hidden) convert vocabulary slices of SLICE_BYTES into one
+reused buffer. Its d W accumulates over chunks in the compute dtype ([V, D], counted in the
+budget: no such head takes this path when the budget cannot hold it) and is returned in the
+weight's dtype.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import _pick, _row_parts, _tile_shape
+from .blocks import _pick, _row_parts
 from .tiles import (
     LN2,
     compute_dtype,
@@ -54,6 +62,18 @@ from .tiles import (
     view,
     weight_tile,
 )
+
+# The chunk budget on the CPU: two [rows, V] float32 buffers of 220 rows at V = 151,936
+# (Qwen2.5), 261 at V = 128,256 (Llama 3). Measured at those heads (docs/benchmarks.md): 128 rows
+# took up to ~10 % longer, 512 rows up to ~10 % less at twice the memory.
+CPU_BUDGET_BYTES = 256 * 2**20
+# Fewest rows per chunk at which three passes still beat the four-pass route when the tokens
+# need several chunks. Measured (CPU time, docs/benchmarks.md): 96 rows took 0.76 (Qwen2.5-0.5B
+# head) and 0.87 (Llama-3.2-1B) of the four-pass time, 64 rows 0.89 and 0.98, 32 rows 1.1-1.3.
+MIN_ROWS = 96
+# A weight slice converted to the compute dtype for the chunk's GEMMs (a 16-bit head without
+# room for one whole copy): 32 MiB, 9,362 rows of D = 896 in float32.
+SLICE_BYTES = 32 * 2**20
 
 
 class LossGrad(NamedTuple):
@@ -69,26 +89,92 @@ class LossGrad(NamedTuple):
     d_bias: torch.Tensor | None  # [V]
 
 
-CPU_BUDGET_BYTES = 2**28  # TEMPORARY shim until the budget rule lands
+def chunk_rows(n: int, V: int, D: int, weight_dtype: torch.dtype, budget_bytes: int, *,
+               dtype: torch.dtype | None = None, want_dw: bool = True) -> tuple[int | None, str]:
+    """(rows of one [rows, V] chunk for n tokens, a short phrase saying why), or (None, why not).
+
+    The chunk's bytes: two [rows, V] buffers of the compute dtype `dtype` (float32, or float64
+    for a float64 weight by default), 8·V bytes a row in float32. A weight of another dtype (a
+    16-bit head) adds its compute-dtype d W accumulator [V, D] when `want_dw`, and either one
+    [V, D] copy (when the budget holds it beside the rows it would hold without it) or a slice
+    buffer of SLICE_BYTES. The rows are min(n, what the rest of the budget holds), at least 1.
+
+    The rule: None when the budget holds no row (or not the accumulator), or holds fewer than
+    MIN_ROWS rows while n needs more chunks than one: below that, every chunk streams the weight
+    twice and reads and writes d W once for too few rows, and the four-pass route (which reads
+    the weight once per pass for all tokens) is faster (measured: docs/benchmarks.md). One
+    chunk of all n rows always pays (three products against four)."""
+    plan = _plan(n, V, D, weight_dtype, budget_bytes, dtype, want_dw)
+    return plan.rows, plan.reason
 
 
-def chunk_rows(n, V, D, weight_dtype, budget_bytes):  # TEMPORARY shim
-    rows = max(1, min(max(n, 1), budget_bytes // (2 * 4 * max(V, 1))))
-    return rows, ""
+class _Plan(NamedTuple):
+    rows: int | None  # None: not this path
+    cols: int  # vocabulary rows per compute-dtype slice of the weight (V: one slice)
+    reason: str
 
 
-def whole_rows(n: int, V: int, chunk_elements: int | None = None) -> int | None:
-    """Rows of one [rows, V] chunk for n tokens, two such buffers within the element budget and
-    at least min(n, TILE_ROWS) rows (as the forward's whole-row tiles), or None when whole rows
-    do not fit that budget (a large vocabulary: the tiles then split it)."""
-    rows, cols = _tile_shape(max(n, 1), V, chunk_elements, buffers=2)
-    return rows if cols == V else None
+def _plan(n, V, D, weight_dtype, budget_bytes, dtype, want_dw) -> _Plan:
+    """`chunk_rows`, with the weight's slice rows."""
+    if budget_bytes is None or budget_bytes < 0:
+        raise ValueError(f"budget_bytes: expected a number of bytes >= 0, got {budget_bytes!r}")
+    dtype = dtype or (torch.float64 if weight_dtype == torch.float64 else torch.float32)
+    size = dtype.itemsize
+    row, whole = 2 * V * size, V * D * size  # bytes of a chunk row, of a [V, D] copy
+    cols, fixed, what = V, 0, ""
+    if weight_dtype != dtype:
+        acc = whole if want_dw else 0
+        what = f" beside the {_dt(dtype)} d weight of a {_dt(weight_dtype)} head" if acc else ""
+        if acc > budget_bytes:
+            return _Plan(None, V, f"the {_mib(budget_bytes)} chunk budget does not hold the "
+                         f"{_dt(dtype)} d weight of a {_dt(weight_dtype)} head [{V:,}, {D:,}] "
+                         f"({_mib(acc)})")
+        cols = max(1, min(V, SLICE_BYTES // max(D * size, 1)))
+        fixed = acc + cols * D * size
+        if (budget_bytes - acc - whole) // row >= max(1, min(n, (budget_bytes - fixed) // row)):
+            cols, fixed = V, acc + whole  # room for one copy: converted once, not per chunk
+    fit = (budget_bytes - fixed) // row
+    if fit < 1 or fit < min(n, MIN_ROWS):
+        return _Plan(None, cols, f"the {_mib(budget_bytes)} chunk budget holds {max(fit, 0):,} "
+                     f"whole rows of V = {V:,}{what}, fewer than {min(n, MIN_ROWS)}")
+    rows = max(1, min(n, fit))
+    return _Plan(rows, cols, f"chunks of {rows:,} whole rows of V = {V:,} within the "
+                 f"{_mib(budget_bytes)} chunk budget" + (
+                     f", the weight in slices of {cols:,} rows" if cols < V else ""))
+
+
+def _mib(n: int) -> str:
+    return f"{n // 2**20:,} MiB" if n % 2**20 == 0 else f"{n:,}-byte"
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Slices:
+    """weight [V, D] in the compute dtype, one vocabulary slice [c, D] at a time: the weight
+    itself (already that dtype), one copy made once (cols = V), or slices converted into one
+    reused [cols, D] buffer each time they are iterated. Yields (v0, c, w [c, D])."""
+
+    def __init__(self, weight, dtype, cols):
+        self.weight, self.dtype, self.cols = weight, dtype, cols
+        self.buf = tile_buffer(weight, dtype, cols)
+        V = weight.shape[0]
+        self.whole = weight_tile(weight, 0, V, dtype, self.buf) if cols >= V else None
+
+    def __iter__(self):
+        if self.whole is not None:
+            yield 0, self.whole.shape[0], self.whole
+            return
+        for v0 in range(0, self.weight.shape[0], self.cols):
+            w = weight_tile(self.weight, v0, self.cols, self.dtype, self.buf)
+            yield v0, w.shape[0], w
 
 
 def linear_loss_grad(hidden, weight, bias, targets, temperature,
                      d_logp: Callable[[int, int, torch.Tensor], torch.Tensor],
-                     g_ent=None, rows=None, needs=(True, True, True), chunk_elements=None,
-                     logit_scale=None, chunk_rows=None, budget_bytes=None) -> LossGrad:
+                     g_ent=None, rows=None, needs=(True, True, True), budget_bytes=None,
+                     logit_scale=None, chunk_rows=None) -> LossGrad:
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]; z = s·(h W^T + b) / τ.
 
     d_logp(r0, r, logp): for rows r0:r0 + r of the computed ones (in `rows` order), logp [r]
@@ -96,8 +182,9 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
     entropy coefficients g_H, or None. rows: int64 indices of the tokens to compute (None: all);
     the others get no statistics and a zero d hidden. needs: (d hidden, d weight, d bias).
     A logit scale s is a temperature here (`tiles.head_transform`); soft caps do not come here.
-    chunk_rows: rows per chunk (default `whole_rows`; a ValueError when whole rows do not fit
-    the budget)."""
+    budget_bytes: the chunk budget (None: CPU_BUDGET_BYTES), see `chunk_rows`; a ValueError with
+    its reason when it declines. chunk_rows: rows per chunk, given (the budget then only sizes
+    the weight's slices)."""
     temperature, _ = head_transform(temperature, None, logit_scale)
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
@@ -105,16 +192,17 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
     dtype = compute_dtype(hidden, weight, bias)
     pick = functools.partial(_pick, idx=rows, dtype=dtype)  # [N, ...] -> [Na, ...]
     Na = hidden.shape[0] if rows is None else rows.numel()
-    C = chunk_rows or (whole_rows(Na, V, chunk_elements) if budget_bytes is None else
-                       globals()["chunk_rows"](Na, V, D, weight.dtype, budget_bytes)[0])
+    budget = CPU_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    plan = _plan(Na, V, D, weight.dtype, budget, dtype, want_dw)
+    C = chunk_rows or plan.rows
     if C is None:
-        raise ValueError(f"whole vocabulary rows (V = {V}) do not fit the chunk budget")
+        raise ValueError(f"budget_bytes: {plan.reason}")
     logp, ent, lse = empty_stats(Na, hidden.device)
     coef = torch.zeros(Na, dtype=torch.float32, device=hidden.device)
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D], z in log2
         tg, gh = pick(targets), pick(g_ent)
-        w = weight_tile(weight, 0, V, dtype, tile_buffer(weight, dtype, V))  # [V, D]
+        w = _Slices(weight, dtype, plan.cols)
         z_buf, e_buf = (torch.empty(min(C, Na) * V, dtype=dtype, device=h.device)
                         for _ in range(2))
         dh = torch.empty_like(h) if want_dh else None  # [Na, D], every chunk writes its rows
@@ -125,8 +213,9 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
         db = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
         for r0, r, part in _row_parts(Na, C):
             stats = [part(logp), part(ent), part(lse)]
-            z, e, s = _chunk_stats(part(h), w, b, alpha, part(tg)[:, None], view(z_buf, r, V),
-                                   view(e_buf, r, V), stats, keep_z=gh is not None)
+            z = _logits(part(h), w, b, alpha, view(z_buf, r, V))
+            z, e, s = _chunk_stats(z, part(tg)[:, None], view(e_buf, r, V), stats,
+                                   keep_z=gh is not None)
             c = part(coef)
             c.copy_(d_logp(r0, r, stats[0]))
             x, scale = _d_logits(z, e, s, c.to(dtype), None if gh is None else part(gh),
@@ -139,12 +228,19 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
     return LossGrad(logp, ent, lse, coef, d_hidden, d_weight, d_bias)
 
 
-def _chunk_stats(h, w, b, alpha, col, z, e, out, keep_z: bool):
-    """One chunk's logits and statistics. h [r, D], w [V, D], b [V] | None (log2 units), col
-    [r, 1] target columns; z, e [r, V] buffers. Writes out = (logp, entropy, lse) [r] and
-    returns (z - m [r, V] log2 units, overwritten unless keep_z, e = 2^(z - m) [r, V],
-    s = Σ e [r])."""
-    z = logits_tile(h, w, b, z, alpha)  # α·h W^T + b: z in log2 units
+def _logits(h, w: _Slices, b, alpha, z):
+    """z [r, V] = alpha·h @ W^T (+ b), log2 units, one weight slice at a time (a slice of z's
+    columns is a strided view: the GEMM writes it in place)."""
+    for v0, c, ws in w:
+        logits_tile(h, ws, None if b is None else b[v0:v0 + c],
+                    z if c == z.shape[1] else z[:, v0:v0 + c], alpha)
+    return z
+
+
+def _chunk_stats(z, col, e, out, keep_z: bool):
+    """One chunk's statistics from its logits z [r, V] (log2 units; overwritten); col [r, 1]
+    target columns, e [r, V] a buffer. Writes out = (logp, entropy, lse) [r] and returns
+    (z - m [r, V] log2 units, overwritten unless keep_z, e = 2^(z - m) [r, V], s = Σ e [r])."""
     m = z.amax(dim=1)
     picked = z.gather(1, col).squeeze_(1).sub_(m)  # z_target - m
     z.sub_(m[:, None])
@@ -179,12 +275,15 @@ def _d_logits(z, e, s, c, gh, out, col, neg_inv_t):
     return x, neg_inv_t
 
 
-def _accumulate(x, scale, h, w, dh, dw, db, first: bool) -> None:
+def _accumulate(x, scale, h, w: _Slices, dh, dw, db, first: bool) -> None:
     """d y = scale·x for one chunk (x [r, V]; scale [r, 1] or a number): d hidden rows
-    dh [r, D] = d y @ W, d W [V, D] (+)= d y^T @ h (written when `first`), d b [V] += Σ_rows d y."""
+    dh [r, D] = d y @ W (over the weight's slices), d W [V, D] (+)= d y^T @ h (written when
+    `first`), d b [V] += Σ_rows d y."""
     per_row = isinstance(scale, torch.Tensor)
     if dh is not None:
-        torch.mm(x, w, out=dh)
+        for v0, c, ws in w:  # the first slice writes dh
+            xs = x if c == x.shape[1] else x[:, v0:v0 + c]
+            torch.addmm(dh, xs, ws, beta=0.0 if v0 == 0 else 1.0, out=dh)
         dh.mul_(scale)
     if dw is not None:
         h_dw = h * scale if per_row else h

@@ -184,8 +184,8 @@ def test_several_chunks(monkeypatch, backend):
     V, D = SHAPE[3], SHAPE[2]
     per_row = 2 * 4 * V if backend == "chunked" else V * 8 + D * 8
     monkeypatch.setenv(route.CHUNK_ENV, str(16 * per_row / 2**20))
-    if backend == "chunked":  # past any minimum-rows rule of the chunked backend
-        monkeypatch.setattr(loss_grad, "chunk_rows", lambda n, V, D, dtype, budget: (16, ""))
+    if backend == "chunked":  # past the chunked backend's minimum rows
+        monkeypatch.setattr(loss_grad, "MIN_ROWS", 16)
     kw = hyper("sapo", 0.04, 0.7, None, 0.01)
     head, batch = problem(seed=7, temperature=0.7)
     assert_same(run(head, batch, kw, backend=backend),
@@ -237,6 +237,9 @@ def test_route_and_its_reasons(monkeypatch):
     assert not _route(h, w, None).three_pass
     assert "minimum-memory" in _route(h, w, None, backend="triton").reason
     monkeypatch.delenv(route.ENV)
+    big = torch.empty(2_000_000, 8)  # the budget holds too few whole rows of 2M logits
+    assert "fewer than" in _route(leaf(torch.randn(1024, 8)), big, None).reason
+    assert _route(leaf(torch.randn(1024, 8)), big, None, backend="triton").three_pass
     monkeypatch.setenv(route.CHUNK_ENV, "lots")
     with pytest.raises(ValueError, match="GRPO_KERNELS_CHUNK_MIB must be a number of MiB > 0"):
         _route(h, w, None)
