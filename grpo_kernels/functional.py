@@ -34,10 +34,12 @@ see its N tokens, and `grpo_math` works on [N] with the segment sums of `token_l
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
+from . import parallel
 from .grpo_math import entropy_bonus_weights, finish_loss, grpo_metrics, policy_loss, token_weights
 from .ops import route, three_pass_op
 from .ops.backends import backend_for
@@ -150,6 +152,7 @@ def selective_logprobs(
     logit_scale: float | None = None,
     return_entropy: bool = False,
     grad_filter: float | str | None = None,
+    vocab_group=None,
 ):
     """Log-probability of `targets` under softmax(cap(s·(hidden @ weight.T + bias)) / temperature),
     cap(v) = softcap·tanh(v / softcap) (the identity when softcap is None), s = logit_scale (1
@@ -173,20 +176,38 @@ def selective_logprobs(
             gradient filtering in the Triton backward: a [tokens × vocabulary] tile whose
             d logits are all <= eps × its token's gradient scale is skipped (approximate;
             "auto" = finfo(dtype).eps / 32, 2^-12 for bfloat16). Other backends stay exact.
+        vocab_group: a vocabulary-parallel head (docs/integrations.md, "Tensor parallelism"):
+            `weight` [V_r, D] and `bias` [V_r] are this rank's contiguous rows of the
+            vocabulary, in the group's rank order, and targets are global ids; hidden and
+            targets are the same on every rank. A DTensor weight sharded Shard(0) needs no
+            vocab_group. Every rank gets the whole vocabulary's log-probs.
 
     Returns:
         logp [...] float32, and entropy [...] float32 if return_entropy.
     """
-    check_linear_head(hidden, weight, bias)
-    temperature = check_temperature(temperature)
-    transform = check_logit_transform(softcap, logit_scale)
+    def check(hidden, weight, bias):
+        check_linear_head(hidden, weight, bias)
+        ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1],
+                              hidden.device, check_values=False)  # the op checks the range
+        return (check_temperature(temperature), check_logit_transform(softcap, logit_scale),
+                ids.reshape(-1), check_grad_filter(grad_filter, hidden.dtype),
+                _linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias))
+
     lead = hidden.shape[:-1]
-    ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device,
-                          check_values=False)  # the op checks the range (torch.compile)
-    eps = check_grad_filter(grad_filter, hidden.dtype)
-    logp, ent, _ = OPS.linear_logprobs(
-        *_linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias), ids.reshape(-1),
-        temperature, eps, backend_for(hidden), "targets", *transform)
+    shard = None
+    if parallel.is_vocab_parallel(weight, vocab_group):
+        shard, weight, bias, hidden = parallel.local_head(weight, bias, vocab_group, hidden)
+        shard, call = parallel.agreed(shard, lambda: check(hidden, weight, bias), lambda c:
+                                      parallel.CallInputs(*c[4], c[2], {}), "targets")
+    else:
+        call = check(hidden, weight, bias)
+    temperature, transform, ids, eps, head = call
+    if shard is not None:
+        logp, ent = parallel.linear_logprobs(shard, *head, ids, temperature, eps,
+                                             backend_for(hidden), *transform)
+    else:
+        logp, ent, _ = OPS.linear_logprobs(*head, ids, temperature, eps, backend_for(hidden),
+                                           "targets", *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
 
@@ -245,9 +266,15 @@ def _linear_route(hidden, weight, completion_ids, advantages, completion_mask, o
     return ids.reshape(-1), inputs, eps, backend_for(hidden), head, transform
 
 
-def _linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOTerms:
-    """The token-terms op, or the selective log-prob op with grpo_math, on a checked call."""
+def _linear_terms(call: tuple, params: GRPOParams, entropy_gather=None,
+                  shard=None) -> GRPOTerms:
+    """The token-terms op, or the selective log-prob op with grpo_math, on a checked call
+    (shard: a vocabulary-parallel head's, whose log-probs come from `parallel`)."""
     ids, inputs, eps, backend, head, transform = call
+    if shard is not None:
+        logp, ent = parallel.linear_logprobs(shard, *head, ids, params.temperature, eps,
+                                             backend, *transform)
+        return _unfused_terms(logp, ent, inputs, params, entropy_gather)
     if _takes_terms_op(backend, params):
         outputs = OPS.linear_grpo_terms(*head, ids, params.temperature, eps, backend,
                                         *_terms_args(inputs, params), *transform)
@@ -257,22 +284,46 @@ def _linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOT
     return _unfused_terms(logp, ent, inputs, params, entropy_gather)
 
 
-def _three_pass_loss(call: tuple, params: GRPOParams) -> tuple:
-    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route."""
+def _three_pass_loss(call: tuple, params: GRPOParams, shard=None) -> tuple:
+    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route (shard: a
+    vocabulary-parallel head's, computed by `parallel.linear_grpo_loss`)."""
     ids, inputs, _, backend, head, (_, logit_scale) = call
     g_ent = None
     if params.entropy_coef != 0.0:  # the bonus's d(loss)/d entropy per token
         g_ent = entropy_bonus_weights(inputs.mask, params.entropy_coef).reshape(-1)
     # a packed CUDA batch is not compacted: counting its masked tokens would read the device
     compact = inputs.cu_seqlens is None or head[0].device.type != "cuda"
-    out = three_pass_op.linear_grpo_loss(head, ids, _terms_args(inputs, params), g_ent, backend,
-                                         params.temperature, logit_scale, compact)
+    loss_grad = three_pass_op.linear_grpo_loss
+    if shard is not None:
+        loss_grad = functools.partial(parallel.linear_grpo_loss, shard)
+    out = loss_grad(head, ids, _terms_args(inputs, params), g_ent, backend, params.temperature,
+                    logit_scale, compact)
     shape = inputs.mask.shape  # [B, T], or [N] packed
     ent, ratio = out.entropy.reshape(shape), out.ratio.reshape(shape)
     kl = None if params.beta == 0.0 else out.kl.reshape(shape)
     metrics = grpo_metrics(ent, ratio, kl, inputs.advantages, inputs.mask, params,
                            layout_of(inputs.mask, inputs.cu_seqlens), old_logps=inputs.old_logps)
     return out.loss, metrics, GRPOTerms(out.policy, out.logp.reshape(shape), ent, ratio, kl)
+
+
+def _vocab_parallel_route(check, hidden, weight, bias, vocab_group) -> tuple:
+    """(None, check(hidden, weight, bias)) for a whole head; for a vocabulary-parallel one
+    (a DTensor weight or vocab_group=, `parallel`), (its VocabShard, the checked call on the
+    local tensors) once every rank of the group agrees on its inputs (else the same error on
+    every rank)."""
+    if not parallel.is_vocab_parallel(weight, vocab_group):
+        return None, check(hidden, weight, bias)
+    shard, weight, bias, hidden = parallel.local_head(weight, bias, vocab_group, hidden)
+
+    def inputs_of(call):
+        ids, inputs, *_ = call
+        per_token = {k: getattr(inputs, k) for k in (
+            "mask", "advantages", "old_logps", "ref_logps", "importance_sampling_ratio",
+            "num_items_in_batch", "cu_seqlens", "sampling_logps")}
+        return parallel.CallInputs(*call[4], ids, per_token)
+
+    return parallel.agreed(shard, lambda: check(hidden, weight, bias), inputs_of,
+                           "completion_ids")
 
 
 def _detached(terms: GRPOTerms) -> GRPOTerms:
@@ -300,6 +351,7 @@ def fused_linear_grpo_loss(
     return_terms: bool = False,
     return_token_values: bool = False,
     entropy_gather=None,
+    vocab_group=None,
     params: GRPOParams | None = None,
     **hyperparameters,
 ) -> tuple:
@@ -342,6 +394,11 @@ def fused_linear_grpo_loss(
             fastest route the call allows.
         entropy_gather: with top_entropy_quantile < 1, a function that gathers the entropies
             of every process (see `grpo_options.high_entropy_mask`); default: this batch's.
+        vocab_group: a vocabulary-parallel head (tensor parallelism; docs/integrations.md):
+            weight [V_r, D] and bias [V_r] are this rank's contiguous rows of the vocabulary
+            in the group's rank order, completion_ids are global ids, and every other input is
+            the same on every rank of the group. A DTensor weight (and bias) sharded Shard(0)
+            needs no vocab_group. Loss and metrics are then the whole head's, on every rank.
         params: a GRPOParams, or the hyperparameters as keywords (GRPOParams' fields: beta,
             epsilon_low, epsilon_high, delta, temperature, loss_type, ...), not both.
 
@@ -350,18 +407,24 @@ def fused_linear_grpo_loss(
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    call = _linear_route(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
-                         ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
-                         cu_seqlens, grad_filter, params, sampling_logps, softcap, logit_scale)
     if return_terms and return_token_values:
         raise ValueError("return_terms (differentiable per-token terms) and return_token_values "
                          "(detached ones beside the loss) exclude each other; ask for one")
-    _, inputs, eps, backend, head, (softcap, _) = call
+
+    def check(hidden, weight, bias):
+        return _linear_route(hidden, weight, completion_ids, advantages, completion_mask,
+                             old_logps, ref_logps, bias, num_items_in_batch,
+                             importance_sampling_ratio, cu_seqlens, grad_filter, params,
+                             sampling_logps, softcap, logit_scale)
+
+    shard, call = _vocab_parallel_route(check, hidden, weight, bias, vocab_group)
+    _, inputs, eps, backend, head, (softcap, scale) = call
     if route.linear_loss_route(*head, backend, params, softcap, eps,
-                               per_token_outputs=return_terms).three_pass:
-        loss, metrics, terms = _three_pass_loss(call, params)
+                               per_token_outputs=return_terms, vocab_parallel=shard,
+                               logit_scale=scale).three_pass:
+        loss, metrics, terms = _three_pass_loss(call, params, shard)
         return (loss, metrics, terms) if return_token_values else (loss, metrics)
-    terms = _linear_terms(call, params, entropy_gather)
+    terms = _linear_terms(call, params, entropy_gather, shard)
     if return_terms:
         return terms
     loss, metrics = _loss_and_metrics(terms, inputs, params)

@@ -126,7 +126,10 @@ def _logits_logprob_bwd_kernel(
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
         busy += tl.max(tl.abs(gh), axis=0)
-    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)  # the forward's target column
+    # the target column as given: an id outside [0, V) (another vocabulary shard's, see
+    # grpo_kernels/parallel; or a bad id, which the caller reports) matches no column and adds
+    # no one-hot term, as in the linear head's tile kernels (`dlogits.dz_tile`)
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
