@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from benchmarks import cpu_model, git_commit
 from benchmarks.phases import allocated_rise
+from benchmarks.shared_prompt import append_row
+from grpo_train.flags import Parser, run_cli
 
 MiB = 2**20
 
@@ -168,14 +170,13 @@ def _cell(provider: str, route: str, N: int, D: int, V: int, reps: int, chunk_ro
         h.grad = weight.grad = None
         run().backward()
 
-    step()  # warm-up
+    with CountBytes() as comm:  # the warm-up, and the bytes of a call
+        step()
     h.grad = weight.grad = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         step()
     rise = allocated_rise(prof)
-    with CountBytes() as comm:
-        step()
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -188,9 +189,11 @@ def _cell(provider: str, route: str, N: int, D: int, V: int, reps: int, chunk_ro
     for name, nbytes in comm.calls:
         detail[name] = detail.get(name, 0) + nbytes
     return dict(tp=tp, provider=provider, route=route, n_tokens=N, hidden=D, vocab=V,
-                ms_p50=statistics.median(times), ms_min=min(times), ms_max=max(times),
-                reps=reps, peak_mib=rise / MiB, peak_above_grads_mib=(rise - grads) / MiB,
-                weight_mib=Vr * D * 4 / MiB, comm_bytes=comm.total,
+                ms_p50=round(statistics.median(times), 1), ms_min=round(min(times), 1),
+                ms_max=round(max(times), 1),
+                reps=reps, peak_mib=round(rise / MiB, 1),
+                peak_above_grads_mib=round((rise - grads) / MiB, 1),
+                weight_mib=round(Vr * D * 4 / MiB, 1), comm_bytes=comm.total,
                 comm_detail=" ".join(f"{k}:{v}" for k, v in sorted(detail.items())),
                 collectives=len(comm.calls), chunk_rows=chunk_rows)
 
@@ -217,7 +220,7 @@ def _providers(tp: int):
 # ---- the driver ---------------------------------------------------------------------------------
 
 
-def _run_tp(tp: int, args, argv) -> list[dict]:
+def _run_tp(tp: int, argv) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "rows.json"
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -231,14 +234,15 @@ def _run_tp(tp: int, args, argv) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser("python -m benchmarks.tensor_parallel",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--hidden", type=int, default=896)  # Qwen2.5-0.5B's head
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk_rows", type=int, default=256)
+    parser = Parser("python -m benchmarks.tensor_parallel", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4],
+                        help="tensor-parallel sizes, one torchrun each")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024], help="N")
+    parser.add_argument("--hidden", type=int, default=896, help="D (Qwen2.5-0.5B's)")
+    parser.add_argument("--vocab", type=int, default=151936, help="V (Qwen2.5's)")
+    parser.add_argument("--reps", type=int, default=2, help="timed calls per cell")
+    parser.add_argument("--chunk_rows", type=int, default=256,
+                        help="the three-pass route's rows per chunk, at every tp")
     parser.add_argument("--out", default=None, help="a CSV file to append the rows to")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
@@ -254,33 +258,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__version__}\n# {command}")
     print(f"{'tp':>2} {'N':>5} {'provider':<9} {'route':<10} {'ms':>9} {'peak MiB':>9} "
           f"{'-grads':>8} {'comm bytes':>12} {'load':>15}")
-    worker_argv = [a for a in argv if a != "--out" and a != args.out]
+    worker_argv = [a for a in argv if a not in ("--out", args.out)]
     for tp in args.tp:
-        rows = _run_tp(tp, args, [a for a in worker_argv if True])
+        rows = _run_tp(tp, worker_argv)
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         for r in rows:
             print(f"{r['tp']:>2} {r['n_tokens']:>5} {r['provider']:<9} {r['route']:<10} "
                   f"{r['ms_p50']:>9.1f} {r['peak_mib']:>9.1f} {r['peak_above_grads_mib']:>8.1f} "
                   f"{r['comm_bytes']:>12,} {load:>15}", flush=True)
-            if args.out:
-                _append(Path(args.out), dict(
+            if args.out:  # row by row: a run cut short keeps what it measured
+                append_row(Path(args.out), dict(
                     date=datetime.date.today().isoformat(), machine=machine,
                     commit=git_commit(), torch=torch.__version__, command=command, **r,
                     load_avg=load))
     return 0
 
 
-def _append(path: Path, row: dict) -> None:
-    import csv
-
-    new = not path.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()})
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("python -m benchmarks.tensor_parallel", main))

@@ -12,13 +12,16 @@ so that every rank runs as many chunks and as many collectives):
   4. the GRPO per-token loss on the combined log-prob and its derivative c = d(weight·ℓ)/dlogp
      (`grpo_math`, through `ops.three_pass._TokenTerms`), the same on every rank
   5. the backend's row backward from the global lse and H with g_logp = c, g_H = the entropy
-     bonus's weights: d y [C, V_r] in the GEMM dtype, the one-hot term only on the rank that
-     holds the target (ids outside the shard are -1)
+     bonus's weights: d y [C, V_r] in the GEMM dtype (over the logits of step 1 when that is
+     float32), the one-hot term only on the rank that holds the target (ids outside the shard
+     are -1)
   6. d hidden[c] = d y @ W_r (a partial sum), d W_r += d y^T @ h[c], d b_r += Σ d y
      (`kernels.linear_loss_grad._Grads`)
 
 then one all-reduce of d hidden [N, D] over the group. d W and d b stay local. Three [N, V_r, D]
-products per rank, as on a whole head.
+products per rank, as on a whole head. Memory: one [C, V_r] float32 buffer (two for a 16-bit
+head: its d y in its own dtype), and on the chunked backend the row launchers' scratch, blocks of
+an eighth of the chunk.
 
 What it leaves out, against the whole head's three-pass: the per-token GRPO math is PyTorch on
 both backends (the Triton GRPO epilogue reads a log-prob that exists only after step 3), and the
@@ -55,24 +58,31 @@ from .shard import VocabShard
 F32 = torch.float32
 
 
+def _scratch(y) -> int:
+    """The chunked row launchers' block (elements of each of their scratch buffers): an eighth
+    of the chunk, so that their scratch stays a small part of the chunk's own buffer."""
+    return max(y.shape[1], y.numel() // 8)
+
+
 def _row_forward(backend: str, y, ids, temperature, out) -> None:
     """(logp, entropy, lse) of the rows of y [r, V_r] float32 into out, three [r] float32."""
     y3 = y.view(y.shape[0], 1, y.shape[1])
     if backend == "triton":
         triton_rows.logits_logprob_forward(y3, ids, temperature, out=out)
         return
-    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature)):
+    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature, _scratch(y))):
         o.copy_(x)
 
 
 def _row_backward(backend: str, y, ids, lse, ent, c, gh, temperature, d) -> None:
-    """d y [r, V_r] (into d, the GEMM dtype) of Σ c·logp + Σ gh·H from the global lse, H."""
+    """d y [r, V_r] (into d, the GEMM dtype; d may be y itself: both launchers read each
+    element before they overwrite it) of Σ c·logp + Σ gh·H from the global lse and H."""
     y3, d3 = y.view(y.shape[0], 1, y.shape[1]), d.view(d.shape[0], 1, d.shape[1])
     if backend == "triton":  # its row kernel compares column ids: -1 matches none
         triton_rows.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3)
     else:
         chunked.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3,
-                                        shard_targets=True)
+                                        chunk_elements=_scratch(y), shard_targets=True)
 
 
 def _chunks(shard: VocabShard, Na: int, D: int, dtype, backend: str) -> int:
@@ -100,7 +110,10 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         # d hidden's partial sums in float32: summed over the group, then rounded once
         grads.dh = torch.empty(grads.dh.shape, **f32)
     y_buf = torch.empty(min(C, Na), V, **f32)
-    d_buf = torch.empty(min(C, Na), V, device=hidden.device, dtype=dt) if grads.wanted else None
+    d_buf = None  # d y: over the logits when the GEMMs are float32, else a [C, V_r] of its own
+    if grads.wanted:
+        d_buf = y_buf if dt == F32 else torch.empty(min(C, Na), V, device=hidden.device,
+                                                    dtype=dt)
     for r0 in range(0, Na, C):
         sl = slice(r0, min(r0 + C, Na))
         r = sl.stop - r0
