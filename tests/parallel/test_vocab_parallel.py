@@ -126,7 +126,7 @@ def errors(tmp_path_factory):
 OTHER_RANK = "of the vocabulary group rejected its inputs"
 ERRORS = {  # case: (rank 0's message part, rank 1's)
     "hidden_size": ("the hidden size D (weight.shape[1]) differs", None),
-    "rows_vs_dtensor": ("placements (Shard(dim=1),)", None),
+    "dtensor_wrong_dim": ("placements (Shard(dim=1),)", None),
     "target_out_of_range": ("token id 37 outside [0, 37) (vocabulary size = the sum of the 2 "
                             "shards' rows [19, 18])", None),
     "hidden_differs": ("hidden states differ between ranks 0 and 1", None),

@@ -175,7 +175,7 @@ def errors(rank, tp):
         "hidden_size": lambda: call(
             with_(hidden=base["hidden"][..., :12]) if rank == 1 else base,
             local_w[:, :12] if rank == 1 else local_w, **group),
-        "rows_vs_dtensor": lambda: call(base, torch.nn.Parameter(distribute_tensor(
+        "dtensor_wrong_dim": lambda: call(base, torch.nn.Parameter(distribute_tensor(
             base["weight"], mesh, [Shard(1)]))),
         "target_out_of_range": lambda: call(
             with_(ids=base["ids"].masked_fill(torch.eye(vc.B, vc.T).bool(), vc.V)), local_w,
