@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import parallel
 from .loss_call import (
     GRPOTerms,
     as_btv,
@@ -39,6 +40,7 @@ from .loss_call import (
     linear_inputs,
     linear_loss,
     logits_call,
+    vocab_parallel_call,
 )
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS
@@ -70,6 +72,7 @@ def selective_logprobs(
     logit_scale: float | None = None,
     return_entropy: bool = False,
     grad_filter: float | str | None = None,
+    vocab_group=None,
 ):
     """Log-probability of `targets` under softmax(cap(s·(hidden @ weight.T + bias)) / temperature),
     cap(v) = softcap·tanh(v / softcap) (the identity when softcap is None), s = logit_scale (1
@@ -93,20 +96,38 @@ def selective_logprobs(
             gradient filtering in the Triton backward: a [tokens × vocabulary] tile whose
             d logits are all <= eps × its token's gradient scale is skipped (approximate;
             "auto" = finfo(dtype).eps / 32, 2^-12 for bfloat16). Other backends stay exact.
+        vocab_group: a vocabulary-parallel head (docs/integrations.md, "Tensor parallelism"):
+            `weight` [V_r, D] and `bias` [V_r] are this rank's contiguous rows of the
+            vocabulary, in the group's rank order, and targets are global ids; hidden and
+            targets are the same on every rank. A DTensor weight sharded Shard(0) needs no
+            vocab_group. Every rank gets the whole vocabulary's log-probs.
 
     Returns:
         logp [...] float32, and entropy [...] float32 if return_entropy.
     """
-    check_linear_head(hidden, weight, bias)
-    temperature = check_temperature(temperature)
-    transform = check_logit_transform(softcap, logit_scale)
+    def check(hidden, weight, bias):
+        check_linear_head(hidden, weight, bias)
+        ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1],
+                              hidden.device, check_values=False)  # the op checks the range
+        return (check_temperature(temperature), check_logit_transform(softcap, logit_scale),
+                ids.reshape(-1), check_grad_filter(grad_filter, hidden.dtype),
+                linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias))
+
     lead = hidden.shape[:-1]
-    ids = check_token_ids("targets", targets, weight.shape[0], lead, hidden.device,
-                          check_values=False)  # the op checks the range (torch.compile)
-    eps = check_grad_filter(grad_filter, hidden.dtype)
-    logp, ent, _ = OPS.linear_logprobs(
-        *linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias), ids.reshape(-1),
-        temperature, eps, backend_for(hidden), "targets", *transform)
+    shard = None
+    if parallel.is_vocab_parallel(weight, vocab_group):
+        shard, weight, bias, hidden = parallel.local_head(weight, bias, vocab_group, hidden)
+        shard, call = parallel.agreed(shard, lambda: check(hidden, weight, bias), lambda c:
+                                      parallel.CallInputs(*c[4], c[2], {}), "targets")
+    else:
+        call = check(hidden, weight, bias)
+    temperature, transform, ids, eps, head = call
+    if shard is not None:
+        logp, ent = parallel.linear_logprobs(shard, *head, ids, temperature, eps,
+                                             backend_for(hidden), *transform)
+    else:
+        logp, ent, _ = OPS.linear_logprobs(*head, ids, temperature, eps, backend_for(hidden),
+                                           "targets", *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp
 
@@ -167,6 +188,7 @@ def fused_linear_grpo_loss(
     return_terms: bool = False,
     return_token_values: bool = False,
     entropy_gather=None,
+    vocab_group=None,
     params: GRPOParams | None = None,
     **hyperparameters,
 ) -> tuple:
@@ -174,8 +196,7 @@ def fused_linear_grpo_loss(
 
     Args:
         hidden: [B, T, D] hidden states; hidden[b, t] predicts completion_ids[b, t].
-        weight: [V, D] lm_head weight (hidden's dtype, or float32 under 16-bit hidden);
-            bias: optional [V].
+        weight, bias: [V, D] lm_head weight (hidden's dtype, or float32: mixed), [V] or None.
         completion_ids: [B, T] token ids in [0, V).
         advantages: [B], [B, 1] or [B, T], finite.
         completion_mask: [B, T], 1 for real completion tokens (default: all ones).
@@ -198,17 +219,17 @@ def fused_linear_grpo_loss(
             hyperparameters: old_logps / ref_logps must come from the same transform.
         sampling_logps: [B, T] log-probs under the sampling engine, for the off-policy mask
             (off_policy_mask_threshold; default: old_logps); NaN marks an unscored token.
-        return_terms: return the per-token terms (`GRPOTerms`: the policy loss Σ weight·ℓ
-            without the entropy bonus, and per-token logp, entropy, ratio and kl, with vespo's φ
-            and the entropy mask) instead of (loss, metrics), for a trainer that aggregates or
-            logs them its own way; params.entropy_coef is then not applied. The loss then takes
-            the four-pass route (docs/internals.md, "Routes").
-        return_token_values: also return the per-token values, detached (`GRPOTerms` with
-            no gradient anywhere), beside the loss and metrics: for a trainer that logs them
-            its own way while the loss, entropy bonus included, is this function's, on the
-            fastest route the call allows.
+        return_terms: return the differentiable per-token terms (`GRPOTerms`: Σ weight·ℓ
+            without the entropy bonus, per-token logp, entropy, ratio, kl, vespo's φ, the
+            entropy mask) instead of (loss, metrics); always the four-pass route.
+        return_token_values: (loss, metrics, the same GRPOTerms detached): the loss as usual,
+            on the fastest route, and the per-token values for a trainer's own logs.
         entropy_gather: with top_entropy_quantile < 1, a function that gathers the entropies
             of every process (see `grpo_options.high_entropy_mask`); default: this batch's.
+        vocab_group: a vocabulary-parallel head (docs/integrations.md, "Tensor parallelism"):
+            weight [V_r, D], bias [V_r] are this rank's rows, as `selective_logprobs` takes
+            them; every other input is the same on every rank. Loss and metrics are the whole
+            head's, on every rank.
         params: a GRPOParams, or the hyperparameters as keywords (GRPOParams' fields: beta,
             epsilon_low, epsilon_high, delta, temperature, loss_type, ...), not both.
 
@@ -217,11 +238,16 @@ def fused_linear_grpo_loss(
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
     params = GRPOParams.resolve(params, hyperparameters)
-    call = linear_call(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
-                       ref_logps, bias, num_items_in_batch, importance_sampling_ratio, cu_seqlens,
-                       grad_filter, params, sampling_logps, softcap, logit_scale)
+
+    def check(hidden, weight, bias):
+        return linear_call(hidden, weight, completion_ids, advantages, completion_mask,
+                           old_logps, ref_logps, bias, num_items_in_batch,
+                           importance_sampling_ratio, cu_seqlens, grad_filter, params,
+                           sampling_logps, softcap, logit_scale)
+
+    shard, call = vocab_parallel_call(check, hidden, weight, bias, vocab_group)
     return linear_loss(call, params, entropy_gather, return_terms=return_terms,
-                       return_token_values=return_token_values)
+                       return_token_values=return_token_values, shard=shard)
 
 
 @signature_with_params

@@ -19,10 +19,12 @@ its N tokens, and `grpo_math` works on [N] with the segment sums of `token_layou
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
+from . import parallel
 from .grpo_math import entropy_bonus_weights, finish_loss, grpo_metrics, policy_loss, token_weights
 from .ops import route, three_pass_op
 from .ops.backends import backend_for
@@ -136,9 +138,15 @@ def linear_call(hidden, weight, completion_ids, advantages, completion_mask, old
     return ids.reshape(-1), inputs, eps, backend_for(hidden), head, transform
 
 
-def linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOTerms:
-    """The token-terms op, or the selective log-prob op with grpo_math, on a checked call."""
+def linear_terms(call: tuple, params: GRPOParams, entropy_gather=None,
+                 shard=None) -> GRPOTerms:
+    """The token-terms op, or the selective log-prob op with grpo_math, on a checked call
+    (shard: a vocabulary-parallel head's, whose log-probs come from `parallel`)."""
     ids, inputs, eps, backend, head, transform = call
+    if shard is not None:
+        logp, ent = parallel.linear_logprobs(shard, *head, ids, params.temperature, eps,
+                                             backend, *transform)
+        return _unfused_terms(logp, ent, inputs, params, entropy_gather)
     if takes_terms_op(backend, params):
         outputs = OPS.linear_grpo_terms(*head, ids, params.temperature, eps, backend,
                                         *terms_args(inputs, params), *transform)
@@ -148,16 +156,20 @@ def linear_terms(call: tuple, params: GRPOParams, entropy_gather=None) -> GRPOTe
     return _unfused_terms(logp, ent, inputs, params, entropy_gather)
 
 
-def three_pass_loss(call: tuple, params: GRPOParams) -> tuple:
-    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route."""
+def three_pass_loss(call: tuple, params: GRPOParams, shard=None) -> tuple:
+    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route (shard: a
+    vocabulary-parallel head's, computed by `parallel.linear_grpo_loss`)."""
     ids, inputs, _, backend, head, (_, logit_scale) = call
     g_ent = None
     if params.entropy_coef != 0.0:  # the bonus's d(loss)/d entropy per token
         g_ent = entropy_bonus_weights(inputs.mask, params.entropy_coef).reshape(-1)
     # a packed CUDA batch is not compacted: counting its masked tokens would read the device
     compact = inputs.cu_seqlens is None or head[0].device.type != "cuda"
-    out = three_pass_op.linear_grpo_loss(head, ids, terms_args(inputs, params), g_ent, backend,
-                                         params.temperature, logit_scale, compact)
+    loss_grad = three_pass_op.linear_grpo_loss
+    if shard is not None:
+        loss_grad = functools.partial(parallel.linear_grpo_loss, shard)
+    out = loss_grad(head, ids, terms_args(inputs, params), g_ent, backend, params.temperature,
+                    logit_scale, compact)
     shape = inputs.mask.shape  # [B, T], or [N] packed
     ent, ratio = out.entropy.reshape(shape), out.ratio.reshape(shape)
     kl = None if params.beta == 0.0 else out.kl.reshape(shape)
@@ -167,17 +179,39 @@ def three_pass_loss(call: tuple, params: GRPOParams) -> tuple:
 
 
 def linear_loss(call: tuple, params: GRPOParams, entropy_gather=None, *,
-                return_terms: bool = False, return_token_values: bool = False):
+                return_terms: bool = False, return_token_values: bool = False, shard=None):
     """What `fused_linear_grpo_loss` returns for a checked call (`linear_call`): the
-    three-pass route where `route.linear_loss_route` says so, else the four-pass one."""
+    three-pass route where `route.linear_loss_route` says so, else the four-pass one. shard: a
+    vocabulary-parallel head's `parallel.VocabShard` (`vocab_parallel_call`), or None."""
     _exclusive(return_terms, return_token_values)
-    _, inputs, eps, backend, head, (softcap, _) = call
+    _, inputs, eps, backend, head, (softcap, scale) = call
     if route.linear_loss_route(*head, backend, params, softcap, eps,
-                               per_token_outputs=return_terms).three_pass:
-        loss, metrics, terms = three_pass_loss(call, params)
+                               per_token_outputs=return_terms, vocab_parallel=shard,
+                               logit_scale=scale).three_pass:
+        loss, metrics, terms = three_pass_loss(call, params, shard)
         return (loss, metrics, terms) if return_token_values else (loss, metrics)
-    return finish(linear_terms(call, params, entropy_gather), inputs, params,
+    return finish(linear_terms(call, params, entropy_gather, shard), inputs, params,
                   return_terms=return_terms, return_token_values=return_token_values)
+
+
+def vocab_parallel_call(check, hidden, weight, bias, vocab_group) -> tuple:
+    """(None, check(hidden, weight, bias)) for a whole head; for a vocabulary-parallel one
+    (a DTensor weight or vocab_group=, `parallel`), (its VocabShard, the checked call on the
+    local tensors) once every rank of the group agrees on its inputs (else the same error on
+    every rank)."""
+    if not parallel.is_vocab_parallel(weight, vocab_group):
+        return None, check(hidden, weight, bias)
+    shard, weight, bias, hidden = parallel.local_head(weight, bias, vocab_group, hidden)
+
+    def inputs_of(call):
+        ids, inputs, *_ = call
+        per_token = {k: getattr(inputs, k) for k in (
+            "mask", "advantages", "old_logps", "ref_logps", "importance_sampling_ratio",
+            "num_items_in_batch", "cu_seqlens", "sampling_logps")}
+        return parallel.CallInputs(*call[4], ids, per_token)
+
+    return parallel.agreed(shard, lambda: check(hidden, weight, bias), inputs_of,
+                           "completion_ids")
 
 
 def finish(terms: GRPOTerms, inputs: LossInputs, params: GRPOParams, *,

@@ -31,17 +31,18 @@ class _GRPOModule(nn.Module):
 
 class FusedLinearGRPOLoss(_GRPOModule):
     """GRPO loss from hidden states and the lm_head weight; see `fused_linear_grpo_loss`.
-    Keywords: the GRPOParams fields (or params=), grad_filter, and the model's logit transform
-    softcap / logit_scale."""
+    Keywords: the GRPOParams fields (or params=), grad_filter, the model's logit transform
+    softcap / logit_scale, and vocab_group (a process group: the weight passed to forward is
+    this rank's vocabulary shard; a DTensor weight needs none)."""
 
     @signature_with_params
     def __init__(self, *, grad_filter: float | str | None = None, softcap: float | None = None,
-                 logit_scale: float | None = None, params: GRPOParams | None = None,
-                 **hyperparameters):
+                 logit_scale: float | None = None, vocab_group=None,
+                 params: GRPOParams | None = None, **hyperparameters):
         check_grad_filter(grad_filter, torch.bfloat16)  # fail here, not at the first step
         softcap, logit_scale = check_logit_transform(softcap, logit_scale)
         super().__init__(params, hyperparameters, grad_filter=grad_filter, softcap=softcap,
-                         logit_scale=logit_scale)
+                         logit_scale=logit_scale, vocab_group=vocab_group)
 
     @property
     def grad_filter(self) -> float | str | None:
@@ -56,7 +57,7 @@ class FusedLinearGRPOLoss(_GRPOModule):
             importance_sampling_ratio=importance_sampling_ratio, cu_seqlens=cu_seqlens,
             sampling_logps=sampling_logps, grad_filter=self.grad_filter,
             softcap=self.options["softcap"], logit_scale=self.options["logit_scale"],
-            params=self.params)
+            vocab_group=self.options["vocab_group"], params=self.params)
 
 
 class GRPOLoss(_GRPOModule):

@@ -66,6 +66,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.lora_r and cfg.fsdp:
         raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
                          "are untested here): use DDP for LoRA runs")
+    _check_tensor_parallel(cfg)
     if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
         raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
                          "(--lora_head): use --no_lora_head, or drop --fp32_lm_head")
@@ -91,6 +92,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                                "directory (expected a step_*.pt file, a run directory, or 'auto')")
     _check_loss_params(cfg)
     return cfg
+
+
+def _check_tensor_parallel(cfg) -> None:
+    """--tp_size with the settings it does not support (the process count is checked at launch,
+    `tensor_parallel.require`)."""
+    tp = cfg.tp_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UsageError(f"--tp_size must be a whole number >= 1, got {tp!r}")
+    if tp == 1:
+        return
+    for flag, on in (("--fsdp", cfg.fsdp), ("--lora_r", cfg.lora_r),
+                     ("--fp32_lm_head", cfg.fp32_lm_head)):
+        if on:
+            raise UsageError(f"--tp_size {tp} with {flag} is not supported: tensor parallelism "
+                             "runs transformers' plan on full-precision, adapter-free weights")
 
 
 _LOSS_FLAGS = {"beta": "--beta", "epsilon_low": "--epsilon_low", "epsilon_high": "--epsilon_high",

@@ -208,6 +208,11 @@ class TrainConfig:
     fsdp: bool = option(False,
         "Shard parameters, gradients and AdamW state over the processes (PyTorch FSDP2) instead"
         " of replicating them (DDP); launch with accelerate launch / torchrun as for DDP")
+    tp_size: int = option(1,
+        "Tensor parallelism over N processes (transformers' plan for the model; the output "
+        "head split along the vocabulary, the fused loss never gathers its logits): launch with"
+        " `torchrun --nproc_per_node N -m grpo_train --tp_size N`. N must equal the number of "
+        "processes (no data parallelism beside it); not with --fsdp, --lora_r or --fp32_lm_head")
     device: str = option("auto", "auto = cuda when available")
     num_threads: int | None = option(None,
         "torch CPU threads; 0 = torch's default (one per core). The embedded model runs on one:"

@@ -74,6 +74,8 @@ def unsupported_reason(model, cfg, sampling: dict) -> str | None:
         return f"{type(hf).__name__} has no init_continuous_batching"
     if cfg.fsdp:
         return "--fsdp: continuous batching needs the full parameters in one process"
+    if getattr(cfg, "tp_size", 1) > 1:
+        return "--tp_size: continuous batching is untested with tensor parallelism"
     if cfg.bf16:  # autocast is thread-local and the manager runs the model in its own thread
         return "--bf16 autocast does not reach continuous batching's generation thread"
     device = next(model.parameters()).device

@@ -387,7 +387,7 @@ def evaluate(model, examples: list[dict], run) -> float:
     the prompts are split over the processes and the counts summed. run: the `RunState`
     (accel as well as what `generate` reads)."""
     accel, cfg = run.accel, run.cfg
-    mine = examples[accel.process_index::accel.num_processes]
+    mine = examples[run.rank::run.world]  # data-parallel: a tensor-parallel group's alike
     correct, total = 0.0, 0.0
     with sharding.full_parameters(model):  # FSDP: one gather, whatever each process' count
         for i in range(0, len(mine), cfg.eval_batch_size):

@@ -159,7 +159,8 @@ def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_
                                        batch["truncated"].float().sum().item(),
                                        batch["prompt_tokens"].item(), loss_total,
                                        kernel_fallbacks() - start.kernel_fallbacks]
-    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum").tolist()
+    total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum")
+    total = (total / run.tp).tolist()  # a tensor-parallel group's ranks hold the same batch
     n_seq = float(cfg.num_prompts * cfg.num_generations)
     n_tok = max(total[len(keys)], 1.0)
     comp_tokens, truncated, prompt_tokens, loss_sum, fallbacks = total[len(keys) + 1:]
@@ -179,7 +180,7 @@ def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_
     record.update({
         "completion_length": comp_tokens / n_seq,
         "truncated_ratio": truncated / n_seq,
-        "loss": loss_sum / accel.num_processes,
+        "loss": loss_sum / run.world,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "lr": run.scheduler.get_last_lr()[0],
         "tokens_per_s": (comp_tokens + prompt_tokens) / elapsed,

@@ -26,7 +26,7 @@ from grpo_kernels.hf import (
     output_head,
 )
 
-from . import sharding
+from . import sharding, tensor_parallel
 from .checks import check_model_source
 from .data import random_answer_texts
 from .flags import UsageError
@@ -49,7 +49,7 @@ def load_pretrained(source: str, cfg, flag: str = "--model"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[cfg.model_dtype],
-                                                     **kwargs)
+                                                     **kwargs, **tensor_parallel.load_kwargs(cfg))
     except (OSError, ValueError, KeyError) as err:
         where = "local directory" if local else "hub id"
         if kwargs.get("local_files_only"):
@@ -105,7 +105,8 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
         use_fp32_head(model)
     ref_model = None  # beta = 0 needs no reference at all
     if cfg.beta != 0.0 and not cfg.lora_r:  # the frozen initial policy
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = (_load_reference(cfg, out_dir) if cfg.tp_size > 1 else
+                     copy.deepcopy(model)).eval().requires_grad_(False)
     if cfg.lora_r:  # adapters on the policy only: the reference is the model without them, so
         model = add_lora_adapters(model, cfg, say)  # no copy (trainer's `_reference_policy`)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -125,6 +126,13 @@ def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
 
 # the row layouts an --attn_implementation runs (the others: any)
 _LAYOUTS_OF = {"torch_varlen_flash": (RowLayout.PACKED,)}
+
+
+def _load_reference(cfg, out_dir):
+    """--tp_size: the initial policy loaded again with the plan (a deep copy would run the
+    policy's tensor-parallel forwards, closures over its modules; `tensor_parallel`)."""
+    source = cfg.model or str(Path(out_dir) / "initial_model")
+    return load_pretrained(source, cfg, flag="--model" if cfg.model else "initial model")[0]
 
 
 def micro_batch_layout(model, cfg, say) -> RowLayout:
@@ -222,6 +230,8 @@ def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say):
     if accel.is_main_process:
         save_model(model, tokenizer, initial)
     accel.wait_for_everyone()
+    if cfg.tp_size > 1:  # the warmed-up model, loaded with the plan (`tensor_parallel`)
+        return load_pretrained(str(initial), cfg, flag="initial model")
     return model, tokenizer
 
 

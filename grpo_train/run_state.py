@@ -18,7 +18,7 @@ import torch
 
 from grpo_kernels import FusedLinearGRPOLoss
 
-from . import batching, sharding
+from . import batching, sharding, tensor_parallel
 from .checkpoint import clear_run_files, find_checkpoint, resume_run, seed_everything
 from .checks import grad_filter_value
 from .config import TrainConfig, grpo_params, lr_factor
@@ -43,8 +43,9 @@ class RunState:
     cfg: TrainConfig  # the resolved, validated configuration
     accel: Accelerator  # processes, their device, gather/reduce, the DDP wrapper
     say: Callable[[str], None]  # prints one line on the main process (above the progress bar)
-    rank: int  # this process' index
-    world: int  # number of processes
+    rank: int  # this process' data-parallel rank (its index; 0 under --tp_size)
+    world: int  # data-parallel processes (the process count; 1 under --tp_size)
+    tp: int  # --tp_size: processes per tensor-parallel group, which share one batch
     device: torch.device  # this process' device
     # batch geometry (batching.batch_sizes)
     P_local: int  # prompts per process and step
@@ -100,7 +101,8 @@ def setup(cfg: TrainConfig) -> RunState:
     geometry, rewards, examples, models, optimizer, prompt sampler, and the state of the
     checkpoint being resumed (`start`: its step, else 0)."""
     accel, say = _start_processes(cfg)
-    rank, world, device = accel.process_index, accel.num_processes, accel.device
+    tp, device = cfg.tp_size, accel.device
+    rank, world = accel.process_index // tp, accel.num_processes // tp  # data-parallel
     P_local, B, micro = batching.batch_sizes(cfg, world)
     specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
     train_ex, eval_ex = load_examples(cfg)
@@ -117,11 +119,12 @@ def setup(cfg: TrainConfig) -> RunState:
     seed_everything(cfg.seed + rank)  # each process samples different completions
     start = 0
     if ckpt_path is not None:
-        start = resume_run(ckpt_path, model, optimizer, scheduler, sampler, rank, world, say)
-    # DistributedDataParallel when several processes; FSDP: the sharded model as it is
-    ddp_model = model if cfg.fsdp else accel.prepare_model(model)
+        start = resume_run(ckpt_path, model, optimizer, scheduler, sampler,
+                           accel.process_index, accel.num_processes, say)
+    # DistributedDataParallel when several processes; FSDP and tensor parallelism: the model
+    ddp_model = model if cfg.fsdp or tp > 1 else accel.prepare_model(model)
     return RunState(
-        cfg=cfg, accel=accel, say=say, rank=rank, world=world, device=device,
+        cfg=cfg, accel=accel, say=say, rank=rank, world=world, tp=tp, device=device,
         P_local=P_local, B=B, micro=micro, agree=_agree(accel),
         specs=specs, weights=torch.tensor([s.weight for s in specs]),
         acc_col=next((j for j, s in enumerate(specs) if s.fn is accuracy), None),
@@ -149,6 +152,7 @@ def _start_processes(cfg: TrainConfig) -> tuple[Accelerator, Callable[[str], Non
     accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     if cfg.fsdp:
         sharding.require_process_group()
+    tensor_parallel.require(cfg.tp_size, accel.num_processes)
     say = printer(accel.is_main_process)
     if cfg.overwrite and accel.is_main_process:
         deleted = clear_run_files(cfg.output_dir)

@@ -35,6 +35,8 @@ from torch import nn
 
 from grpo_kernels import hf
 
+from . import tensor_parallel
+
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, fully_shard
 except ImportError:  # torch 2.4-2.5
@@ -130,7 +132,10 @@ def full_parameters(model: nn.Module):
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """torch.nn.utils.clip_grad_norm_, as a float; with sharded gradients the norm is the
-    global one (DTensor reduces the shards' partial sums)."""
+    global one (DTensor reduces the shards' partial sums; tensor parallelism:
+    `tensor_parallel.clip_grad_norm`)."""
+    if tensor_parallel.is_tensor_parallel(model):
+        return tensor_parallel.clip_grad_norm(model, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -144,7 +149,10 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     """(model state_dict, optimizer state_dict) with full tensors. Unsharded: the modules' own.
     Sharded: gathered onto the main process (on CPU), the optimizer's re-keyed by parameter
     index as torch.optim writes it; the other processes get ({}, {}). Every process must call it.
+    Tensor parallelism: `tensor_parallel.state_dicts`.
     """
+    if tensor_parallel.is_tensor_parallel(model):
+        return tensor_parallel.state_dicts(model, optimizer)
     if not is_sharded(model):
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (
@@ -164,6 +172,9 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
                      optim_sd: dict) -> None:
     """Loads full state dicts (as `state_dicts` or a DDP run writes them) into the model and the
     optimizer; a sharded model keeps this process' shard of each tensor."""
+    if tensor_parallel.is_tensor_parallel(model):
+        tensor_parallel.load_state_dicts(model, optimizer, model_sd, optim_sd)
+        return
     if not is_sharded(model):
         model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
@@ -209,6 +220,8 @@ def _optimizer_by_name(sd: dict, names: list[str]) -> dict:
 def export_model(model: nn.Module) -> nn.Module:
     """A plain (unsharded) copy of a sharded model on the main process, for save_pretrained and
     train()'s return value; the sharded model itself elsewhere. Every process must call it."""
+    if tensor_parallel.is_tensor_parallel(model):
+        return tensor_parallel.export_model(model)
     if not is_sharded(model):
         return model
     full = _full_model_state(model)

@@ -26,7 +26,7 @@ import torch
 from grpo_kernels import force_backend, hf
 from grpo_kernels import reference as reference_impl
 
-from . import batching, sharding
+from . import batching, sharding, tensor_parallel
 from .checkpoint import StopOnSignal, checkpoint_dir, list_checkpoints, save_run
 from .generation import evaluate, generate
 from .logs import (
@@ -170,6 +170,8 @@ def _advantages(run: RunState, rewards_per_func):
     """(all processes' rewards [P·G, F], their weighted sum [P·G], this process' advantages
     [B] on its device) from this process' rewards [B, F] (NaN = unscored)."""
     all_rewards = run.accel.gather(rewards_per_func.to(run.device)).cpu()  # [P*G, F]
+    # each tensor-parallel group once (its ranks scored the same batch)
+    all_rewards = tensor_parallel.data_rows(all_rewards, run.tp, run.accel.num_processes)
     rewards = combine(all_rewards, run.weights)
     advantages = group_advantages(rewards, run.cfg.num_generations, run.cfg.scale_rewards)
     return all_rewards, rewards, advantages[run.rank * run.B:(run.rank + 1) * run.B].to(run.device)
@@ -202,7 +204,9 @@ def _optimize(run: RunState, batch, mbs, advantages, old_logps, ref_logps, phase
         # so the micro-batch losses add up to sum(token losses) / all tokens
         n_tokens = batch["completion_mask"].sum().float()
         # at least 1: a step whose completions are all masked has a zero loss, not an error
-        num_items = (run.accel.reduce(n_tokens, "sum") / run.world).clamp(min=1.0)
+        # (summed over every process: a tensor-parallel group's ranks count alike)
+        num_items = (run.accel.reduce(n_tokens, "sum") / run.accel.num_processes).clamp(
+            min=1.0)
     sums, loss_total, grad_norms = {}, 0.0, []
     for _ in range(cfg.num_iterations):
         with phases.phase("loss"):  # forward + backward of every micro-batch

@@ -134,7 +134,7 @@ def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
     needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
-    softcap=None, logit_scale=None,
+    softcap=None, logit_scale=None, shard_targets=False,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see
     `linear_backward_atomic.linear_logprob_backward_atomic`).
@@ -149,7 +149,10 @@ def linear_logprob_backward(
     `fast_mode` (no bias, no entropy gradient) or `general_mode`; `kept_mode` starts either
     of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles.
     A logit scale alone is a temperature here (`tiles.head_transform`); a soft cap runs
-    `softcap.linear_backward`."""
+    `softcap.linear_backward`.
+    shard_targets: the weight is one vocabulary shard (grpo_kernels/parallel) and an id
+    outside [0, V) is another shard's target: no one-hot term for it (the soft-cap backward
+    finds each target's tile this way always)."""
     temperature, cap = head_transform(temperature, softcap, logit_scale)
     if cap is not None:
         from .softcap import linear_backward
@@ -187,13 +190,14 @@ def linear_logprob_backward(
             direct_dh = idx is None and hidden.dtype == dtype
             dh_acc = torch.empty_like(hidden) if direct_dh else torch.empty_like(h)
         dw, db_acc = _tile_pass(weight, h, b, pick(targets), mode, rows, cols, z_buf, dh_acc,
-                                want_dw, want_db)
+                                want_dw, want_db, shard_targets)
         dh = None if dh_acc is None else _hidden_grad(dh_acc, mode.dh_scale, hidden, idx)
         db = None if db_acc is None else db_acc.mul_(-inv_t).to(bias.dtype)
     return dh, dw, db
 
 
-def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, want_dw, want_db):
+def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, want_dw, want_db,
+               shard_targets=False):
     """Vocabulary tiles (outer) by token blocks (inner): each [r, c] tile becomes x
     (`mode.tile`), gets its one-hot term, and feeds d hidden += x @ W_tile (into dh_acc
     [Na, D]), d W_tile += x^T @ h_dw and d b_tile += Σ x. h [Na, D], b [V] | None, tg [Na];
@@ -213,10 +217,10 @@ def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, 
     for v0 in range(0, V, cols):
         w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
         c = w.shape[0]
-        bt = None if b is None or c == V else b[v0:v0 + c]
-        if c == V:  # every target is in the tile
-            bt, col, target_term = b, tg[:, None], mode.one_hot[:, None]
-        else:
+        bt = b if b is None or c == V else b[v0:v0 + c]
+        if c == V and not shard_targets:  # every target is in the tile
+            col, target_term = tg[:, None], mode.one_hot[:, None]
+        else:  # (shard targets: ids outside [0, V) are in no tile)
             col, inside = in_tile(tg, v0, c)
             target_term = (mode.one_hot * inside)[:, None]
         # d W of this tile accumulates over token blocks, then is written once
@@ -274,8 +278,11 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, so
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
-                            chunk_elements=None, softcap=None, logit_scale=None):
-    """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself)."""
+                            chunk_elements=None, softcap=None, logit_scale=None,
+                            shard_targets=False):
+    """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself; its
+    dtype may differ). shard_targets: an id outside [0, V) is another vocabulary shard's
+    (grpo_kernels/parallel) and adds no one-hot term (no soft cap or scale then)."""
     if softcap is not None or logit_scale is not None:
         from .softcap import logits_backward
 
@@ -299,16 +306,19 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
             z = _block(z_buf, x.shape)
             neg_lse = tokens(lse).to(dtype) * -LOG2E  # [n], log2 units
             ids = per_token(tokens(targets))
+            one = z.new_full(ids.shape, -1.0)  # the one-hot's sign in units of the tile
+            if shard_targets:  # another shard's target: no term (the column is a dummy)
+                one, ids = one * (ids >= 0), ids.clamp(min=0)
             if gh is None:
                 # d x = -g/τ · (p - onehot): one pass from x to the tile (p = 2^(z - lse)),
                 # one exp2_, one small scatter, one pass from the tile into d x
                 torch.add(per_token(neg_lse), x, alpha=scale, out=z).exp2_()
-                z.scatter_add_(-1, ids, z.new_full(ids.shape, -1.0))
+                z.scatter_add_(-1, ids, one)
                 torch.mul(z, per_token(g * -inv_t), out=dx)
             else:
                 torch.add(per_token(neg_lse), x, alpha=scale, out=z)  # log2 p
                 neg_dz_tile(z, _block(e_buf, x.shape), per_token(tokens(ent).to(dtype) * LOG2E),
                             per_token(g), per_token(gh.to(dtype) * LN2))
-                z.scatter_add_(-1, ids, per_token(-g))  # -d z
+                z.scatter_add_(-1, ids, one * per_token(g))  # -d z
                 torch.mul(z, -inv_t, out=dx)
     return dx3

@@ -33,6 +33,12 @@ logits of the float32 head, tensor cores kept). The kernels accumulate in float3
 PEFT adapters on the output embedding: a LoRA adapter is folded into the fused call (extra hidden
 and weight columns, `head_adapters`), so the logits are the wrapped model's and the adapter
 trains; `modules_to_save` heads use the copy in use; other adapter types raise.
+
+Tensor parallelism (a model loaded with transformers' `tp_plan="auto"`): the head's weight is a
+DTensor sharded Shard(0) along the vocabulary, and the fused calls take it as it is
+(`grpo_kernels.parallel`): each rank computes its shard's statistics, the ranks combine them, and
+no rank holds [B, T, V] logits; the model's own head, which gathers them, runs only in the
+once-per-model check (one position).
 """
 
 from __future__ import annotations
@@ -214,7 +220,7 @@ def _with_model_transform(loss_fn: FusedLinearGRPOLoss, model: nn.Module):
                          f" transforms its logits with {transform}: build it without softcap "
                          "and logit_scale (the model's are used) or with the model's")
     return FusedLinearGRPOLoss(grad_filter=loss_fn.grad_filter, params=loss_fn.params,
-                               **transform)
+                               vocab_group=loss_fn.options.get("vocab_group"), **transform)
 
 
 def completion_logprobs(

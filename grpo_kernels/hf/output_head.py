@@ -201,4 +201,9 @@ def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | N
         hidden = hidden.to(weight.device)
     mixed = head_dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
     kernel_hidden = hidden if mixed or hidden.dtype == head_dtype else hidden.to(head_dtype)
+    if resolved.lora and type(weight).__name__ == "DTensor":  # tensor parallelism's head
+        raise NotImplementedError(
+            f"the output embedding of {type(unwrap_model(model)).__name__} is sharded along the "
+            "vocabulary (a DTensor: tensor parallelism) and carries a LoRA adapter; the fused "
+            "head folds LoRA into whole heads only")
     return fold_lora(resolved, hidden, kernel_hidden, head_dtype)

@@ -169,7 +169,10 @@ def _logits_logprob_bwd_kernel(
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
         busy += tl.max(tl.abs(gh), axis=0)
-    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)  # the forward's target column
+    # the target column as given: an id outside [0, V) (another vocabulary shard's, see
+    # grpo_kernels/parallel; or a bad id, which the caller reports) matches no column and adds
+    # no one-hot term, as in the linear head's tile kernels (`dlogits.dz_tile`)
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
                     logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
@@ -222,6 +225,9 @@ def _logits_loss_grad_kernel(
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         busy += tl.max(tl.abs(gh), axis=0)
     lse = tl.where(n_mask, lse, 0.0)  # rows past N: finite, as the backward loads them
+    # the one-hot term at the id as given: none for an id outside [0, V), as in the backward
+    # kernel (another vocabulary shard's id, grpo_kernels/parallel); the sweep loads nothing by it
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     _d_logits_sweep(x_ptr, dx_ptr, rows, _row_offsets(offs_n, T, stride_db, stride_dt), n_mask,
                     tgt, lse, ent, g, gh, busy, V, inv_temp, logit_mul, softcap, HAS_GENT, ROWS,
                     BLOCK_V, HAS_SCALE, HAS_SOFTCAP)

@@ -69,15 +69,16 @@ class BoundOp:
         return fallback.variant(self.family, what, x.device, x.dtype,
                                 *self.head_options(tensors), *extra)
 
-    def _launch(self, tensors, what, extra, name, *args, **kw):
+    def _launch(self, tensors, what, extra, name, *args, torch_kw=None, **kw):
         """Launcher `name` on this op's backend; on Triton through `fallback.run` under the key
-        of (`what`, the inputs `tensors`, the backward's `extra` options)."""
+        of (`what`, the inputs `tensors`, the backward's `extra` options). torch_kw: keywords
+        for the chunked launcher only (also when it replaces a Triton kernel that failed)."""
         if not self.on_triton:
-            return getattr(chunked, name)(*args, **kw)
+            return getattr(chunked, name)(*args, **kw, **(torch_kw or {}))
 
         def on_torch():
             self.impl = chunked  # backward follows the forward's backend
-            return getattr(chunked, name)(*args, **kw)
+            return getattr(chunked, name)(*args, **kw, **(torch_kw or {}))
 
         follows = self.variant("forward", tensors) if what == "backward" else None
         return fallback.run(self.variant(what, tensors, *extra), tensors[0].device,
@@ -112,7 +113,11 @@ class LinearHeadOp(BoundOp):
                             hidden, weight, bias, targets, self.temperature, **extra,
                             **self.transform)
 
-    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None,
+                 shard_targets: bool = False):
+        """shard_targets: a vocabulary shard's backward (grpo_kernels/parallel), where an id
+        outside [0, V) is another shard's and adds no one-hot term. The Triton kernels compare
+        column ids, so only the chunked launcher is told."""
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
         wanted = [n for n, need, x in zip(("hidden", "weight", "bias"), needs, inputs)
@@ -122,7 +127,8 @@ class LinearHeadOp(BoundOp):
         return self._launch(inputs, "backward", options, "linear_logprob_backward", hidden,
                             weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
                             needs=tuple(needs), grad_filter=self.grad_filter, **extra,
-                            **self.transform)
+                            **self.transform,
+                            torch_kw={"shard_targets": True} if shard_targets else None)
 
 
 class LogitsOp(BoundOp):

@@ -63,18 +63,39 @@ def chunk_budget_bytes(backend: str) -> int:
 
 
 def linear_loss_route(hidden, weight, bias, backend: str, params: GRPOParams, softcap=None,
-                      grad_filter=None, per_token_outputs: bool = False) -> Route:
+                      grad_filter=None, per_token_outputs: bool = False, vocab_parallel=None,
+                      logit_scale=None) -> Route:
     """Does a linear-head GRPO loss call take the three-pass route, and why (or why not)?
     hidden [N, D], weight [V, D], bias [V] | None: the tensors the head's op would get. The
-    route is logged once per (route, reason)."""
-    route = _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
-                    per_token_outputs)
+    route is logged once per (route, reason). vocab_parallel: a vocabulary-parallel head's
+    `parallel.VocabShard` (this rank's weight is one shard): see `_vocab_parallel`."""
+    if vocab_parallel is not None:
+        route = _vocab_parallel(hidden, weight, bias, backend, params, softcap, grad_filter,
+                                per_token_outputs, vocab_parallel, logit_scale)
+    else:
+        route = _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
+                        per_token_outputs)
     _log_route(route.three_pass, route.reason)
     return route
 
 
+def _vocab_parallel(hidden, weight, bias, backend, params, softcap, grad_filter,
+                    per_token_outputs, shard, logit_scale) -> Route:
+    """The route of a vocabulary-parallel head (grpo_kernels/parallel): the whole head's rules
+    at the largest shard (every rank of the group decides alike, `VocabShard.max_rows`), and a
+    negative logit scale keeps the four-pass route (the parallel three-pass folds the scale into
+    the temperature). The reason names the head's form and its shards."""
+    prefix = f"vocabulary-parallel head ({shard.form}, {shard.world} shards): "
+    if logit_scale is not None and logit_scale < 0:
+        return Route(False, prefix + "a negative logit scale")
+    route = _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
+                    per_token_outputs, rows=shard.max_rows)
+    return Route(route.three_pass, prefix + route.reason)
+
+
 def _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
-            per_token_outputs) -> Route:
+            per_token_outputs, rows=None) -> Route:
+    """rows: the vocabulary rows to size the chunks by (default: weight.shape[0])."""
     def no(reason):
         return Route(False, reason)
 
@@ -97,6 +118,7 @@ def _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
     budget = chunk_budget_bytes(backend)
     if backend == "chunked":
         V, D = weight.shape
+        V = V if rows is None else rows
         rows, why_not = chunked_loss_grad.chunk_rows(hidden.shape[0], V, D, weight.dtype, budget)
         if rows is None:
             return no(why_not)

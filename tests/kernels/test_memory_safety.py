@@ -174,8 +174,9 @@ def test_logits_kernels_stay_in_bounds(checker, arch, dtype):
 @pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused"])
 def test_bad_target_ids_are_clamped_in_the_row_kernels(checker, arch, fused):
     """The three-pass route's row kernels (kernels/linear_loss_grad.py, both forms) with ids
-    outside [0, V): no access outside the launch's tensors, and the results of the clamped ids
-    (the caller reports a bad id; the kernels only stay in bounds)."""
+    outside [0, V): no access outside the launch's tensors; the forward gives the results of the
+    clamped ids, and the backward adds no one-hot term for them (an id outside [0, V) is
+    another vocabulary shard's there, grpo_kernels/parallel; the caller reports a bad id)."""
     B, T, D, V = 1, 13, 24, 75
     hidden, weight, bias, ids = make_head(B, T, D, V, torch.float32, "cpu", bias=True)
     h, ids = hidden[0], ids[0]
@@ -193,8 +194,17 @@ def test_bad_target_ids_are_clamped_in_the_row_kernels(checker, arch, fused):
 
     bad = run(ids)
     assert_clean(checker)
-    for x, want in zip(bad, run(ids.clamp(0, V - 1))):
-        assert torch.equal(x, want)
+    clamped = ids.clamp(0, V - 1)
+    want = run(clamped)
+    for i, (x, y) in enumerate(zip(bad, want)):
+        if i not in (4, 5, 6):  # everything but the gradients: the clamped ids' results
+            assert torch.equal(x, y)
+    # the gradients without the clamped ids' one-hot terms: d y[n, col] = coef_n / τ there
+    rows = torch.tensor([2, 7, 11])
+    one_hot = torch.zeros(T, V).index_put_((rows, clamped[rows]), want[3][rows] / 0.9)
+    torch.testing.assert_close(bad[4], want[4] - one_hot @ weight)
+    torch.testing.assert_close(bad[5], want[5] - one_hot.T @ h)
+    torch.testing.assert_close(bad[6], want[6] - one_hot.sum(0))
 
 
 class OffByOne:

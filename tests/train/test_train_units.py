@@ -283,7 +283,7 @@ def test_step_record_counts_the_steps_kernel_fallbacks(monkeypatch):
 
     accel = SimpleNamespace(reduce=lambda t, op: t, num_processes=1)
     run = SimpleNamespace(accel=accel, cfg=SimpleNamespace(num_prompts=1, num_generations=2),
-                          device=torch.device("cpu"), acc_col=None,
+                          device=torch.device("cpu"), acc_col=None, world=1, tp=1,
                           scheduler=SimpleNamespace(get_last_lr=lambda: [1e-3]))
     batch = {"lengths": torch.tensor([3, 4]), "truncated": torch.tensor([False, True]),
              "prompt_tokens": torch.tensor(5)}

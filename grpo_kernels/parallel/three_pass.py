@@ -1,0 +1,194 @@
+"""The three-pass route (`ops/three_pass.py`) on a vocabulary-parallel head: the loss's gradient
+formed in the forward, chunk by chunk, with the statistics combined across the shards between a
+chunk's logits and its d-logits.
+
+Per chunk of C whole rows of this rank's shard (C from the largest shard, `VocabShard.max_rows`,
+so that every rank runs as many chunks and as many collectives):
+
+  1. y = h[c] @ W_r^T (+ b_r)       [C, V_r] float32, a library GEMM (`kernels.gemm.product`)
+  2. the backend's row forward on y (`logits_logprob_forward`, Triton or chunked): lse_r, H_r
+     and the log-prob of the local target id
+  3. one all-gather of [3, C] float32 (`combine.py`): logp, H, lse of the whole vocabulary
+  4. the GRPO per-token loss on the combined log-prob and its derivative c = d(weight·ℓ)/dlogp
+     (`grpo_math`, through `ops.three_pass._TokenTerms`), the same on every rank
+  5. the backend's row backward from the global lse and H with g_logp = c, g_H = the entropy
+     bonus's weights: d y [C, V_r] in the GEMM dtype (over the logits of step 1 when that is
+     float32), the one-hot term only on the rank that holds the target (ids outside the shard
+     are -1)
+  6. d hidden[c] = d y @ W_r (a partial sum), d W_r += d y^T @ h[c], d b_r += Σ d y
+     (`kernels.linear_loss_grad._Grads`)
+
+then one all-reduce of d hidden [N, D] over the group. d W and d b stay local. Three [N, V_r, D]
+products per rank, as on a whole head. Memory: one [C, V_r] float32 buffer (two for a 16-bit
+head: its d y in its own dtype), and on the chunked backend the row launchers' scratch, blocks of
+an eighth of the chunk.
+
+What it leaves out, against the whole head's three-pass: the per-token GRPO math is PyTorch on
+both backends (the Triton GRPO epilogue reads a log-prob that exists only after step 3), and the
+chunked backend runs the row launchers on a materialized chunk instead of `chunked.loss_grad`'s
+fused passes. A logit scale s > 0 is folded into the temperature (z = y / (τ / s)); a negative one
+keeps the four-pass route (`ops/route.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import value_checks
+from ..chunked import launchers as chunked
+from ..kernels import gemm
+from ..kernels import linear_loss_grad as triton_loss_grad
+from ..kernels import logits_logprobs as triton_rows
+from ..ops import fallback
+from ..ops.route import chunk_budget_bytes
+from ..ops.three_pass import (  # the whole head's pieces, shared
+    Saved,
+    ThreePass,
+    ThreePassLoss,
+    _full,
+    _rows,
+    _TokenTerms,
+    grad_by_autograd,
+)
+from .combine import all_reduce_, combine, shard_targets
+from .logprobs import backward as vocab_parallel_backward
+from .logprobs import head_op
+from .shard import VocabShard
+
+F32 = torch.float32
+
+
+def _scratch(y) -> int:
+    """The chunked row launchers' block (elements of each of their scratch buffers): an eighth
+    of the chunk, so that their scratch stays a small part of the chunk's own buffer."""
+    return max(y.shape[1], y.numel() // 8)
+
+
+def _row_forward(backend: str, y, ids, temperature, out) -> None:
+    """(logp, entropy, lse) of the rows of y [r, V_r] float32 into out, three [r] float32."""
+    y3 = y.view(y.shape[0], 1, y.shape[1])
+    if backend == "triton":
+        triton_rows.logits_logprob_forward(y3, ids, temperature, out=out)
+        return
+    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature, _scratch(y))):
+        o.copy_(x)
+
+
+def _row_backward(backend: str, y, ids, lse, ent, c, gh, temperature, d) -> None:
+    """d y [r, V_r] (into d, the GEMM dtype; d may be y itself: both launchers read each
+    element before they overwrite it) of Σ c·logp + Σ gh·H from the global lse and H."""
+    y3, d3 = y.view(y.shape[0], 1, y.shape[1]), d.view(d.shape[0], 1, d.shape[1])
+    if backend == "triton":  # its row kernel compares column ids: -1 matches none
+        triton_rows.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3)
+    else:
+        chunked.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3,
+                                        chunk_elements=_scratch(y), shard_targets=True)
+
+
+def _chunks(shard: VocabShard, Na: int, D: int, dtype, backend: str) -> int:
+    """Rows per chunk: the whole head's rule (`kernels.linear_loss_grad.chunk_rows`: a float32
+    logits chunk and a d-logits chunk in the GEMM dtype within the budget) at the largest
+    shard, the same on every rank."""
+    return triton_loss_grad.chunk_rows(Na, shard.max_rows, D, dtype, chunk_budget_bytes(backend))
+
+
+def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperature):
+    """Per-token values [Na] and the local gradients of the computed rows (module docstring)."""
+    hidden, weight, bias = head
+    pick = lambda x: x if x is None or rows is None else x.index_select(0, rows)  # noqa: E731
+    h_all, gh_all = pick(hidden).contiguous(), pick(g_ent)
+    fwd_ids, bwd_ids, inside = (pick(x) for x in shard_targets(ids, shard))
+    terms = _TokenTerms(grpo_args, rows, grad_by_autograd)
+    (Na, D), V = h_all.shape, weight.shape[0]
+    dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype
+    C = _chunks(shard, Na, D, dt, backend)
+    f32 = dict(device=hidden.device, dtype=F32)
+    logp, ent, lse, coef = (torch.zeros(Na, **f32) for _ in range(4))
+    local = [torch.empty(min(C, Na), **f32) for _ in range(3)]  # the shard's own statistics
+    grads = triton_loss_grad._Grads(h_all, weight, bias, needs, several=C < Na)
+    if grads.dh is not None and grads.dh.dtype != torch.float64:
+        # d hidden's partial sums in float32: summed over the group, then rounded once
+        grads.dh = torch.empty(grads.dh.shape, **f32)
+    y_buf = torch.empty(min(C, Na), V, **f32)
+    d_buf = None  # d y: over the logits when the GEMMs are float32, else a [C, V_r] of its own
+    if grads.wanted:
+        d_buf = y_buf if dt == F32 else torch.empty(min(C, Na), V, device=hidden.device,
+                                                    dtype=dt)
+    for r0 in range(0, Na, C):
+        sl = slice(r0, min(r0 + C, Na))
+        r = sl.stop - r0
+        h, y = h_all[sl].to(dt), y_buf[:r]
+        gemm.product(y, h, weight.T, bias)
+        mine = [x[:r] for x in local]
+        _row_forward(backend, y, fwd_ids[sl], temperature, mine)
+        stats = combine(shard, mine[2], mine[1], mine[0], inside[sl])
+        for x, s in zip((logp, ent, lse), stats):
+            x[sl] = s
+        coef[sl] = terms.d_logp(r0, r, logp[sl])
+        if d_buf is not None:
+            d = d_buf[:r]
+            _row_backward(backend, y, bwd_ids[sl], lse[sl], ent[sl], coef[sl],
+                          None if gh_all is None else gh_all[sl], temperature, d)
+            grads.add_chunk(sl, d, h, weight, first=r0 == 0)
+    d_hidden, d_weight, d_bias = grads.finish()
+    if d_hidden is not None:
+        if rows is not None:
+            d_hidden = d_hidden.new_zeros(hidden.shape).index_copy_(0, rows, d_hidden)
+        d_hidden = all_reduce_(shard, d_hidden).to(hidden.dtype)
+    return (logp, ent, lse, coef), (terms.weighted_loss, terms.kl, terms.ratio), (
+        d_hidden, d_weight, d_bias)
+
+
+def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: str,
+              temperature: float, compact: bool = True) -> ThreePass:
+    """One vocabulary-parallel three-pass call; arguments and result as
+    `ops.three_pass.loss_grad` (head: this rank's (hidden [N, D], weight [V_r, D], bias [V_r] |
+    None); ids: global [N], checked by `agreement.agreed`)."""
+    hidden = head[0]
+    N = hidden.shape[0]
+    value_checks.check_finite_advantages(grpo_args[1])  # the same values on every rank
+    rows = _rows(grpo_args[0], g_ent, compact)  # the same mask on every rank: the same rows
+    with torch.no_grad():
+        if rows is not None and rows.numel() == 0:  # every token masked: nothing to compute
+            z = hidden.new_zeros(0, dtype=F32)
+            stats, terms = (z,) * 4, (z,) * 3
+            grads = tuple(torch.zeros_like(x) if x is not None and want else None
+                          for x, want in zip(head, needs))
+        else:
+            def run(on: str):
+                return _compute(shard, on, head, ids, grpo_args, g_ent, rows, needs,
+                                temperature)
+
+            key = fallback.variant("linear-head", "vocab-parallel-three-pass", hidden.device,
+                                   hidden.dtype)
+            stats, terms, grads = (run("chunked") if backend == "chunked" else fallback.run(
+                key, hidden.device, lambda: run("triton"), lambda: run("chunked")))
+        full = lambda x, fill=0.0: _full(x, rows, N, fill)  # noqa: E731
+        logp, ent, lse, coef = (full(x) for x in stats)
+        lossw, kl, ratio = full(terms[0]), full(terms[1]), full(terms[2], 1.0)
+        policy = lossw.sum()
+        loss = policy.clone() if g_ent is None else policy + (g_ent * ent).sum()
+    return ThreePass(loss, policy, logp, ent, kl, ratio, grads, lse, coef)
+
+
+@torch.compiler.disable  # collectives and host reads: runs eagerly inside a compiled graph
+def linear_grpo_loss(shard: VocabShard, head, ids, grpo_args, g_ent, backend: str,
+                     temperature: float, logit_scale=None, compact: bool = True) -> ThreePass:
+    """`ops.three_pass_op.linear_grpo_loss` on a vocabulary-parallel head: `ThreePass` with
+    `loss` differentiable w.r.t. the local head's tensors that require grad (a second backward
+    of a retained graph recomputes with the four-pass backward, one more all-reduce)."""
+    if logit_scale is not None:  # s > 0 (the route's condition): a temperature
+        temperature = temperature / float(logit_scale)
+    needs = [t is not None and t.requires_grad for t in head]
+    out = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature, compact)
+    stats = (out.lse, out.entropy, out.coef)
+
+    def recompute(hidden, weight, bias):
+        _, bwd_ids, _ = shard_targets(ids, shard)
+        op = head_op(backend, temperature)
+        return vocab_parallel_backward(op, shard, (hidden, weight, bias), bwd_ids, stats[0],
+                                       stats[1], stats[2], g_ent, needs)
+
+    saved = Saved(out.grads, recompute)
+    value, out = out.loss, out._replace(grads=None)
+    return out._replace(loss=ThreePassLoss.apply(value, *head, saved))

@@ -1,0 +1,149 @@
+"""Vocabulary-parallel heads on several CPU processes (torchrun, gloo; `vp_worker.py`): loss,
+metrics and gradients of tp = 2 and 4 shards equal the whole head's on one process (every loss
+type at every level, both routes, both backends with Triton in its interpreter, packed rows,
+the entropy bonus, temperatures, biases, mixed heads, both forms of the shard); a 2 x 2 mesh
+(data x tensor) equals one process on the same global batch; bad inputs raise on every rank,
+and no rank waits forever (each run has a timeout)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import vp_cases as vc
+from mp_launch import torchrun
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # several processes, a few tens of seconds each
+
+
+def run_suite(suite: str, nproc: int, out: Path) -> list[dict]:
+    """Every rank's results of one worker suite."""
+    torchrun(HERE / "vp_worker.py", nproc, suite, str(out))
+    return [json.loads((out / f"{suite}-rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def exact2(tmp_path_factory):
+    return run_suite("exact", 2, tmp_path_factory.mktemp("exact2"))
+
+
+@pytest.fixture(scope="module")
+def exact4(tmp_path_factory):
+    return run_suite("exact", 4, tmp_path_factory.mktemp("exact4"))
+
+
+def _check(results: list[dict], key: str, half_hidden: bool) -> None:
+    """Every rank's results of one case within float32 rounding of the whole head's (a 16-bit
+    hidden state's gradient: within its own rounding, 2^-7 of its largest value), or, where a
+    cancelling sum amplifies the rounding of the log-probs (vespo's sequence weights), at least
+    as close to the float64 truth as the whole head's."""
+    for rank, result in enumerate(results):
+        for what, value in result[key].items():
+            if what.startswith("_"):
+                continue
+            diff, scale, whole_err, mine_err = value
+            if what == "d_hidden" and half_hidden:
+                tol = 2.0**-7 * scale
+            else:
+                tol = 2e-5 * scale + 1e-6
+            as_good = mine_err <= 2 * whole_err + tol and whole_err > 0
+            assert diff <= tol or as_good, (
+                f"rank {rank}, {key}, {what}: {diff:.3g} from the whole head's (scale "
+                f"{scale:.3g}); errors against float64: whole head {whole_err:.3g}, "
+                f"shards {mine_err:.3g}")
+
+
+def _check_case(results, tp: int, name: str) -> None:
+    opts = vc.loss_cases(tp)[name]
+    key = "loss/" + name
+    _check(results, key, opts.get("mixed", False))
+    values = [r[key]["_values"] for r in results]
+    assert all(v == values[0] for v in values), f"ranks disagree on {name}: {values}"
+    routes = [line for r in results for line in r[key]["_routes"]]
+    assert all("vocabulary-parallel head" in line for line in routes), routes
+
+
+@pytest.mark.parametrize("name", list(vc.loss_cases(2)))
+def test_loss_tp2_equals_whole_head(exact2, name):
+    _check_case(exact2, 2, name)
+
+
+@pytest.mark.parametrize("name", list(vc.loss_cases(4)))
+def test_loss_tp4_equals_whole_head(exact4, name):
+    _check_case(exact4, 4, name)
+
+
+@pytest.mark.parametrize("name", list(vc.logprob_cases()))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_selective_logprobs_equal_whole_head(exact2, exact4, tp, name):
+    _check(exact2 if tp == 2 else exact4, "logprobs/" + name, "mixed" in name)
+
+
+def test_routes_are_logged_with_the_shards(exact2):
+    """A token-level loss on GRPO_KERNELS_THREE_PASS=1 takes the three-pass route, and its log
+    line names the vocabulary-parallel head and its form."""
+    lines = {line for r in exact2 for case in r.values() if isinstance(case, dict)
+             for line in case.get("_routes", ())}
+    assert any("three-pass route: vocabulary-parallel head (a local shard with vocab_group=, "
+               "2 shards)" in line for line in lines), lines
+    assert any("three-pass route: vocabulary-parallel head (DTensor Shard(0) on a 1-D mesh"
+               in line for line in lines), lines
+    assert any("four-pass route: vocabulary-parallel head" in line and "sequence-level" in line
+               for line in lines), lines
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_no_rank_holds_tokens_by_vocabulary(exact2, exact4, tp):
+    """The largest tensor any operator returns in a call (forward and backward, both routes)
+    holds at most N x V_r elements, the shard's own logits: never N x V."""
+    N, largest_shard = vc.B * vc.T, max(vc.shard_sizes(tp))
+    for r in exact2 if tp == 2 else exact4:
+        for route in ("four", "three"):
+            # (the hidden states [N, D] and their gradient are larger at tp = 4)
+            assert r[f"largest/{route}"] <= max(N * largest_shard, N * vc.D) < N * vc.V
+
+
+@pytest.mark.parametrize("case", ["chunked-four", "chunked-three", "triton-three"])
+def test_data_by_tensor_mesh_equals_one_process(tmp_path_factory, case, request):
+    results = request.getfixturevalue("mesh")
+    for rank, r in enumerate(results):
+        for what in ("loss", "d_hidden", "d_weight"):
+            diff, scale = r[case][what]
+            assert diff <= 2e-5 * scale + 1e-6, (rank, case, what, diff, scale)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    return run_suite("mesh", 4, tmp_path_factory.mktemp("mesh"))
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    return run_suite("errors", 2, tmp_path_factory.mktemp("errors"))
+
+
+OTHER_RANK = "of the vocabulary group rejected its inputs"
+ERRORS = {  # case: (rank 0's message part, rank 1's)
+    "hidden_size": ("the hidden size D (weight.shape[1]) differs", None),
+    "dtensor_wrong_dim": ("placements (Shard(dim=1),)", None),
+    "target_out_of_range": ("token id 37 outside [0, 37) (vocabulary size = the sum of the 2 "
+                            "shards' rows [19, 18])", None),
+    "hidden_differs": ("hidden states differ between ranks 0 and 1", None),
+    "targets_differ": ("completion_ids differ between ranks 0 and 1", None),
+    "tokens_differ": ("the number of tokens N differs", None),
+    "local_error_on_rank0": ("advantages must have shape", "rank 0 " + OTHER_RANK),
+    "empty_shard": ("rank 1 " + OTHER_RANK, "weight must have at least one vocabulary row"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_input_raises_on_every_rank(errors, case):
+    for rank, expected in enumerate(ERRORS[case]):
+        expected = expected or ERRORS[case][0]
+        got = errors[rank][case]
+        assert got is not None, f"rank {rank} raised nothing for {case}"
+        assert expected in got[1], (rank, got)
+    # the group still works after every bad call
+    assert errors[0]["good_after"] == errors[1]["good_after"]
+    assert torch.isfinite(torch.tensor(errors[0]["good_after"]))

@@ -1,0 +1,226 @@
+"""One rank of the vocabulary-parallel tests (torchrun, gloo): `vp_worker.py SUITE OUT_DIR`.
+
+Suites:
+    exact   every case of `vp_cases` on the whole head (this process alone) and on this rank's
+            shard (local form with vocab_group=, or a DTensor with Shard(0)); writes the
+            differences
+    mesh    a 2-D mesh (data x tensor, 4 ranks): each data rank's half of a global batch on its
+            tensor group, the loss and gradients summed over the data dimension, against the
+            whole head on the whole batch
+    errors  bad inputs on one rank or all: every rank's exception (type, message)
+
+Writes OUT_DIR/<suite>-rank<R>.json. A rank that aborts prints every thread's stack
+(faulthandler); the tests run this under a timeout, so a hang fails instead of blocking.
+"""
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import traceback
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [HERE, TESTS, os.path.dirname(TESTS)]
+faulthandler.enable()
+warnings.simplefilter("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's GPU numerics, as in the tests
+    from conftest import patch_interpreter  # noqa: E402
+
+    patch_interpreter()
+
+import vp_cases as vc  # noqa: E402
+
+from grpo_kernels import force_backend, fused_linear_grpo_loss  # noqa: E402
+
+
+def shard_head(weight, bias, form, rank, tp, mesh):
+    """(weight, bias, keywords) as this rank passes its shard."""
+    if form == "dtensor":
+        dt = [None if x is None else torch.nn.Parameter(distribute_tensor(x, mesh, [Shard(0)]))
+              for x in (weight, bias)]
+        return dt[0], dt[1], {}
+    return vc.local_rows(weight, rank, tp), vc.local_rows(bias, rank, tp), dict(
+        vocab_group=dist.group.WORLD)
+
+
+class Routes(logging.Handler):
+    """The route log lines (ops/route.py) of the calls in its block."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operator returns inside the block."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def exact(rank, tp):
+    mesh = init_device_mesh("cpu", (tp,))
+    out = {}
+    log = logging.getLogger("grpo_kernels")
+    log.setLevel(logging.INFO)
+    for name, opts in vc.loss_cases(tp).items():
+        whole = vc.run_loss(opts)
+        batch = vc.make_inputs(opts)
+        w, b, kw = shard_head(batch["weight"], batch["bias"], opts.get("form"), rank, tp, mesh)
+        routes = Routes()
+        log.addHandler(routes)
+        mine = vc.run_loss(opts, (w, b), **kw)
+        log.removeHandler(routes)
+        diffs = vc.differences(whole, mine, rank, tp, vc.truth_of(opts))
+        # the values themselves, to compare across ranks; the route the call logged (a line is
+        # logged the first time a (route, reason) is taken in the process)
+        diffs["_values"] = [float(mine["loss"])] + [float(v.double().sum())
+                                                      for v in mine["metrics"].values()]
+        diffs["_routes"] = routes.lines
+        out["loss/" + name] = diffs
+    # the largest tensor of a call, forward and backward, on each route (chunked backend)
+    for three in (False, True):
+        opts = dict(backend="chunked", loss_type="dapo", level="token", three_pass=three)
+        batch = vc.make_inputs(opts)
+        w, b, kw = shard_head(batch["weight"], None, "local", rank, tp, mesh)
+        with LargestTensor() as seen:  # inputs made beforehand (they use the whole head)
+            vc.run_loss(opts, (w, b), batch=batch, **kw)
+        out[f"largest/{'three' if three else 'four'}"] = seen.largest
+    for name, opts in vc.logprob_cases().items():
+        whole = vc.run_logprobs(opts)
+        batch = vc.make_inputs(dict(opts, bias=True))
+        w, b, kw = shard_head(batch["weight"], batch["bias"], opts["form"], rank, tp, mesh)
+        out["logprobs/" + name] = vc.differences(whole, vc.run_logprobs(opts, (w, b), **kw),
+                                                 rank, tp)
+    return out
+
+
+def mesh_2d(rank, world):
+    """dp = 2 x tp = 2: data rank d takes sequences [d·B/2, (d+1)·B/2) of a global batch of 4."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return {f"{backend}-{'three' if three else 'four'}": _mesh_case(mesh, backend, three)
+            for backend, three in (("chunked", False), ("chunked", True), ("triton", True))}
+
+
+def _mesh_case(mesh, backend: str, three: bool) -> dict:
+    dp, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    g = torch.Generator().manual_seed(7)
+    Bg, T, D, V = 4, 5, 16, 37
+    hidden = torch.randn(Bg, T, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.5
+    ids = torch.randint(0, V, (Bg, T), generator=g)
+    adv = torch.randn(Bg, generator=g)
+    mask = (torch.rand(Bg, T, generator=g) > 0.2).float()
+    os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if three else "0"
+
+    def loss_of(h, w, rows):  # dapo: every data rank divides by the global token count
+        with force_backend(backend):
+            return fused_linear_grpo_loss(h, w, ids[rows], adv[rows], mask[rows],
+                                          num_items_in_batch=mask.sum(), loss_type="dapo")[0]
+
+    h_all = hidden.clone().requires_grad_()
+    w_all = torch.nn.Parameter(weight.clone())
+    whole = loss_of(h_all, w_all, slice(0, Bg))
+    whole.backward()
+    rows = slice(dp * Bg // 2, (dp + 1) * Bg // 2)
+    h = hidden[rows].clone().requires_grad_()
+    w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate(), Shard(0)]))
+    loss = loss_of(h, w, rows)
+    loss.backward()
+    dp_group = mesh.get_group("dp")
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dp_group)
+    d_w = w.grad.to_local().clone()
+    dist.all_reduce(d_w, group=dp_group)  # the data-parallel gradient sum
+    return dict(loss=vc._diff(total, whole.detach()), d_hidden=vc._diff(h.grad, h_all.grad[rows]),
+                d_weight=vc._diff(d_w, vc.local_rows(w_all.grad, tp_rank, 2)))
+
+
+def errors(rank, tp):
+    """Each case's exception on this rank: (type name, message), or None if nothing raised."""
+    mesh = init_device_mesh("cpu", (tp,))
+    opts = dict(backend="chunked", loss_type="dapo", level="token")
+    base = vc.make_inputs(opts)
+    group = dict(vocab_group=dist.group.WORLD)
+
+    def call(batch, weight, bias=None, **kw):
+        return fused_linear_grpo_loss(batch["hidden"], weight, batch["ids"], batch["adv"],
+                                      batch["mask"], bias=bias, **kw)
+
+    def with_(**changes):
+        return dict(base, **changes)
+
+    local_w = vc.local_rows(base["weight"], rank, tp)
+    cases = {
+        # rank 1's shard has another hidden size (its hidden states too): the group disagrees
+        "hidden_size": lambda: call(
+            with_(hidden=base["hidden"][..., :12]) if rank == 1 else base,
+            local_w[:, :12] if rank == 1 else local_w, **group),
+        "dtensor_wrong_dim": lambda: call(base, torch.nn.Parameter(distribute_tensor(
+            base["weight"], mesh, [Shard(1)]))),
+        "target_out_of_range": lambda: call(
+            with_(ids=base["ids"].masked_fill(torch.eye(vc.B, vc.T).bool(), vc.V)), local_w,
+            **group),
+        "hidden_differs": lambda: call(
+            with_(hidden=base["hidden"] + (1e-3 if rank == 1 else 0.0)), local_w, **group),
+        "targets_differ": lambda: call(
+            with_(ids=(base["ids"] + rank) % vc.V), local_w, **group),
+        "tokens_differ": lambda: call(
+            with_(hidden=base["hidden"][:, :4], ids=base["ids"][:, :4],
+                  mask=base["mask"][:, :4]) if rank == 0 else base, local_w, **group),
+        "local_error_on_rank0": lambda: call(
+            with_(adv=base["adv"][:2]) if rank == 0 else base, local_w, **group),
+        "empty_shard": lambda: call(base, local_w[:0] if rank == 1 else local_w, **group),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            out[name] = [type(exc).__name__, str(exc)]
+        dist.barrier()  # the next case starts with every rank past this one
+    # and the group still works: a good call after the bad ones
+    out["good_after"] = float(call(base, local_w, **group)[0])
+    return out
+
+
+def main():
+    suite, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    try:
+        result = {"exact": exact, "mesh": mesh_2d, "errors": errors}[suite](rank, world)
+    except Exception:
+        traceback.print_exc()
+        raise
+    with open(os.path.join(out_dir, f"{suite}-rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    # every rank past its last collective before any rank tears gloo down (an in-flight send
+    # to a closed peer can abort the process)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
