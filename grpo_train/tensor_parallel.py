@@ -60,10 +60,11 @@ def _is_dtensor(t) -> bool:
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
-    """Whether `model`'s parameters are tensor-parallel shards (DTensors, not FSDP's)."""
-    from .sharding import is_sharded
+    """Whether `model`'s parameters are tensor-parallel shards (DTensors, not FSDP2's: an
+    FSDPModule's parameters are DTensors too)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    return not is_sharded(model) and any(_is_dtensor(p) for p in model.parameters())
+    return not isinstance(model, FSDPModule) and any(_is_dtensor(p) for p in model.parameters())
 
 
 def data_rows(rows: torch.Tensor, tp: int, world: int) -> torch.Tensor:
