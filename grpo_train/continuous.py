@@ -52,6 +52,22 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def own_cache_reason(hf) -> str | None:
+    """Why the decoder `hf` (a `base_model`) cannot take a cache the generation path builds
+    (an encoder-decoder, a model with a cache of its own, a generation config that asks for
+    another cache), or None."""
+    name = type(hf).__name__
+    if getattr(hf.config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder"
+    supports = getattr(hf, "_supports_default_dynamic_cache", None)
+    if supports is None or not supports():
+        return f"{name} keeps its own cache, not transformers' Cache"
+    implementation = getattr(hf.generation_config, "cache_implementation", None)
+    if implementation is not None:
+        return f"the generation config asks for a {implementation!r} cache"
+    return None
+
+
 def generation_config(model, sampling: dict, max_new_tokens: int, eos_ids: list[int], pad_id,
                       num_return_sequences: int = 1):
     """The model's generation config updated with this call's settings, as `model.generate`

@@ -207,14 +207,9 @@ def _prefill_refusal(model, run) -> str | None:
         return f"this transformers has no DynamicCache layers ({err})"
     hf = continuous.base_model(model)
     name = type(hf).__name__
-    if getattr(hf.config, "is_encoder_decoder", False):
-        return f"{name} is an encoder-decoder"
-    supports = getattr(hf, "_supports_default_dynamic_cache", None)
-    if supports is None or not supports():
-        return f"{name} does not use transformers' DynamicCache"
-    implementation = getattr(hf.generation_config, "cache_implementation", None)
-    if implementation is not None:
-        return f"the generation config asks for a {implementation!r} cache"
+    reason = continuous.own_cache_reason(hf)
+    if reason is not None:
+        return reason
     params = inspect.signature(hf.forward).parameters
     if _cache_kwarg(hf) is None or "position_ids" not in params:
         return f"{name}'s forward takes no cache or no position_ids"

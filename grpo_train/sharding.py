@@ -228,16 +228,7 @@ def export_model(model: nn.Module) -> nn.Module:
     if dist.get_rank() != 0:
         return model
     plain_cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
-    with torch.device("meta"):  # no second random initialization: the tensors are assigned
-        plain = plain_cls(model.config)
-    plain.load_state_dict(full, assign=True)
-    for name, buf in model.named_buffers():  # replicated, not in the state dict (rotary)
-        owner, _, attr = name.rpartition(".")
-        plain.get_submodule(owner)._buffers[attr] = buf.detach().clone()
-    if hasattr(plain, "tie_weights"):
-        plain.tie_weights()
-    plain.generation_config = model.generation_config
-    return plain.train(model.training)
+    return tensor_parallel.plain_model(plain_cls, model.config, full, model)
 
 
 def _full_model_state(model: nn.Module) -> dict:

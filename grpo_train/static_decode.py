@@ -36,14 +36,9 @@ def unsupported_reason(model, cfg) -> str | None:
         return f"this transformers has no StaticCache / CompileConfig ({err})"
     hf = continuous.base_model(model)
     name = type(hf).__name__
-    if getattr(hf.config, "is_encoder_decoder", False):
-        return f"{name} is an encoder-decoder"
-    supports = getattr(hf, "_supports_default_dynamic_cache", None)
-    if supports is None or not supports():
-        return f"{name} keeps its own cache, not transformers' Cache"
-    implementation = getattr(hf.generation_config, "cache_implementation", None)
-    if implementation is not None:
-        return f"the generation config asks for a {implementation!r} cache"
+    reason = continuous.own_cache_reason(hf)
+    if reason is not None:
+        return reason
     if cfg.fsdp:
         return "--fsdp: a compiled decode of sharded parameters is untested here"
     if cfg.static_compile and not getattr(hf, "_can_compile_fullgraph", False):

@@ -174,10 +174,18 @@ def export_model(model: nn.Module) -> nn.Module:
     config = copy.deepcopy(model.config)
     if hasattr(config, "distributed_config"):  # a plain model: no plan to apply on load
         config.distributed_config = None
+    return plain_model(type(model), config, full, model)
+
+
+def plain_model(cls, config, full: dict, model: nn.Module) -> nn.Module:
+    """`cls(config)` holding the full state dict `full` (assigned, no second random
+    initialization) and `model`'s buffers (replicated, not in the state dict: rotary tables),
+    with its generation config and training mode: the plain copy of a sharded model that
+    `export_model` here and in sharding.py return."""
     with torch.device("meta"):
-        plain = type(model)(config)
+        plain = cls(config)
     plain.load_state_dict(full, assign=True)
-    for name, buf in model.named_buffers():  # replicated, not in the state dict (rotary)
+    for name, buf in model.named_buffers():
         owner, _, attr = name.rpartition(".")
         plain.get_submodule(owner)._buffers[attr] = buf.detach().clone()
     if hasattr(plain, "tie_weights"):

@@ -322,7 +322,7 @@ def test_prefill_refusals(embedded, monkeypatch):
         assert refusal() == "the generation config asks for a 'static' cache"
     with monkeypatch.context() as m:
         m.setattr(type(model), "_supports_default_dynamic_cache", classmethod(lambda cls: False))
-        assert refusal() == "Qwen2ForCausalLM does not use transformers' DynamicCache"
+        assert refusal() == "Qwen2ForCausalLM keeps its own cache, not transformers' Cache"
     # a linear-attention state would not be repeated with the keys and values
     monkeypatch.setattr(generation, "_new_cache", lambda hf, cls: type("C", (), dict(
         layers=[LinearAttentionLayer()]))())
