@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from helpers import leaf, make_grpo_batch, make_head, max_err
+from helpers import leaf, make_grpo_batch, make_head, max_err, on_device
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -20,7 +20,8 @@ from grpo_kernels.params import GRPOParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = (3, 47, 31, 123)  # B, T, D, V
-BACKENDS = ["chunked", "triton"]  # Triton: the kernels in the interpreter, torch.mm for cuBLAS
+BACKENDS = ["chunked", "triton"]  # Triton: on the GPU, or the kernels in the interpreter with
+# torch.mm for cuBLAS (helpers.on_device runs the Triton cases on the GPU where there is one)
 CELLS = list(itertools.product(gk.LOSS_TYPES, [0.0, 0.04], [1.0, 0.7], [None, 1.5], [0.0, 0.01]))
 
 
@@ -46,8 +47,8 @@ def run(head, batch, kw, three=True, dtype=torch.float32, fn=None, frozen=(), gr
     with gk.force_backend(backend), pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        loss, metrics = (fn or gk.fused_linear_grpo_loss)(h, w, ids, adv, mask, old, ref, b,
-                                                          **kw)
+        call = on_device(fn or gk.fused_linear_grpo_loss, backend)
+        loss, metrics = call(h, w, ids, adv, mask, old, ref, b, **kw)
         total = loss * grad + (0.0 if extra is None else extra(h, w))
         total.backward()
     return loss.detach(), metrics, [None if x is None else x.grad for x in (h, w, b)]
@@ -140,7 +141,8 @@ def test_second_backward_of_a_retained_graph_recomputes(backend):
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(seed=5, temperature=0.7)
     h, w, b = leaf(hidden), leaf(weight), leaf(bias)
     with gk.force_backend(backend):
-        loss, _ = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, b, **kw)
+        loss, _ = on_device(gk.fused_linear_grpo_loss, backend)(h, w, ids, adv, mask, old, ref,
+                                                                b, **kw)
     first = torch.autograd.grad(loss * 2.0, (h, w, b), retain_graph=True)
     second = torch.autograd.grad(loss * 2.0, (h, w, b))
     for a, c in zip(first, second):
@@ -162,12 +164,13 @@ def test_packed_matches_padded(cfg, backend):
               num_items_in_batch=13 if cfg == "no_old-num_items" else None)
     weight, b, padded, packed, real = make_batch(lengths_for(6), seed=6, temperature=0.7,
                                                  **opts)
+    fn = on_device(gk.fused_linear_grpo_loss, backend)
     with gk.force_backend(backend):
-        pad = run_linear(gk.fused_linear_grpo_loss, weight, b, padded, kw)
-        pack = run_linear(gk.fused_linear_grpo_loss, weight, b, packed, kw)
+        pad = run_linear(fn, weight, b, padded, kw)
+        pack = run_linear(fn, weight, b, packed, kw)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(route.ENV, "0")
-            present = run_linear(gk.fused_linear_grpo_loss, weight, b, packed, kw)
+            present = run_linear(fn, weight, b, packed, kw)
     for ours, want in ((pack, pad), (pack, present)):
         assert max_err(ours[0], want[0]) <= 1e-5
         for key in want[1]:
@@ -273,7 +276,8 @@ def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypat
     (hidden, weight, bias, ids), (mask, adv, old, ref) = problem(seed=10)
     h, w = leaf(hidden), leaf(weight)
     with gk.force_backend(backend):
-        loss, _ = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, old, ref, entropy_coef=0.01)
+        loss, _ = on_device(gk.fused_linear_grpo_loss, backend)(h, w, ids, adv, mask, old, ref,
+                                                                entropy_coef=0.01)
     gh, gw = torch.autograd.grad(loss, (h, w), create_graph=True)
     assert gh.requires_grad and gw.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
