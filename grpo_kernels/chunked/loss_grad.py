@@ -64,12 +64,13 @@ from .tiles import (
 )
 
 # The chunk budget on the CPU: two [rows, V] float32 buffers of 220 rows at V = 151,936
-# (Qwen2.5), 261 at V = 128,256 (Llama 3). Measured at those heads (docs/benchmarks.md): 128 rows
-# took up to ~10 % longer, 512 rows up to ~10 % less at twice the memory.
+# (Qwen2.5), 261 at V = 128,256 (Llama 3). Measured at those heads (CPU time of forward +
+# backward, docs/benchmarks.md): 128 rows took 13-18 % longer than 256, 512 rows 5-7 % less at
+# twice the memory.
 CPU_BUDGET_BYTES = 256 * 2**20
 # Fewest rows per chunk at which three passes still beat the four-pass route when the tokens
-# need several chunks. Measured (CPU time, docs/benchmarks.md): 96 rows took 0.76 (Qwen2.5-0.5B
-# head) and 0.87 (Llama-3.2-1B) of the four-pass time, 64 rows 0.89 and 0.98, 32 rows 1.1-1.3.
+# need several chunks. Measured (same runs): 96 rows took 0.74 (Qwen2.5-0.5B head) and 0.86
+# (Llama-3.2-1B) of the four-pass route's time, 64 rows 0.84 and 0.93, 32 rows 1.12 and 1.20.
 MIN_ROWS = 96
 # A weight slice converted to the compute dtype for the chunk's GEMMs (a 16-bit head without
 # room for one whole copy): 32 MiB, 9,362 rows of D = 896 in float32.
@@ -128,7 +129,7 @@ def _plan(n, V, D, weight_dtype, budget_bytes, dtype, want_dw) -> _Plan:
         if acc > budget_bytes:
             return _Plan(None, V, f"the {_mib(budget_bytes)} chunk budget does not hold the "
                          f"{_dt(dtype)} d weight of a {_dt(weight_dtype)} head [{V:,}, {D:,}] "
-                         f"({_mib(acc)})")
+                         f"({acc / 2**20:,.1f} MiB)")
         cols = max(1, min(V, SLICE_BYTES // max(D * size, 1)))
         fixed = acc + cols * D * size
         if (budget_bytes - acc - whole) // row >= max(1, min(n, (budget_bytes - fixed) // row)):

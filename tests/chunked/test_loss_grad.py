@@ -201,7 +201,7 @@ def test_chunk_rows_of_a_16_bit_head(monkeypatch):
     rows, reason = chunk_rows(500, V, D, bf16, whole - 1)
     assert rows is None and reason == (
         f"the {whole - 1:,}-byte chunk budget does not hold the float32 d weight of a "
-        f"bfloat16 head [1,000, 64] ({whole:,}-byte)")
+        f"bfloat16 head [1,000, 64] ({whole / 2**20:.1f} MiB)")
     assert chunk_rows(20, V, D, bf16, whole - 1, want_dw=False)[0] == 20  # no d W
     for budget, want in ((2 * whole + 500 * row, (500, V)),  # the copy and every row
                          (2 * whole + 499 * row, (500, 100)),  # the copy would cost a row
