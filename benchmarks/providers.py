@@ -229,9 +229,10 @@ NAMES = ("ours", "ours-4pass", "ours-atomic", "ours-filter", "trl", "cce", "cce-
 
 
 def select(kernels, names) -> list[Provider]:
-    """Providers in sweep order: ours (both routes and the variants), TRL, CCE, Liger, the eager
-    reference, the compiled reference (the sweep runs compiled providers after all the others:
-    their compile time is what most often runs a time budget out)."""
-    order = {n: i for i, n in enumerate(NAMES)}
+    """Providers in the order `names` gives them (the default: NAMES, ours first), the compiled
+    references last: their compile time is what most often runs a time budget out, and a sweep
+    with a time budget skips the pairs it has not started. A device run lists the providers its
+    goals compare with first, so that slow providers (seconds a call) cannot crowd them out."""
+    order = {n: i for i, n in enumerate(names)}
     chosen = [p for p in PROVIDERS.values() if p.kernel in kernels and p.name in names]
-    return sorted(chosen, key=lambda p: (order[p.name], p.kernel))
+    return sorted(chosen, key=lambda p: (p.name.endswith("-compile"), order[p.name], p.kernel))

@@ -125,3 +125,9 @@ def test_cce_refuses_an_entropy_bonus():
     with pytest.raises(ValueError, match="no entropy"):
         loss_from_logps(logp, None, h, w, ids, adv, mask, old, ref,
                         dict(LossConfig().ours(), entropy_coef=0.05))
+
+
+def test_the_callers_order_is_kept_with_compiled_last():
+    names = ["reference", "liger", "reference-compile", "ours", "trl"]
+    chosen = [p.name for p in select(["fused_linear"], names)]
+    assert chosen == ["reference", "liger", "ours", "trl", "reference-compile"]
