@@ -42,8 +42,9 @@ from .loss_call import (
     logits_call,
     vocab_parallel_call,
 )
+from .ops import forward_only, route
 from .ops.backends import backend_for
-from .ops.custom_ops import OPS
+from .ops.custom_ops import OPS, direct
 from .params import GRPOParams, signature_with_params
 from .validation import (
     check_grad_filter,
@@ -79,7 +80,10 @@ def selective_logprobs(
     when None).
 
     Never materializes the [..., V] logits. Differentiable w.r.t. hidden, weight and bias, through
-    both outputs. Under torch.no_grad() it is the cheap scoring path for old/reference policies.
+    both outputs. Under torch.no_grad() (or with nothing requiring grad) it is the cheap scoring
+    path for old/reference policies: on the Triton backend the forward-only route, per chunk of
+    rows a library GEMM (cuBLAS) into float32 logits, then the Triton row forward
+    (`ops/forward_only.py`; GRPO_KERNELS_THREE_PASS=0 keeps the fused forward kernel).
 
     Args:
         hidden: [..., D] float16/bfloat16/float32 hidden states.
@@ -125,6 +129,9 @@ def selective_logprobs(
     if shard is not None:
         logp, ent = parallel.linear_logprobs(shard, *head, ids, temperature, eps,
                                              backend_for(hidden), *transform)
+    elif route.logprobs_route(*head, backend_for(hidden), direct(*head)).forward_only:
+        logp, ent, _ = forward_only.linear_logprobs(*head, ids, temperature, "targets",
+                                                    *transform)
     else:
         logp, ent, _ = OPS.linear_logprobs(*head, ids, temperature, eps, backend_for(hidden),
                                            "targets", *transform)

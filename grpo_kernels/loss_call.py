@@ -4,7 +4,8 @@
 and dtypes, traceable) and then take one of these:
 
     linear head, a scalar loss with a gradient at token level: the three-pass route
-        (`three_pass_loss`; `ops/route.py` decides, `ops/three_pass.py` computes);
+        (`three_pass_loss`; `ops/route.py` decides, `ops/three_pass.py` computes); the same
+        call wanting no gradient on Triton: its forward alone (the forward-only route);
     token-level importance sampling on Triton: the token-terms op, whose forward kernel runs the
         GRPO epilogue and returns weight·ℓ per token (`kernels/epilogue.py`);
     sequence-level (GSPO) ratios and the options that need whole sequences or the batch (vespo,
@@ -157,8 +158,10 @@ def linear_terms(call: tuple, params: GRPOParams, entropy_gather=None,
 
 
 def three_pass_loss(call: tuple, params: GRPOParams, shard=None) -> tuple:
-    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route (shard: a
-    vocabulary-parallel head's, computed by `parallel.linear_grpo_loss`)."""
+    """(loss, metrics, detached GRPOTerms) of a checked call on the three-pass route, or on the
+    forward-only route when no gradient is wanted (shard: a vocabulary-parallel head's,
+    computed by `parallel.linear_grpo_loss`). Per-token values at the rows not computed (masked
+    tokens of a compacted batch): 0, and 1 for the ratio."""
     ids, inputs, _, backend, head, (_, logit_scale) = call
     g_ent = None
     if params.entropy_coef != 0.0:  # the bonus's d(loss)/d entropy per token
@@ -181,13 +184,15 @@ def three_pass_loss(call: tuple, params: GRPOParams, shard=None) -> tuple:
 def linear_loss(call: tuple, params: GRPOParams, entropy_gather=None, *,
                 return_terms: bool = False, return_token_values: bool = False, shard=None):
     """What `fused_linear_grpo_loss` returns for a checked call (`linear_call`): the
-    three-pass route where `route.linear_loss_route` says so, else the four-pass one. shard: a
+    three-pass route where `route.linear_loss_route` says so, the forward-only route (the
+    three-pass call wanting no gradient) where it says that, else the four-pass one. shard: a
     vocabulary-parallel head's `parallel.VocabShard` (`vocab_parallel_call`), or None."""
     _exclusive(return_terms, return_token_values)
     _, inputs, eps, backend, head, (softcap, scale) = call
-    if route.linear_loss_route(*head, backend, params, softcap, eps,
-                               per_token_outputs=return_terms, vocab_parallel=shard,
-                               logit_scale=scale).three_pass:
+    path = route.linear_loss_route(*head, backend, params, softcap, eps,
+                                   per_token_outputs=return_terms, vocab_parallel=shard,
+                                   logit_scale=scale).path
+    if path != route.FOUR_PASS:  # three-pass, or its first half alone (forward-only)
         loss, metrics, terms = three_pass_loss(call, params, shard)
         return (loss, metrics, terms) if return_token_values else (loss, metrics)
     return finish(linear_terms(call, params, entropy_gather, shard), inputs, params,

@@ -23,6 +23,10 @@ for the mixed head, 16-bit hidden with a float32 weight, whose hidden chunk is u
 are float32 in every case (cuBLAS with a float32 output for 16-bit operands); d y is in the GEMM
 dtype. Float32 GEMMs follow PyTorch's float32 matmul setting (TF32 or not, `gemm.py`).
 
+Forward only (no gradient wanted: `linear_logprob_forward_gemm`, which `linear_loss_grad` runs when
+`needs` wants nothing): steps 1 and 2 alone, with or without the epilogue; no d y buffer, so the
+same budget holds more rows.
+
 Memory: one [C, V] float32 logits buffer and one [C, V] d y buffer per call, reused by every
 chunk (`chunk_rows`). A float32 d W accumulator [V, D] only for a 16-bit weight over several
 chunks (a float32 d W is its own accumulator; one chunk writes a 16-bit d W with one GEMM).
@@ -66,14 +70,16 @@ class LossGrad(NamedTuple):
     d_bias: torch.Tensor | None  # [V] in bias's dtype
 
 
-def chunk_rows(n: int, V: int, D: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def chunk_rows(n: int, V: int, D: int, dtype: torch.dtype, budget_bytes: int,
+               grads: bool = True) -> int:
     """Rows per chunk for n rows: the largest count whose buffers fit `budget_bytes`, at least
     1 and at most n (1 for n = 0), a multiple of ALIGN_ROWS when at least ALIGN_ROWS and < n.
 
-    Bytes per row: V·4 (float32 logits) + V·itemsize (d logits in the GEMM dtype `dtype`)
-    + D·8 (at most two [rows, D] float32 temporaries: the mixed head's upcast hidden chunk and
-    its d hidden before rounding, or the CPU emulation's partial sums)."""
-    per_row = V * (4 + dtype.itemsize) + D * 8
+    Bytes per row: V·4 (float32 logits) + V·itemsize (d logits in the GEMM dtype `dtype`; not
+    when `grads` is False, a forward only) + D·8 (at most two [rows, D] float32 temporaries: the
+    mixed head's upcast hidden chunk and its d hidden before rounding, or the CPU emulation's
+    partial sums)."""
+    per_row = V * (4 + (dtype.itemsize if grads else 0)) + D * 8
     rows = int(budget_bytes) // per_row
     if rows >= ALIGN_ROWS:
         rows -= rows % ALIGN_ROWS
@@ -95,6 +101,11 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: Epilo
     on a GPU: its second read of a row block may hit L2). Shapes are the caller's to
     guarantee; nothing here waits for the device."""
     _check(hidden, weight, bias, targets, epilogue, g_ent)
+    if not _wants_grads(bias, needs):  # steps 1 and 2 only: no d y buffer
+        logp, ent, lse = linear_logprob_forward_gemm(
+            hidden, weight, bias, targets, temperature, epilogue, chunk_rows=chunk_rows,
+            budget_bytes=budget_bytes, softcap=softcap, logit_scale=logit_scale, check=False)
+        return LossGrad(logp, ent, lse, epilogue.outputs[1], None, None, None)
     with torch.no_grad():  # the GEMMs write into buffers (out=): no autograd graph here
         return _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, needs,
                           chunk_rows, budget_bytes, dict(softcap=softcap, logit_scale=logit_scale),
@@ -136,10 +147,46 @@ def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, need
     return LossGrad(logp, ent, lse, coef, *grads.finish())
 
 
-def _resolve_rows(rows, budget_bytes, Na, V, D, dtype) -> int:
+def linear_logprob_forward_gemm(hidden, weight, bias, targets, temperature, epilogue=None,
+                                *, chunk_rows=None, budget_bytes=None, softcap=None,
+                                logit_scale=None, check: bool = True) -> tuple:
+    """Steps 1 and 2 alone, a forward that wants no gradient: per chunk of rows the library
+    GEMM into the float32 [C, V] logits buffer, then the Triton row forward (with the GRPO
+    epilogue when `epilogue` is given; it fills the epilogue's four [Na] outputs).
+
+    hidden [Na, D] (contiguous), weight [V, D], bias [V] | None, targets [Na] int64 (contiguous)
+    -> float32 (logp, entropy, lse), each [Na]. chunk_rows, budget_bytes, softcap, logit_scale:
+    as `linear_loss_grad` (the budget holds no d y buffer here). check: False when the caller
+    (`linear_loss_grad`) has checked the arguments."""
+    if check:
+        _check(hidden, weight, bias, targets, epilogue, None)
+    (Na, D), V = hidden.shape, weight.shape[0]
+    dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMM's dtype (= weight's)
+    C = _resolve_rows(chunk_rows, budget_bytes, Na, V, D, dt, grads=False)
+    f32 = dict(device=hidden.device, dtype=F32)
+    logp, ent, lse = (torch.empty(Na, **f32) for _ in range(3))
+    with torch.no_grad():  # the GEMMs write into a buffer (out=): no autograd graph here
+        logits = torch.empty(min(C, Na), V, **f32)  # [C, V], reused by every chunk
+        for r0 in range(0, Na, C):
+            rows = slice(r0, min(r0 + C, Na))
+            r = rows.stop - r0
+            y = logits[:r]
+            gemm.product(y, hidden[rows].to(dt), weight.T, bias)  # raw logits [r, V] float32
+            ep = None if epilogue is None else _chunk_epilogue(epilogue, rows)
+            logits_logprob_forward(y.view(r, 1, V), targets[rows], temperature, ep,
+                                   softcap=softcap, logit_scale=logit_scale,
+                                   out=(logp[rows], ent[rows], lse[rows]))
+    return logp, ent, lse
+
+
+def _wants_grads(bias, needs) -> bool:
+    return bool(needs[0] or needs[1] or (bias is not None and needs[2]))
+
+
+def _resolve_rows(rows, budget_bytes, Na, V, D, dtype, grads: bool = True) -> int:
     if rows is None:
         budget = CUDA_BUDGET_BYTES if budget_bytes is None else budget_bytes
-        return chunk_rows(Na, V, D, dtype, budget)
+        return chunk_rows(Na, V, D, dtype, budget, grads)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"chunk_rows must be a positive int or None, got {rows!r}")
     return min(rows, max(Na, 1))
@@ -208,13 +255,17 @@ def _check(hidden, weight, bias, targets, epilogue, g_ent) -> None:
     if targets.shape != (Na,) or targets.dtype != torch.int64 or not targets.is_contiguous():
         raise ValueError(f"targets must be a contiguous [Na] = [{Na}] int64 tensor, got "
                          f"{tuple(targets.shape)} {targets.dtype}")
-    if not isinstance(epilogue, EpilogueArgs) or not EPILOGUE.value & epilogue.flags:
+    if epilogue is None:  # a forward without the epilogue (`linear_logprob_forward_gemm`)
+        epi = ()
+    elif not isinstance(epilogue, EpilogueArgs) or not EPILOGUE.value & epilogue.flags:
         raise ValueError("epilogue must be the GRPO epilogue's bundle (epilogue.epilogue_args)")
-    for name, t in [("epilogue tensor", t) for t in epilogue.tensors] + [("g_ent", g_ent)]:
+    else:
+        epi = epilogue.tensors
+    for name, t in [("epilogue tensor", t) for t in epi] + [("g_ent", g_ent)]:
         if t is not None and (t.shape != (Na,) or t.dtype != F32 or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous [Na] = [{Na}] float32 tensor, got "
                              f"{tuple(t.shape)} {t.dtype}")
     for name, t in (("weight", weight), ("bias", bias), ("targets", targets), ("g_ent", g_ent),
-                    *(("epilogue tensor", t) for t in epilogue.tensors)):
+                    *(("epilogue tensor", t) for t in epi)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}")

@@ -216,7 +216,8 @@ def _compute(head, ids, grpo_args, g_ent, rows, needs, backend, temperature, log
     rule = TokenLossArgs.of_op_args(values)
     ep = epilogue_args(rule, pick(weights), pick(advantages), pick(old), pick(ref), pick(isr))
     op = LinearHeadOp(IMPLS["triton"], temperature, logit_scale=logit_scale)
-    key = op.variant(epilogue_variant(rule, ep.flags).replace("forward", "three-pass", 1), head)
+    what = "three-pass" if any(needs) else "forward-only"  # the forward-only route: no grads
+    key = op.variant(epilogue_variant(rule, ep.flags).replace("forward", what, 1), head)
     return fallback.run(key, head[0].device, lambda: _triton(
         head, ids, ep, g_ent, rows, needs, temperature, logit_scale, budget), on_torch)
 

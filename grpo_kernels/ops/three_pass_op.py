@@ -82,9 +82,11 @@ def linear_grpo_loss(head, ids, grpo_args, g_ent, backend: str, temperature: flo
                      logit_scale=None, compact: bool = True) -> ThreePass:
     """The three-pass loss of one call: `ThreePass` with `loss` differentiable w.r.t. the head's
     tensors that require grad, every other value detached and `grads` None. Arguments as
-    `three_pass.loss_grad`."""
+    `three_pass.loss_grad`. With grad mode off or nothing requiring grad, the forward-only
+    route: the same call wanting no gradient (the chunks' GEMMs and row forward alone)."""
     hidden, weight, bias = head
-    needs = [t is not None and t.requires_grad for t in head]
+    grad = torch.is_grad_enabled()  # off: the forward-only route (no d-logits, no products)
+    needs = [grad and t is not None and t.requires_grad for t in head]
     if not direct(hidden, weight, bias):
         outputs = torch.ops.grpo_kernels.linear_grpo_loss_grad(
             hidden, weight, bias, ids, g_ent, temperature, backend, needs, compact, *grpo_args,
@@ -92,6 +94,8 @@ def linear_grpo_loss(head, ids, grpo_args, g_ent, backend: str, temperature: flo
         return ThreePass(*outputs[:6], None, None, None)
     out = loss_grad(head, ids, grpo_args, g_ent, needs, backend, temperature, logit_scale,
                     compact, differentiate=grad_by_autograd)
+    if not any(needs):  # forward only: nothing for autograd to hold
+        return out._replace(grads=None)
     stats = (out.lse, out.entropy, out.coef)  # not the gradients: autograd takes those as .grad
 
     def recompute(hidden, weight, bias):
