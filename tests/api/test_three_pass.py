@@ -234,8 +234,14 @@ def test_route_and_its_reasons(monkeypatch):
     }
     with torch.no_grad():
         cases["grad mode"] = _route(h, w, None)
+        # Triton: a call without a gradient takes the forward-only route (test_forward_only.py)
+        fwd = {"grad mode": _route(h, w, None, backend="triton"),
+               "grad mode ": _route(h, w, None, backend="triton", grad_filter=0.0)}
+    fwd["neither"] = _route(h.detach(), w.detach(), None, backend="triton")
     for words, r in cases.items():
-        assert not r.three_pass and words.strip() in r.reason, (words, r)
+        assert r.path == route.FOUR_PASS and words.strip() in r.reason, (words, r)
+    for words, r in fwd.items():
+        assert r.forward_only and words.strip() in r.reason and "forward only" in r.reason
     monkeypatch.setenv(route.ENV, "0")
     assert not _route(h, w, None).three_pass
     assert "minimum-memory" in _route(h, w, None, backend="triton").reason
@@ -286,9 +292,14 @@ def test_create_graph_gives_first_order_gradients_and_no_second(three, monkeypat
 
 def test_the_route_is_logged_once_with_its_reason(caplog):
     with caplog.at_level(logging.INFO, logger="grpo_kernels"):
-        assert route._log_route(True, "a reason seen once") is True
-        route._log_route(True, "a reason seen once")
-        assert route._log_route(False, "a reason seen once") is False
+        assert route._log_route(route.LOSS, route.THREE_PASS, "a reason seen once") == (
+            route.THREE_PASS)
+        route._log_route(route.LOSS, route.THREE_PASS, "a reason seen once")
+        assert route._log_route(route.LOSS, route.FOUR_PASS, "a reason seen once") == (
+            route.FOUR_PASS)
+        route._log_route(route.LOGPROBS, route.FORWARD_ONLY, "a reason seen once")
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["grpo_kernels: linear-head loss on the three-pass route: a reason seen once",
-                     "grpo_kernels: linear-head loss on the four-pass route: a reason seen once"]
+    assert lines == [
+        "grpo_kernels: linear-head loss on the three-pass route: a reason seen once",
+        "grpo_kernels: linear-head loss on the four-pass route: a reason seen once",
+        "grpo_kernels: selective log-probs on the forward-only route: a reason seen once"]
