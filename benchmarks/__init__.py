@@ -31,7 +31,10 @@ HEADS: dict[str, tuple[int, int]] = {
     "tiny": (128, 4096),  # synthetic (CPU runs, tests)
 }
 KERNELS = ("fused_linear", "logits")
-MODES = ("forward", "backward", "fwd+bwd")
+# "score": the forward without a gradient (torch.no_grad: scoring old or reference log-probs);
+# "forward": the forward of a step that a backward follows (the inputs require grad)
+MODES = ("score", "forward", "backward", "fwd+bwd")
+STEP_MODES = ("forward", "backward", "fwd+bwd")  # the default sweeps' modes
 MAX_SEQ_LEN = 1024  # completions are split into sequences of at most this many positions
 
 
@@ -77,11 +80,11 @@ def make_shape(head: str, n_tokens: int, dims: tuple[int, int] | None = None) ->
 
 def flops(shape: Shape, mode: str) -> float:
     nvd = float(shape.N) * shape.V * shape.D
-    return {"forward": 2.0, "backward": 6.0, "fwd+bwd": 8.0}[mode] * nvd
+    return {"score": 2.0, "forward": 2.0, "backward": 6.0, "fwd+bwd": 8.0}[mode] * nvd
 
 
 def logits_bytes(shape: Shape, mode: str, elem_size: int) -> float:
-    passes = {"forward": 1, "backward": 2, "fwd+bwd": 3}[mode]
+    passes = {"score": 1, "forward": 1, "backward": 2, "fwd+bwd": 3}[mode]
     return float(passes) * shape.N * shape.V * elem_size
 
 

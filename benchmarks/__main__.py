@@ -24,16 +24,17 @@ import torch
 
 from grpo_train.flags import MissingPathError, Parser, UsageError, run_cli
 
-from . import HEADS, KERNELS, MODES, device_slug, environment, make_shape, show_routes
+from . import HEADS, KERNELS, MODES, STEP_MODES, device_slug, environment, make_shape, show_routes
 from . import ceilings as ceilings_mod
 from .providers import NAMES, LossConfig, select
 from .runner import CsvLog, base_row, new_run_id, read_csv, sweep
 
 # Default sweeps. CUDA: the real heads and token counts. CPU: the same code paths on
 # shapes a 2-core machine finishes in a few minutes (synthetic heads, labelled as such).
-CUDA_FULL = dict(heads="qwen0.5b,qwen7b,llama8b", tokens="4096,16384,65536", modes=",".join(MODES))
+CUDA_FULL = dict(heads="qwen0.5b,qwen7b,llama8b", tokens="4096,16384,65536",
+                 modes=",".join(STEP_MODES))
 CUDA_QUICK = dict(heads="qwen0.5b,llama8b", tokens="16384", modes="fwd+bwd")
-CPU_QUICK = dict(heads="tiny,small", tokens="256,1024", modes=",".join(MODES))
+CPU_QUICK = dict(heads="tiny,small", tokens="256,1024", modes=",".join(STEP_MODES))
 # Default dtype per device. On CPU the chunked path computes in float32 whatever the input dtype
 # (bf16 operands are upcast a tile at a time), while the eager reference given bf16 inputs runs
 # bf16 GEMMs and rounds the logits to bf16: a different, less precise computation, so float32 is
@@ -49,7 +50,9 @@ def parse_args(argv):
     ap = Parser("python -m benchmarks", description=__doc__)
     ap.add_argument("--kernels", default=",".join(KERNELS), help="fused_linear,logits")
     ap.add_argument("--providers", default=",".join(NAMES), help=",".join(NAMES))
-    ap.add_argument("--modes", default=None, help="forward,backward,fwd+bwd")
+    ap.add_argument("--modes", default=None,
+                    help="score,forward,backward,fwd+bwd (score: the forward under "
+                         "torch.no_grad, as a scoring call; default: forward,backward,fwd+bwd)")
     ap.add_argument("--heads", default=None, help=",".join(HEADS))
     ap.add_argument("--tokens", default=None, help="N = B·T values, e.g. 4096,16384,65536")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),

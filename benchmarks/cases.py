@@ -72,7 +72,7 @@ class Case:
     keep: list = field(default_factory=list)  # the other inputs, kept alive with the case
     # Modes whose time covers the work the FLOP/byte accounting assumes. Liger's fused linear
     # loss computes the gradients inside forward, so only its fwd+bwd gets a rate.
-    rated_modes: tuple[str, ...] = ("forward", "backward", "fwd+bwd")
+    rated_modes: tuple[str, ...] = ("score", "forward", "backward", "fwd+bwd")
     # False where the CPU memory tracker (a dispatch mode) cannot run the call: torch.compile
     # skips frames under a dispatch mode, and a fullgraph compile then raises
     cpu_memory: bool = True
@@ -99,6 +99,12 @@ class Case:
                 self.loss()  # the graph (saved activations) is built, then dropped
 
             return forward
+        if mode == "score":
+            def score():
+                with torch.no_grad():  # no graph: the routes a scoring call takes
+                    self.loss()
+
+            return score
         if mode == "fwd+bwd":
             def fwd_bwd():
                 with env_vars(self.env):

@@ -41,7 +41,7 @@ def worker(head: str, n: int, D: int, V: int, rows: str, dtype: str, frozen: boo
     from benchmarks import make_shape
     from benchmarks.cases import LossConfig, fused_inputs
     from grpo_kernels.chunked import loss_grad
-    from grpo_kernels.ops import three_pass
+    from grpo_kernels.ops import route
 
     lines = []
     log = logging.getLogger("grpo_kernels")
@@ -53,7 +53,7 @@ def worker(head: str, n: int, D: int, V: int, rows: str, dtype: str, frozen: boo
                                                   getattr(torch, dtype), torch.device("cpu"), cfg)
     w = torch.nn.Parameter(w.detach(), requires_grad=not frozen)
     if rows == "0":
-        os.environ[three_pass.ENV] = "0"
+        os.environ[route.ENV] = "0"
     elif rows != "default":  # exactly R rows: the row buffers, then what a 16-bit head adds
         whole = V * D * 4
         loss_grad.MIN_ROWS = 1
@@ -61,7 +61,8 @@ def worker(head: str, n: int, D: int, V: int, rows: str, dtype: str, frozen: boo
             loss_grad.SLICE_BYTES = whole
         extra = 0 if w.dtype == torch.float32 else (
             (0 if frozen else whole) + min(whole, loss_grad.SLICE_BYTES))
-        three_pass.CPU_BUDGET_BYTES = int(rows) * 8 * V + extra
+        budget = int(rows) * 8 * V + extra  # bytes: two [R, V] float32 buffers + the above
+        os.environ[route.CHUNK_ENV] = f"{budget / 2**20:.6f}"  # MiB
     times, cpu = [], []
     for i in range(1 + reps):
         h.grad = w.grad = None

@@ -8,15 +8,20 @@
 # its numbers. The most important rows come first.
 #
 # The device run, step by step (seconds: the step's budget / its timeout):
-#   1. environment; the peers from .whl/ (90)
-#   2. peers-main: the Llama-3-8B head at N = 16384, every provider (the compiled reference
-#      last), forward and fwd+bwd, the matmul and copy ceilings first (150 / 200)
-#   3. profile: per-kernel profile of ours, ours-4pass and eager at that shape (70)
-#   4. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
-#   5. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
+#   1. environment; the peers from .whl/ (90; 29 s on an H200)
+#   2. pytest: the three-pass route's tests on the device, Triton backend (60; 41 s with 8
+#      workers on an H200)
+#   3. peers-main: the Llama-3-8B head at N = 16384, score (the forward under no_grad), forward
+#      (before a backward) and fwd+bwd, the matmul and copy
+#      ceilings first, then the providers in the order the goals compare with them: ours, the
+#      eager reference, TRL, CCE, ours-4pass, Liger (about a second a call there), the compiled
+#      reference last (170 / 210)
+#   4. profile: per-kernel profile of ours, ours-4pass and eager at that shape (70; 17 s)
+#   5. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
+#   6. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
 #      the reference (25 / 45)
-#   6. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
-#      (70 / 90, 40 / 60)
+#   7. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
+#      (50 / 70, 30 / 45)
 #
 # On the lent device (repository root here; wheels fetched once, 4 MiB; the tree and .whl/ must
 # stay under 64 MiB together):
@@ -33,7 +38,8 @@
 #
 # Writes under $OUT (with PACK=NAME: in $OUT/NAME.tgz, and the steps in $OUT/NAME-steps.txt):
 #   env.txt, steps.txt     versions, commit, what the wheels installed; each step, timed
-#   peers-main.md          the main shape: all providers, forward and fwd+bwd
+#   pytest.txt             the three-pass route's tests on the device
+#   peers-main.md          the main shape: all providers, score, forward and fwd+bwd
 #   profile.md             per-kernel profile of both routes of ours and eager there
 #   peers-heads.md, peers-logits.md, peers-long.md, peers-short.md   (and a .log per table)
 #   results/<device>.csv, results/<device>-profile.csv   every row (copy into benchmarks/results/)
@@ -42,45 +48,51 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_common.sh
 
 device_block() {
-  DEADLINE=450  # seconds from the start; the device call's limit is 8 minutes
+  DEADLINE=470  # seconds from the start; the device call's limit is 8 minutes
   INSTALL_TIMEOUT=90
+  PYTEST_SELECT=()  # all of the three-pass route's tests
+  PYTEST_WORKERS=8
+  PYTEST_TIMEOUT=60
   SWEEP_ARGS=()  # flags every sweep gets
   MAIN=(--heads llama8b --tokens 16384)
-  MAIN_PROVIDERS=ours,ours-4pass,trl,cce,cce-filter,liger,reference,reference-compile
-  MAIN_TIME=(150 200)  # (--time-budget, timeout) in seconds
+  MAIN_PROVIDERS=ours,reference,trl,cce,ours-4pass,liger,reference-compile
+  MAIN_TIME=(170 210)  # (--time-budget, timeout) in seconds
   PROFILE=(--head llama8b --tokens 16384 --dtype bfloat16 --warmup 2 --steps 3)
   PROFILE_TIMEOUT=70
-  EAGER=ours,ours-4pass,trl,cce,liger,reference
+  EAGER=ours,reference,trl,cce,ours-4pass,liger
   HEADS=(--heads qwen0.5b,qwen7b --tokens 16384)
   HEADS_TIME=(60 80)
   LOGITS=(--heads qwen0.5b --tokens 16384)
   LOGITS_PROVIDERS=ours,liger,reference
   LOGITS_TIME=(25 45)
   LONG=(--heads llama8b,qwen7b,qwen0.5b --tokens 65536)
-  LONG_TIME=(70 90)
+  LONG_TIME=(50 70)
   SHORT=(--heads llama8b,qwen7b,qwen0.5b --tokens 4096)
-  SHORT_TIME=(40 60)
+  SHORT_TIME=(30 45)
   ON_CPU=""
 }
 dry_block() {
   DEADLINE=280
   INSTALL_TIMEOUT=90
+  PYTEST_SELECT=(-k "triton and (fully_masked or several_chunks)")
+  PYTEST_WORKERS=0
+  PYTEST_TIMEOUT=60
   SWEEP_ARGS=(--cpu-budget 0.1 --threads 1)
   MAIN=(--heads tiny --tokens 256)
-  MAIN_PROVIDERS=ours,ours-4pass,trl,cce,cce-filter,liger,reference,reference-compile
-  MAIN_TIME=(150 200)
+  MAIN_PROVIDERS=ours,reference,trl,cce,ours-4pass,cce-filter,liger,reference-compile
+  MAIN_TIME=(170 210)
   PROFILE=(--head tiny --tokens 256 --dtype float32 --warmup 1 --steps 1)
   PROFILE_TIMEOUT=70
-  EAGER=ours,ours-4pass,reference  # the peers run in peers-main (imports cost seconds a step)
+  EAGER=ours,reference,ours-4pass  # the peers run in peers-main (imports cost seconds a step)
   HEADS=(--heads tiny --tokens 192)
   HEADS_TIME=(60 80)
   LOGITS=(--heads tiny --tokens 256)
   LOGITS_PROVIDERS=ours,liger,reference
   LOGITS_TIME=(25 45)
   LONG=(--heads tiny --tokens 512)
-  LONG_TIME=(40 60)
+  LONG_TIME=(50 70)
   SHORT=(--heads tiny --tokens 64)
-  SHORT_TIME=(40 60)
+  SHORT_TIME=(30 45)
   ON_CPU="CPU, float32, chunked path; CUDA-only providers n/a"
 }
 use_block device_block dry_block
@@ -89,6 +101,22 @@ stamp "environment$(dry_says "$ON_CPU")"
 write_env
 if [ "$DRY_RUN" = 1 ]; then stamp "carry size: $(carry_size)"; fi
 install_peers "$INSTALL_TIMEOUT"
+
+# The three-pass route's tests on the device first: its rows below mean little if it is wrong
+# there (the Triton cases run on the GPU, tests/helpers.py on_device)
+if step_cap pytest "$PYTEST_TIMEOUT"; then
+  stamp "pytest: the three-pass route's tests (timeout ${CAP}s)$(dry_says "CPU: Triton's \
+interpreter, a small selection")"
+  workers=()
+  if [ "$PYTEST_WORKERS" -gt 0 ] && python -c "import xdist" 2> /dev/null; then
+    workers=(-n "$PYTEST_WORKERS")
+  fi
+  timeout "$CAP" python -m pytest -q -ra "${workers[@]}" -p no:cacheprovider \
+    tests/api/test_three_pass.py tests/kernels/test_linear_loss_grad.py \
+    tests/kernels/test_gemm.py "${PYTEST_SELECT[@]}" > "$OUT/pytest.txt" 2>&1
+  echo "exit $?" >> "$OUT/pytest.txt"
+  tail -n 3 "$OUT/pytest.txt"
+fi
 
 # sweep NAME BUDGET TIMEOUT ARGS...: one `python -m benchmarks` run into $OUT/NAME.md (table)
 # and $OUT/NAME.log (progress, the routes ours took, the exit status)
@@ -105,7 +133,7 @@ sweep() {
 }
 
 sweep peers-main "${MAIN_TIME[@]}" --kernels fused_linear "${MAIN[@]}" \
-  --modes forward,fwd+bwd --providers "$MAIN_PROVIDERS"
+  --modes score,forward,fwd+bwd --providers "$MAIN_PROVIDERS"
 # Where the time goes at that shape, on both routes: a per-kernel profile (docs/gpu.md compares
 # it across commits).
 if step_cap profile "$PROFILE_TIMEOUT"; then

@@ -167,3 +167,18 @@ def test_cpu_providers_are_timed_in_turns():
     assert calls == ["a", "b", "c"] + ["a", "b"] * 3
     assert out["a"].reps == out["b"].reps == 3
     assert isinstance(out["c"], RuntimeError) and out["c"].__traceback__ is None
+
+
+def test_score_mode_runs_without_a_graph(tmp_path):
+    """--modes score: the loss under torch.no_grad (a scoring call), no gradient, a rated row."""
+    args = _tiny_args(tmp_path)
+    args[args.index("forward,fwd+bwd")] = "score"
+    assert main(args) == 0
+    rows = read_csv(next(tmp_path.glob("*.csv")))
+    assert {(r["provider"], r["mode"], r["status"]) for r in rows} == {
+        ("ours", "score", "ok"), ("reference", "score", "ok")}
+    assert all(float(r["tflops"]) > 0 for r in rows)
+    case = PROVIDERS["fused_linear/reference"].build(make_shape("tiny", 64), torch.float32, CPU,
+                                                     LossConfig(backend="chunked"))
+    case.step("score")()
+    assert all(t.grad is None for t in case.leaves)

@@ -111,10 +111,14 @@ def _measured(rows, kernel, provider, mode) -> list[dict]:
 
 @pytest.mark.slow  # the script's dry run: a minute or two
 def test_peers_dry_run_writes_every_step(peers):
-    _check_steps(peers, ["environment", "install peers", "sweep peers-main", "profile",
-                         "sweep peers-heads", "sweep peers-logits", "sweep peers-long",
-                         "sweep peers-short", "done"],
-                 on_cpu=["environment", "sweep peers-main", "profile", "sweep peers-short"])
+    _check_steps(peers, ["environment", "install peers", "pytest", "sweep peers-main",
+                         "profile", "sweep peers-heads", "sweep peers-logits",
+                         "sweep peers-long", "sweep peers-short", "done"],
+                 on_cpu=["environment", "pytest", "sweep peers-main", "profile",
+                         "sweep peers-short"])
+    tests = (peers / "pytest.txt").read_text()
+    assert " passed" in tests and " failed" not in tests, tests[-2000:]
+    _exit_zero(peers / "pytest.txt")
     for name in ("peers-main", "peers-heads", "peers-logits", "peers-long", "peers-short"):
         assert (peers / f"{name}.md").read_text().startswith("| kernel | provider |"), name
         _exit_zero(peers / f"{name}.log")
@@ -128,7 +132,7 @@ def test_peers_dry_run_rows_cover_both_routes_and_the_peers(peers):
     assert {r["provider"] for r in rows if r["kernel"] == "ceiling"} == {"torch.matmul",
                                                                         "tensor.copy_"}
     for provider in ("ours", "ours-4pass", "reference"):
-        for mode in ("forward", "fwd+bwd"):
+        for mode in ("score", "forward", "fwd+bwd"):
             (row,) = _measured(rows, "fused_linear", provider, mode)[:1]
             assert float(row["peak_above_mib"]) > 0, row  # the memory row of each route
     # the main shape had every provider: each has rows, or one "n/a" row saying why
