@@ -17,6 +17,7 @@ import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.kernels import precision
 from grpo_kernels.kernels.linear_logprobs import loop_bound
+from grpo_kernels.ops import route
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs kernels in Triton's interpreter")
@@ -169,7 +170,11 @@ def _logp_err(fp32_precision: str | None):
     elif fp32_precision is not None:  # torch < 2.9: the legacy setting ("high" is TF32)
         torch.set_float32_matmul_precision({"tf32": "high", "ieee": "highest"}[fp32_precision])
     hidden, weight, _, ids = make_head(4, 32, 256, 300, torch.float32, "cpu", seed=4, scale=8.0)
-    with gk.force_backend("triton"):
+    # the fused forward kernel's dot: a call without a gradient would otherwise take the
+    # forward-only route, whose GEMM is the library's (TF32 on CUDA by the same setting, never
+    # on the CPU, so the interpreter's emulation would not show it)
+    with gk.force_backend("triton"), pytest.MonkeyPatch.context() as mp:
+        mp.setenv(route.ENV, "0")
         logp = gk.selective_logprobs(hidden, weight, ids)
     truth = reference.selective_logprobs(hidden.double(), weight.double(), ids)
     return max_err(logp, truth)
