@@ -229,10 +229,8 @@ def fused_linear_grpo_loss(
         return_terms: return the differentiable per-token terms (`GRPOTerms`: Σ weight·ℓ
             without the entropy bonus, per-token logp, entropy, ratio, kl, vespo's φ, the
             entropy mask) instead of (loss, metrics); always the four-pass route.
-        return_token_values: (loss, metrics, the same GRPOTerms detached): the loss as usual,
-            on the fastest route, and the per-token values for a trainer's own logs. A route
-            that leaves masked tokens out (three-pass, forward-only) gives 0 there (1 for the
-            ratio); read them where the mask is 1.
+        return_token_values: (loss, metrics, the same GRPOTerms detached): the loss on the
+            fastest route and the per-token values, to be read where the mask is 1.
         entropy_gather: with top_entropy_quantile < 1, a function that gathers the entropies
             of every process (see `grpo_options.high_entropy_mask`); default: this batch's.
         vocab_group: a vocabulary-parallel head (docs/integrations.md, "Tensor parallelism"):
