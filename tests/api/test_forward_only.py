@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from helpers import KERNEL_DEVICE, leaf, make_grpo_batch, make_head, max_err, on_device
+from helpers import KERNEL_DEVICE, leaf, max_err, on_device
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
@@ -32,12 +32,11 @@ class PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def problem(seed=0, bias=True, temperature=1.0, shape=SHAPE):
-    B, T, D, V = shape
-    hidden, weight, b, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=seed, bias=bias,
-                                       scale=3.0)
-    return (hidden, weight, b, ids), make_grpo_batch(hidden, weight, b, ids, seed=seed,
-                                                     temperature=temperature)
+def problem(seed=0, bias=True, temperature=1.0):
+    """The three-pass tests' head and batch (test_three_pass.problem) at this file's shape."""
+    from test_three_pass import problem as three_pass_problem
+
+    return three_pass_problem(seed, bias, temperature, SHAPE)
 
 
 def _plain(out):
