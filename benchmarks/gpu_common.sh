@@ -18,6 +18,7 @@
 #   dry_says TEXT       " [dry run: TEXT]" in a dry run, nothing in a device run (for stamps)
 #   carry_size          one line: the size of the tracked tree and of .whl/
 #   make_scratch VAR    VAR = a new temporary folder, removed when the script exits
+#   pytest_step, sweep  a step of tests, a benchmark sweep (each described where defined)
 # PACK=NAME (letters, digits, '.', '_', '-'): the files are written to a scratch folder instead,
 # and $OUT holds NAME.tgz (all of them, rewritten at every stamp and at exit, so a run cut short
 # keeps what it wrote) and NAME-steps.txt: for a runner that returns only a few files from $OUT.
@@ -94,6 +95,36 @@ carry_size() {
   whl=$(du -sb .whl 2> /dev/null | cut -f1)
   echo "tracked tree $(( ${tree:-0} / 1048576 )) MiB, .whl/ $(( ${whl:-0} / 1048576 )) MiB" \
     "(a device call carries at most 64 MiB in all)"
+}
+
+# pytest_step LABEL FILE NOTE TEST_PATH...: the tests at TEST_PATH (PYTEST_SELECT; PYTEST_WORKERS
+# xdist workers where xdist is installed) within PYTEST_TIMEOUT into $OUT/FILE, then "exit N"
+# there; NOTE says how a dry run differs
+pytest_step() {
+  local label=$1 file=$2 note=$3 workers=()
+  shift 3
+  step_cap "$label" "$PYTEST_TIMEOUT" || return 0
+  stamp "$label (timeout ${CAP}s)$(dry_says "$note")"
+  if [ "$PYTEST_WORKERS" -gt 0 ] && python -c "import xdist" 2> /dev/null; then
+    workers=(-n "$PYTEST_WORKERS")
+  fi
+  timeout "$CAP" python -m pytest -q -ra "${workers[@]}" -p no:cacheprovider "$@" \
+    "${PYTEST_SELECT[@]}" > "$OUT/$file" 2>&1
+  echo "exit $?" >> "$OUT/$file"
+  tail -n 3 "$OUT/$file"
+}
+# sweep NAME BUDGET TIMEOUT ARGS...: one `python -m benchmarks` run (SWEEP_ARGS first) into
+# $OUT/NAME.md (table) and $OUT/NAME.log (progress, the routes ours took, the exit status)
+sweep() {
+  local name=$1 budget=$2
+  step_cap "sweep $name" "$3" || return 0
+  shift 3
+  budget=$(( budget < CAP - 15 ? budget : CAP - 15 ))
+  stamp "sweep $name: $* (timeout ${CAP}s, budget ${budget}s)$(dry_says "$ON_CPU")"
+  timeout "$CAP" python -m benchmarks --out "$OUT/results" --time-budget "$budget" --markdown \
+    "${SWEEP_ARGS[@]}" "$@" > "$OUT/$name.md" 2> "$OUT/$name.log"
+  echo "exit $?" >> "$OUT/$name.log"
+  tail -n 3 "$OUT/$name.log"
 }
 
 _at_exit() { pack; rm -rf "${_SCRATCH[@]}"; }

@@ -104,33 +104,9 @@ install_peers "$INSTALL_TIMEOUT"
 
 # The three-pass route's tests on the device first: its rows below mean little if it is wrong
 # there (the Triton cases run on the GPU, tests/helpers.py on_device)
-if step_cap pytest "$PYTEST_TIMEOUT"; then
-  stamp "pytest: the three-pass route's tests (timeout ${CAP}s)$(dry_says "CPU: Triton's \
-interpreter, a small selection")"
-  workers=()
-  if [ "$PYTEST_WORKERS" -gt 0 ] && python -c "import xdist" 2> /dev/null; then
-    workers=(-n "$PYTEST_WORKERS")
-  fi
-  timeout "$CAP" python -m pytest -q -ra "${workers[@]}" -p no:cacheprovider \
-    tests/api/test_three_pass.py tests/kernels/test_linear_loss_grad.py \
-    tests/kernels/test_gemm.py "${PYTEST_SELECT[@]}" > "$OUT/pytest.txt" 2>&1
-  echo "exit $?" >> "$OUT/pytest.txt"
-  tail -n 3 "$OUT/pytest.txt"
-fi
-
-# sweep NAME BUDGET TIMEOUT ARGS...: one `python -m benchmarks` run into $OUT/NAME.md (table)
-# and $OUT/NAME.log (progress, the routes ours took, the exit status)
-sweep() {
-  local name=$1 budget=$2
-  step_cap "$name" "$3" || return 0
-  shift 3
-  budget=$(( budget < CAP - 15 ? budget : CAP - 15 ))
-  stamp "sweep $name: $* (timeout ${CAP}s, budget ${budget}s)$(dry_says "$ON_CPU")"
-  timeout "$CAP" python -m benchmarks --out "$OUT/results" --time-budget "$budget" --markdown \
-    "${SWEEP_ARGS[@]}" "$@" > "$OUT/$name.md" 2> "$OUT/$name.log"
-  echo "exit $?" >> "$OUT/$name.log"
-  tail -n 3 "$OUT/$name.log"
-}
+pytest_step "pytest: the three-pass route's tests" pytest.txt "CPU: Triton's interpreter, a \
+small selection" tests/api/test_three_pass.py tests/kernels/test_linear_loss_grad.py \
+  tests/kernels/test_gemm.py
 
 sweep peers-main "${MAIN_TIME[@]}" --kernels fused_linear "${MAIN[@]}" \
   --modes score,forward,fwd+bwd --providers "$MAIN_PROVIDERS"

@@ -103,19 +103,6 @@ run_step() {
   timeout "$cap" "$@" > "$OUT/$file" 2>&1
   echo "exit $?" >> "$OUT/$file"
 }
-# sweep NAME BUDGET TIMEOUT ARGS...: one `python -m benchmarks` run into $OUT/NAME.md (table)
-# and $OUT/NAME.log (progress, the routes ours took, the exit status)
-sweep() {
-  local name=$1 budget=$2
-  step_cap "sweep $name" "$3" || return 0
-  shift 3
-  budget=$(( budget < CAP - 15 ? budget : CAP - 15 ))
-  stamp "sweep $name: $* (timeout ${CAP}s, budget ${budget}s)$(dry_says "$ON_CPU")"
-  timeout "$CAP" python -m benchmarks --out "$OUT/results" --time-budget "$budget" --markdown \
-    "${SWEEP_ARGS[@]}" "$@" > "$OUT/$name.md" 2> "$OUT/$name.log"
-  echo "exit $?" >> "$OUT/$name.log"
-  tail -n 4 "$OUT/$name.log"
-}
 
 stamp "environment$(dry_says "$ON_CPU")"
 write_env
@@ -123,19 +110,10 @@ cat "$OUT/env.txt"
 if [ "$DRY_RUN" = 1 ]; then stamp "carry size: $(carry_size)"; fi
 install_peers "$INSTALL_TIMEOUT"
 
-if step_cap "pytest gpu" "$PYTEST_TIMEOUT"; then
-  stamp "pytest gpu: ${PYTEST_SELECT[*]} (timeout ${CAP}s)$(dry_says "CPU: Triton's \
-interpreter, a small selection; gpu-marked tests skip")"
-  workers=()
-  if [ "$PYTEST_WORKERS" -gt 0 ] && python -c "import xdist" 2> /dev/null; then
-    workers=(-n "$PYTEST_WORKERS")
-  fi
-  run_step pytest_gpu.txt "$CAP" python -m pytest -q -ra "${workers[@]}" -p no:cacheprovider \
-    tests/api/test_fused_linear_grpo.py tests/api/test_logits_grpo.py \
-    tests/api/test_selective_logprobs.py tests/api/test_memory_and_properties.py \
-    "${PYTEST_SELECT[@]}"
-  tail -n 5 "$OUT/pytest_gpu.txt"
-fi
+pytest_step "pytest gpu: ${PYTEST_SELECT[*]}" pytest_gpu.txt "CPU: Triton's interpreter, a \
+small selection; gpu-marked tests skip" tests/api/test_fused_linear_grpo.py \
+  tests/api/test_logits_grpo.py tests/api/test_selective_logprobs.py \
+  tests/api/test_memory_and_properties.py
 
 if step_cap "benchmark suite" "$SUITE_TIMEOUT"; then
   stamp "benchmark suite: ${SUITE_SELECT[*]} (timeout ${CAP}s)$(dry_says "CPU cases: the gpu \
