@@ -16,6 +16,7 @@
 #
 # Usage (repository root; OUT = where results go, default ./gpu_out):
 #   BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_trainer.sh
+#   DEADLINE_S=540 ... : a longer deadline (default 450 s) for a call with time to spare
 #   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/gpu_trainer.sh   # every step on the CPU, tiny shapes
 # TRL and datasets are not on the device image: carry .whl (benchmarks/fetch_wheels.sh, LEAN=1);
 # install_wheels.sh installs them. A step whose package is missing writes an "n/a" row.
@@ -43,7 +44,7 @@ if [ "$DRY_RUN" = 1 ]; then  # the CPU, tiny shapes: every step runs, in a few m
   GEN=(--tiny --max_new "$CAP" --prompt_tokens "$PROMPT_SHORT" --threads 1 --repeats 1)
   GEN_PATHS=per-row,padded,static-eager,continuous  # a CPU compile takes ~40 s: not here
 else
-  KIND=cuda; DEADLINE_S=450; MIN_STEP_S=30
+  KIND=cuda; DEADLINE_S="${DEADLINE_S:-450}"; MIN_STEP_S=30
   SHAPE=(--device cuda)
   G=8; CAP=1024; PROMPT_SHORT=64; PROMPT_LONG=1024
   LOSS_RUN=(--warmup 1 --steps 2); STEP_RUN=(--warmup 0 --steps 1)
@@ -52,7 +53,9 @@ else
        --threads 0 --repeats 1)
   GEN_PATHS=per-row,padded,continuous,static
 fi
-ASSETS="$OUT/assets"  # the random model, built once and shared by the trainer_step runs
+# the random model, built once and shared by the trainer_step runs: in a scratch folder, never
+# under $OUT (its weights would travel back, or fill PACK's archive, at every stamp)
+make_scratch ASSETS
 SUMMARY="$OUT/gpu_trainer.csv"
 LOG="$OUT/gpu_trainer.log"
 [ -f "$SUMMARY" ] || echo "step,status,seconds,command" > "$SUMMARY"
