@@ -46,12 +46,15 @@ path runs once, in turn (interleaved, so that a change of machine load hits ever
 the same prompts and lengths each time). Reported per path: median seconds, completion tokens
 per second, the speedup over the first path, and the prompt positions prefilled: B·Lp for
 per-row; P·(Lp - 1) + B for padded and static (the prompts once, without their last token, which
-`generate` runs for every row); the prompts' own tokens, each once, for continuous. The header
-gives machine, date, load average and command; --out appends one CSV row per path.
+`generate` runs for every row); the prompts' own tokens, each once, for continuous. A path that
+falls back (continuous batching or the static cache failing; the reason is logged) is timed as
+the path that ran, which the row's ran_path names. The header gives machine, date, load average
+and command; --out appends one CSV row per path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import math
@@ -152,41 +155,54 @@ def draw_lengths(kind: str, B: int, max_new: int) -> list[int]:
             for _ in range(B)]
 
 
-def setups(model, tok, cfg, paths: list[str]) -> dict:
-    """A `GenerationSetup` per path name."""
+def setups(model, tok, cfg, paths: list[str], autocast: bool = False) -> dict:
+    """A `GenerationSetup` per path name; autocast: bf16 autocast around each call, as
+    grpo_train's --bf16 runs generation (float32 weights)."""
     from grpo_train.generation import GenerationSetup
     from grpo_train.models import eos_token_ids
 
+    device = next(model.parameters()).device.type
     out = {}
     for name in paths:
         mode, prefill_once, fields = PATHS[name]
-        out[name] = GenerationSetup(cfg=dataclasses.replace(cfg, generation=mode, **fields),
-                                    tokenizer=tok, eos_ids=eos_token_ids(model, tok),
-                                    prefill_once=prefill_once,
-                                    say=lambda msg, n=name: print(f"  {n}: {msg}", flush=True))
+        context = torch.autocast(device, dtype=torch.bfloat16) if autocast else \
+            contextlib.nullcontext()
+        out[name] = GenerationSetup(
+            cfg=dataclasses.replace(cfg, generation=mode, bf16=autocast, **fields),
+            tokenizer=tok, eos_ids=eos_token_ids(model, tok), prefill_once=prefill_once,
+            autocast=context, say=lambda msg, n=name: print(f"  {n}: {msg}", flush=True))
     return out
 
 
 def time_paths(model, tok, examples, cfg, paths: list[str], lengths: list[int],
-               repeats: int, per_path: bool = False, done=None) -> dict[str, dict]:
+               repeats: int, per_path: bool = False, done=None, autocast: bool = False,
+               warmup_tokens: int | None = None) -> dict[str, dict]:
     """Per path: seconds of each timed `generate` call, completion tokens and prompt positions
-    prefilled. One untimed call per path, then `repeats` rounds of one call per path; with
-    per_path, each path's calls one after the other, `done(path, result)` after each path."""
+    prefilled. One untimed call per path (its completions cut to warmup_tokens, if given: the
+    same shapes and compiled graphs, fewer decode steps), then `repeats` rounds of one call per
+    path; with per_path, each path's calls one after the other, `done(path, result)` after
+    each path."""
     from grpo_train.generation import forced_lengths
 
-    ctx = setups(model, tok, cfg, paths)
+    ctx = setups(model, tok, cfg, paths, autocast)
     out = {name: {"times": []} for name in paths}
     rounds = [[(i, name) for name in paths] for i in range(repeats + 1)]  # round 0: untimed
     if per_path:
         rounds = [[(i, name) for i in range(repeats + 1)] for name in paths]
-    with forced_lengths(lambda B: lengths):
+    warm = lengths if warmup_tokens is None else [min(n, warmup_tokens) for n in lengths]
+    drawn = [lengths]  # what the next call's completions are forced to
+    with forced_lengths(lambda B: drawn[0]):
         for calls in rounds:
             for i, name in calls:
+                drawn[0] = lengths if i else warm
                 seconds, batch = _timed_call(model, examples, ctx[name], seed=i)
                 if i:
                     out[name]["times"].append(seconds)
                 out[name]["tokens"] = int(batch["lengths"].sum())
-                out[name]["prefilled"] = prefilled(name, ctx[name], batch, len(examples))
+                # the path that ran: after a fallback (logged), not the one asked for
+                out[name]["ran"] = ctx[name].generation_path
+                out[name]["prefilled"] = prefilled(out[name]["ran"], ctx[name], batch,
+                                                   len(examples))
             if per_path and done is not None:
                 done(calls[0][1], out[calls[0][1]])
     return out
@@ -239,7 +255,14 @@ def parse_args(argv):
     parser.add_argument("--prompt_tokens", type=int, default=None,
                         help="override the prompt length of the workloads that set one")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the weights' dtype")
+    parser.add_argument("--autocast", action="store_true",
+                        help="bf16 autocast around each call, as grpo_train's --bf16 runs "
+                             "generation (with --dtype float32: float32 weights)")
+    parser.add_argument("--warmup_tokens", type=int, default=None,
+                        help="cut the untimed call's completions to this many tokens (the same "
+                             "shapes, so the same compiled graphs; fewer decode steps)")
     parser.add_argument("--out", default=None, help="a CSV file to append one row per path to")
     args = parser.parse_args(argv)
     args.names, args.path_list = args.workloads.split(","), args.paths.split(",")
@@ -248,7 +271,7 @@ def parse_args(argv):
     if unknown:
         parser.error(f"unknown workloads or paths {unknown}; known: {', '.join(WORKLOADS)}; "
                      f"{', '.join(PATHS)}")
-    for name in ("layers", "max_new", "repeats", "prompt_tokens"):
+    for name in ("layers", "max_new", "repeats", "prompt_tokens", "warmup_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -300,14 +323,16 @@ def main(argv: list[str] | None = None) -> int:
                     append_row(Path(args.out), dict(
                         date=dt.date.today().isoformat(), machine=machine, commit=git_commit(),
                         torch=torch.__version__, command=command, **where, device=device.type,
-                        dtype=args.dtype, threads=threads, path=path, repeats=args.repeats,
+                        dtype=args.dtype, autocast=args.autocast, threads=threads, path=path,
+                        repeats=args.repeats,
                         median_s=round(seconds, 4), min_s=round(min(t["times"]), 4),
                         max_s=round(max(t["times"]), 4), completion_tokens=t["tokens"],
-                        prefilled_positions=t["prefilled"],
+                        prefilled_positions=t["prefilled"], ran_path=t["ran"],
                         speedup_vs_first=round(speedup, 3), load_avg=load))
 
             timed = time_paths(model, tok, examples, cfg, args.path_list, lengths, args.repeats,
-                               per_path=args.per_path, done=report)
+                               per_path=args.per_path, done=report, autocast=args.autocast,
+                               warmup_tokens=args.warmup_tokens)
             if not args.per_path:
                 for path in args.path_list:
                     report(path, timed[path])

@@ -1,7 +1,8 @@
 """benchmarks/gpu_trainer.sh, the prepared device script: its dry run (DRY_RUN=1: every step on
-the CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows, the loss runs
-taking each attention implementation the rule considers on the CPU and reporting the layout and
-attention that ran; and the step runner's rows (ok, n/a for a missing package, timeout, failure,
+the CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows: generation with
+bf16 weights and under autocast, naming the path that ran; the loss runs warmed on each timed
+step's lengths, taking each attention implementation the rule considers on the CPU and
+reporting the layout and attention that ran; whole steps, grpo_train's on the static path; and the step runner's rows (ok, n/a for a missing package, timeout, failure,
 skipped at the deadline), which the dry run cannot reach."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def read(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_dry_run_writes_every_steps_rows(tmp_path):
-    """~2-3 minutes on a 2-core CPU (ten short processes)."""
+    """~2-3 minutes on a 2-core CPU (thirteen short processes)."""
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
     env.pop("TRITON_INTERPRET", None)  # as a user runs it
     run = subprocess.run(["bash", "benchmarks/gpu_trainer.sh"], cwd=ROOT, env=env,
@@ -32,15 +33,17 @@ def test_dry_run_writes_every_steps_rows(tmp_path):
     summary = {r["step"]: r for r in read(tmp_path / "gpu_trainer.csv")}
     trl = summary["step-p16-trl"]["status"] != "n/a: trl, datasets not installed"
     assert list(summary) == [
-        "loss-p16-padded", "loss-p16-packed-sdpa", "loss-p16-packed-eager", "loss-p48-padded",
-        "loss-p48-shared-sdpa", "loss-p48-shared-eager", "step-p16-trl", "step-p16-trl-kernels",
-        "step-p16-fused", "generation-p16"], run.stdout[-3000:]
+        "generation-p16-bf16", "generation-p16-autocast", "loss-p16-padded",
+        "loss-p16-packed-sdpa", "loss-p16-packed-eager", "loss-p48-padded",
+        "loss-p48-shared-sdpa", "loss-p48-shared-eager", "loss-p16-trl", "loss-p16-trl-kernels",
+        "step-p16-trl", "step-p16-trl-kernels", "step-p16-fused-static-eager"], run.stdout[-3000:]
     for name, r in summary.items():
-        missing = name.startswith("step-p16-trl") and not trl
+        missing = "-trl" in name and not trl
         assert r["status"] == ("n/a: trl, datasets not installed" if missing else "ok"), (
             name, r, (tmp_path / "gpu_trainer.log").read_text()[-3000:])
     for name in ("env.txt", "steps.txt", "gpu_trainer.log"):
         assert (tmp_path / name).stat().st_size > 0, name
+    assert not (tmp_path / "assets").exists()  # the model's weights never travel back
     results = tmp_path / "results"
     steps = read(next(results.glob("*-trainer.csv")))
     ran = [(r["provider"], r["prompt_tokens"], r["attn_implementation"], r["row_layout"],
@@ -53,17 +56,24 @@ def test_dry_run_writes_every_steps_rows(tmp_path):
                        (fused, "48", "sdpa", "shared", "sdpa"),
                        (fused, "48", "eager", "shared", "eager")]
     assert all(r["status"] == "ok" and float(r["loss_s"]) > 0 for r in steps)
-    assert all(r["generation"] == "synthetic" for r in steps[:6])
-    whole = [(r["provider"], r["row_layout"], r["generation_path"]) for r in steps[6:]]
-    assert whole[-1] == (fused, "shared", "padded")  # real generation, the CPU rule's path
+    synthetic = 8 if trl else 6
+    assert all(r["generation"] == "synthetic" and r["warmup"] == r["timed_steps"]
+               for r in steps[:synthetic])  # a warm-up step per timed step
+    whole = [(r["provider"], r["row_layout"], r["generation_path"]) for r in steps[synthetic:]]
+    assert whole[-1] == (fused, "shared", "static")  # real generation, the static path
     if trl:
+        assert [r["provider"] for r in steps[6:8]] == ["trl GRPOTrainer",
+                                                       "grpo_kernels.trl GRPOTrainer"]
         assert [w[0] for w in whole] == ["trl GRPOTrainer", "grpo_kernels.trl GRPOTrainer", fused]
         assert whole[0][1] == "padded" and whole[1][1] == "shared"
     gen = read(next(results.glob("*-generation.csv")))
-    assert [r["path"] for r in gen] == ["per-row", "padded", "static-eager", "continuous"]
+    assert [(r["path"], r["dtype"], r["autocast"], r["ran_path"]) for r in gen] == [
+        ("per-row", "bfloat16", "False", "padded"), ("padded", "bfloat16", "False", "padded"),
+        ("static-eager", "bfloat16", "False", "static"),
+        ("continuous", "bfloat16", "False", "continuous"),
+        ("padded", "float32", "True", "padded"), ("static-eager", "float32", "True", "static")]
     assert len({r["completion_tokens"] for r in gen}) == 1  # the same forced lengths
     assert {r["prompt_tokens"] for r in gen} == {"16"}
-
 
 STEPS = """
 set -u

@@ -338,17 +338,20 @@ def test_prefill_refusals(embedded, monkeypatch):
 
 def test_generation_benchmark_rows(tmp_path):
     """benchmarks.generation: the per-row and the once-per-prompt prefill, interleaved, give the
-    same completion tokens; positions prefilled B·Lp against P·(Lp - 1) + B; one CSV row each."""
+    same completion tokens; positions prefilled B·Lp against P·(Lp - 1) + B; one CSV row each,
+    naming the path that ran."""
     import csv
 
     from benchmarks import generation as bench
 
     out = tmp_path / "rows.csv"
-    assert bench.main(["--workloads", "default-run", "--paths", "per-row,padded", "--threads",
-                       "1", "--repeats", "1", "--out", str(out)]) == 0
+    assert bench.main(["--workloads", "default-run", "--paths", "per-row,padded,static-eager",
+                       "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    assert [r["path"] for r in rows] == ["per-row", "padded"]
-    assert rows[0]["completion_tokens"] == rows[1]["completion_tokens"]
+    assert [r["path"] for r in rows] == ["per-row", "padded", "static-eager"]
+    assert [r["ran_path"] for r in rows] == ["padded", "padded", "static"]
+    assert len({r["completion_tokens"] for r in rows}) == 1
+    assert rows[2]["prefilled_positions"] == rows[1]["prefilled_positions"]
     P, B = 64, 64 * bench.G
     Lp = int(rows[0]["prefilled_positions"]) // B
     assert int(rows[0]["prefilled_positions"]) == B * Lp

@@ -161,8 +161,8 @@ def test_auto_takes_the_first_path_of_the_rule_that_runs(tiny, monkeypatch):
     assert all(set(r.prefer) <= set(generation.PATHS) and r.source
                for r in generation.GENERATION_RULES.values())
     assert generation.GENERATION_RULES["cpu"].prefer == ("padded",)
-    assert generation.GENERATION_RULES["cuda"].prefer == ("continuous", "padded")
-    assert generation.GENERATION_RULES["cuda"].placeholder  # not measured on a GPU yet
+    assert generation.GENERATION_RULES["cuda"].prefer == ("static", "padded")
+    assert not generation.GENERATION_RULES["cuda"].placeholder  # measured on an H200
     monkeypatch.setitem(generation.GENERATION_RULES, "cpu", generation.GenerationRule(
         ("continuous", "static"), "test", placeholder=True))
     log = []
@@ -178,15 +178,25 @@ def test_auto_takes_the_first_path_of_the_rule_that_runs(tiny, monkeypatch):
                    "(placeholder until measured here))"] * 2  # one per run state
 
 
-def test_bf16_falls_back_to_padded_with_the_reason_on_the_rules_line(tiny, monkeypatch):
-    """The README's real-model example (--bf16) on a device whose rule prefers continuous
-    batching (CUDA's, as built): autocast does not reach the engine's thread, so padded runs,
-    and its line names the rule and that reason."""
+def test_cuda_rule_compiles_the_decode_only_where_it_pays_back(tiny, monkeypatch):
+    """The CUDA rule as built (static, then padded), here on the CPU: a run of too few decode
+    steps (steps x max_new_tokens) to repay the compile takes padded, its line saying why;
+    --bf16 (the README's real-model example) is no reason to leave the static path; without
+    the compile the static path runs at any length."""
     models, tok, cfg = tiny
     model = models["embedded"]
     monkeypatch.setitem(generation.GENERATION_RULES, "cpu", generation.GENERATION_RULES["cuda"])
+    rule = "auto, rule cpu: static, padded (measured)"
     log = []
-    generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "auto", log, bf16=True))
-    assert log == ["generation: padded (auto, rule cpu: continuous, padded (placeholder until "
-                   "measured here); --bf16 autocast does not reach continuous batching's "
-                   f"generation thread); {ONCE}"]
+    generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "auto", log, bf16=True,
+                                                  steps=10))
+    assert log == [f"generation: padded ({rule}; static: 10 steps x 12 new tokens = 120 decode "
+                   "steps, fewer than the 4,608 that repay compiling the decode step); "
+                   f"{ONCE}"]
+    steps = -(-static_decode.AUTO_MIN_DECODE_STEPS // cfg.max_new_tokens)
+    ctx = make_ctx(model, tok, cfg, "auto", None, steps=steps)
+    assert generation._refusal("static", model, ctx.cfg, {}) is None  # enough steps: compiled
+    log = []
+    generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "auto", log, bf16=True,
+                                                  steps=10, static_compile=False))
+    assert log == [f"{STATIC} ({rule}); {ONCE}"]
