@@ -25,6 +25,7 @@ What is driven here rather than through `generate_batch`, and why:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import math
 import warnings
@@ -34,6 +35,10 @@ import torch
 PAGE_SIZE = 32  # tokens per cache page: short completions waste little of their last page
 MAX_BATCH_TOKENS = 2048  # query tokens per forward; longer prefills are split over forwards
 FREE, NO_EOS, ONLY_EOS = 0, 1, 2  # EosControl's per-request codes
+# ContinuousBatchingConfig fields cache_config must set (page size aside): without any of them
+# the cache, the schedule or the seed would be transformers' defaults, not this path's
+NEEDED_FIELDS = ("num_blocks", "max_requests_per_batch", "max_batch_tokens", "seed",
+                 "allow_block_sharing")
 
 
 def processor_classes():
@@ -81,10 +86,17 @@ def generation_config(model, sampling: dict, max_new_tokens: int, eos_ids: list[
 
 def unsupported_reason(model, cfg, sampling: dict) -> str | None:
     """Why continuous batching cannot give this run the padded path's semantics, or None."""
+    import transformers
+
     try:
         processor_classes()
+        from transformers import ContinuousBatchingConfig
     except ImportError as err:
-        return f"this transformers has no continuous batching ({err})"
+        return f"transformers {transformers.__version__} has no continuous batching ({err})"
+    try:  # the page field's name changed between releases (see config_kwargs)
+        config_kwargs(ContinuousBatchingConfig, PAGE_SIZE)
+    except TypeError as err:
+        return f"transformers {transformers.__version__}: {err}"
     hf = base_model(model)
     if not hasattr(hf, "init_continuous_batching"):
         return f"{type(hf).__name__} has no init_continuous_batching"
@@ -156,6 +168,22 @@ def make_eos_control(eos_ids: list[int], min_new_tokens: int, lengths: dict[str,
     return EosControl()
 
 
+def config_kwargs(config_cls, page_size: int, **values) -> dict:
+    """Keyword arguments for `config_cls` (a ContinuousBatchingConfig dataclass): the tokens per
+    cache page under the name the class gives them (`block_size` in transformers 5.17,
+    `page_size` in 5.24), and `values`, each passed only where the class has its field. A
+    TypeError names what is missing when the class lacks a page field or one of NEEDED_FIELDS."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    page_field = next((name for name in ("page_size", "block_size") if name in fields), None)
+    missing = [name for name in NEEDED_FIELDS if name not in fields]
+    if page_field is None:
+        missing.insert(0, "page_size or block_size")
+    if missing:
+        raise TypeError(f"{config_cls.__name__} has no {', '.join(missing)}: the cache could not "
+                        "be sized, nor the schedule and the seed fixed, as this path needs")
+    return {page_field: page_size, **{k: v for k, v in values.items() if k in fields}}
+
+
 def cache_config(prompt_lens: list[int], G: int, max_new_tokens: int, seed: int):
     """A ContinuousBatchingConfig sized for this call: cache pages for every sequence at full
     length (no offloading), instead of transformers' default of a share of free memory."""
@@ -169,10 +197,10 @@ def cache_config(prompt_lens: list[int], G: int, max_new_tokens: int, seed: int)
     M = min(max(sum(prompt_lens), B), MAX_BATCH_TOKENS)
     # disable_nccl_graph_mixing would set NCCL_GRAPH_MIXING_SUPPORT=0 in the environment of
     # every data-parallel process (a tensor-parallel setting; one process runs one engine here)
-    return ContinuousBatchingConfig(
-        page_size=PAGE_SIZE, num_blocks=pages, max_requests_per_batch=B,
+    return ContinuousBatchingConfig(**config_kwargs(
+        ContinuousBatchingConfig, PAGE_SIZE, num_blocks=pages, max_requests_per_batch=B,
         max_batch_tokens=max(M, B), seed=seed, allow_block_sharing=False,
-        disable_nccl_graph_mixing=False)
+        disable_nccl_graph_mixing=False))
 
 
 def generate(model, prompts: list[list[int]], G: int, sampling: dict, max_new_tokens: int,
@@ -201,7 +229,9 @@ def generate(model, prompts: list[list[int]], G: int, sampling: dict, max_new_to
             continuous_batching_config=cache_config([len(p) for p in prompts], G,
                                                     max_new_tokens, seed))
         try:
-            attn = hf.config._attn_implementation
+            # transformers 5.17 runs sdpa on the paged cache as "paged|sdpa", 5.24 as "sdpa": one
+            # name for one kernel, as "paged|eager" is on both
+            attn = hf.config._attn_implementation.replace("paged|sdpa", "sdpa")
             if forced is not None or min_new_tokens > 0:  # EOS control first, before warpers
                 procs = [make_eos_control(eos_ids, min_new_tokens, forced),
                          *manager.logit_processor.logits_processor]
