@@ -301,7 +301,7 @@ def test_prefilled_cache_continues_like_generate(arch, window):
         cache = generation._prefilled_cache(model, ids, mask, G)
         assert cache.get_seq_length() == ids.shape[1] - 1  # [P·G, heads, Lp - 1, head_dim]
         assert cache.layers[0].keys.shape[0] == len(VARIED) * G
-        got = model.generate(cache=cache, **kw)
+        got = model.generate(**{generation._cache_kwarg(model): cache}, **kw)  # by version
     assert torch.equal(got.sequences, want.sequences)
     assert len({tuple(r) for r in want.sequences[:, ids.shape[1]:].tolist()}) > 2  # by prompt
     assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
