@@ -1,9 +1,10 @@
-"""benchmarks/gpu_trainer.sh, the prepared device script: its dry run (DRY_RUN=1: every step on
-the CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows: generation with
-bf16 weights and under autocast, naming the path that ran; the loss runs warmed on each timed
-step's lengths, taking each attention implementation the rule considers on the CPU and
-reporting the layout and attention that ran; whole steps, grpo_train's on the static path; and the step runner's rows (ok, n/a for a missing package, timeout, failure,
-skipped at the deadline), which the dry run cannot reach."""
+"""benchmarks/gpu_trainer.sh, the prepared device script: its dry run (DRY_RUN=1: every step on the
+CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows: generation with bf16
+weights and under autocast, naming the path that ran; the loss runs warmed on each timed step's
+lengths, taking each attention implementation the rule considers on the CPU and reporting the layout
+and attention that ran; whole steps, grpo_train's on the static path; and the step runner's rows
+(ok, n/a for a missing package, timeout, failure, skipped at the deadline), which the dry run cannot
+reach."""
 
 from __future__ import annotations
 
