@@ -48,6 +48,8 @@ def unsupported_reason(model, cfg, auto: bool = False) -> str | None:
         return reason
     if cfg.fsdp:
         return "--fsdp: a compiled decode of sharded parameters is untested here"
+    if getattr(cfg, "tp_size", 1) > 1:
+        return "--tp_size: a static cache of tensor-parallel layers is untested here"
     if cfg.static_compile and not getattr(hf, "_can_compile_fullgraph", False):
         return f"{name} does not declare a compilable forward (_can_compile_fullgraph)"
     decodes = (cfg.steps or 0) * (cfg.max_new_tokens or 0)

@@ -196,6 +196,9 @@ def test_cuda_rule_compiles_the_decode_only_where_it_pays_back(tiny, monkeypatch
     steps = -(-static_decode.AUTO_MIN_DECODE_STEPS // cfg.max_new_tokens)
     ctx = make_ctx(model, tok, cfg, "auto", None, steps=steps)
     assert generation._refusal("static", model, ctx.cfg, {}) is None  # enough steps: compiled
+    tp = make_ctx(model, tok, cfg, "auto", None, steps=steps, tp_size=2).cfg
+    assert generation._refusal("static", model, tp, {}) == (
+        "--tp_size: a static cache of tensor-parallel layers is untested here")
     log = []
     generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "auto", log, bf16=True,
                                                   steps=10, static_compile=False))
