@@ -189,7 +189,9 @@ def parse_args(argv):
     parser.add_argument("--assets", default=None, metavar="DIR",
                         help="keep the random-weight model in DIR and use a saved one of the "
                              "same shape and seed (runs of one session share it)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps first, replaying the timed steps' lengths (as many "
+                             "as --steps warms every timed step's)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--model_dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--no_bf16", action="store_true", help="no bf16 autocast on CUDA")
@@ -260,6 +262,10 @@ def measure(args, argv) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     # the checkout as the run starts (a commit made while a long run goes on is not its code)
     env = environment(args, argv, device)
+    if args.length_profile != "fixed" and args.warmup < args.steps:
+        print(f"note: --warmup {args.warmup} < --steps {args.steps}: timed steps past the first "
+              f"{args.warmup} run lengths no warm-up step replayed (on a GPU, kernel variants "
+              "compile in them)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
