@@ -71,14 +71,13 @@ def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: 
     return m + log_s, log_s - t / tl.where(n_mask, s, 1.0)
 
 
-@triton.jit(do_not_specialize=["N", "T"])
-def _logits_logprob_fwd_kernel(
-    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
-    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
-    N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
-    EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-):
+@triton.jit
+def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T,
+                  stride_xb, stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr):
+    """The forward of this program's ROWS tokens: log-sum-exp, entropy and log-prob stored, the
+    epilogue run; returns (offs_n, n_mask, rows, lse, ent, g) for a backward sweep to follow."""
     offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_mask = offs_n < N
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
@@ -90,8 +89,22 @@ def _logits_logprob_fwd_kernel(
     z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
     lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
                                BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
-    _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr, epi_tensors,
-                         epi_scalars, EPI_FLAGS)
+    g = _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+                             epi_tensors, epi_scalars, EPI_FLAGS)
+    return offs_n, n_mask, rows, lse, ent, g
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def _logits_logprob_fwd_kernel(
+    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
+    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
+    N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
+    EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T,
+                  stride_xb, stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V,
+                  HAS_SCALE, HAS_SOFTCAP)
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
@@ -209,16 +222,9 @@ def _logits_loss_grad_kernel(
 ):
     # the forward's sweep and epilogue, then the backward's sweep with g_logp = weight·dℓ/dlogp
     # from registers: the second read of a row block may come from L2
-    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    n_mask = offs_n < N
-    rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
-    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
-    x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
-    z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
-    lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
-                               BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
-    g = _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr,
-                             epi_tensors, epi_scalars, EPI_FLAGS)
+    offs_n, n_mask, rows, lse, ent, g = _forward_rows(
+        x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T, stride_xb,
+        stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
     busy = tl.max(tl.abs(g), axis=0)
     gh = g
     if HAS_GENT:
