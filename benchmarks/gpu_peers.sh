@@ -103,10 +103,12 @@ if [ "$DRY_RUN" = 1 ]; then stamp "carry size: $(carry_size)"; fi
 install_peers "$INSTALL_TIMEOUT"
 
 # The three-pass route's tests on the device first: its rows below mean little if it is wrong
-# there (the Triton cases run on the GPU, tests/helpers.py on_device)
+# there (the Triton cases run on the GPU, tests/helpers.py on_device; test_shared_rows.py checks
+# at a real vocabulary that the d logits written over the logits chunk match a buffer of their
+# own, which the interpreter cannot race)
 pytest_step "pytest: the three-pass route's tests" pytest.txt "CPU: Triton's interpreter, a \
 small selection" tests/api/test_three_pass.py tests/kernels/test_linear_loss_grad.py \
-  tests/kernels/test_gemm.py
+  tests/kernels/test_gemm.py tests/kernels/test_shared_rows.py
 
 sweep peers-main "${MAIN_TIME[@]}" --kernels fused_linear "${MAIN[@]}" \
   --modes score,forward,fwd+bwd --providers "$MAIN_PROVIDERS"

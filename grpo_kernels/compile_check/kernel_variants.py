@@ -282,7 +282,8 @@ def _logits(arch: int, V: int, dtype, quick: bool):
         bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
                                                      softcap_backward=tr[1]))
         args = dict(rows, dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, **bcfg, **_transform_args(tr))
+                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, ALIASED=False, **bcfg,
+                    **_transform_args(tr))
         yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
 
@@ -291,8 +292,10 @@ def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
     """The row kernels as the three-pass route (kernels/linear_loss_grad.py) launches them: on
     its float32 [C, V] logits chunk viewed as [C, 1, V] (T = 1, both strides V; chunks of
     ALIGN_ROWS rows keep every chunk's [N] pointers aligned), the forward always with the GRPO
-    epilogue, the backward writing d logits in the GEMM dtype (the weight's)."""
-    C = llg.chunk_rows(TOKENS[0], V, 4096, gemm_dtype, llg.CUDA_BUDGET_BYTES)
+    epilogue, the backward writing d logits in the GEMM dtype (the weight's) over the logits
+    chunk (`llg.dlogits_over`: a 16-bit d logits row in the first half of its row's bytes, row
+    stride 2V; a barrier before each store)."""
+    C = llg.chunk_rows(TOKENS[0], V, 4096, llg.CUDA_BUDGET_BYTES)
     rows = dict(x_ptr=Ptr("fp32"), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
                 N=C, V=V, T=1, stride_xb=V, stride_xt=V, inv_temp=1.0)
     cfg, opts = _split_cfg(tile_configs.logits(V, None, arch=arch))
@@ -302,11 +305,14 @@ def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
         yield Variant(f"logits_fwd[fp32,three-pass,V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
                       lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
     d = ELEM[gemm_dtype]
+    d_stride = V * 4 // gemm_dtype.itemsize  # the d logits' row stride over the logits' rows
+    aliased = d != "fp32"  # a narrower d logits over the logits: the barrier (shared_rows)
     for gent, tr in _with_transforms((False, True), (True, False), quick):
         bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1],
                                                      converting_backward=d != "fp32"))
         args = dict(rows, dx_ptr=Ptr(d), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=V, stride_dt=V, HAS_GENT=gent, **bcfg, **_transform_args(tr))
+                    stride_db=d_stride, stride_dt=d_stride, HAS_GENT=gent, ALIASED=aliased,
+                    **bcfg, **_transform_args(tr))
         yield Variant(f"logits_bwd[fp32->{d},three-pass,V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
     # the fused row kernel (fused_rows=True: an option, not the default)
@@ -316,8 +322,8 @@ def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
                                                      converting_backward=d != "fp32",
                                                      fused=True))
         args = dict(rows, dx_ptr=Ptr(d), logp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=V, stride_dt=V, HAS_GENT=gent, **_epilogue_args(epi), **fcfg,
-                    **_transform_args(tr))
+                    stride_db=d_stride, stride_dt=d_stride, HAS_GENT=gent, ALIASED=True,
+                    **_epilogue_args(epi), **fcfg, **_transform_args(tr))
         yield Variant(f"logits_fused[fp32->{d},V={V},epi={_tag(epi)},gent={gent}"
                       f"{_transform_tag(tr)}]", lgt._logits_loss_grad_kernel, args, fopts,
                       "logits_fused", False)

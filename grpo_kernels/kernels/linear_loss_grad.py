@@ -9,7 +9,7 @@ d logits go straight into the gradient GEMMs. Per chunk of rows r:
   2. the Triton row forward with the epilogue (`logits_logprobs._logits_logprob_fwd_kernel`):
      logp, entropy, lse and weight·ℓ, c, kl, ratio per row (into the epilogue's outputs)
   3. the Triton row backward (`_logits_logprob_bwd_kernel`, g_logp = c, g_entropy = g_H):
-     d y [C, V] in the GEMM dtype, a second buffer
+     d y [C, V] in the GEMM dtype, written over y (`dlogits_over`)
   4. d hidden[r] = d y @ W              [C, D], one GEMM rounded once to hidden's dtype
      d W += d y^T @ h[r]                [V, D], float32 across chunks; d b += Σ_rows d y (float32)
 
@@ -27,9 +27,10 @@ Forward only (no gradient wanted: `linear_logprob_forward_gemm`, which `linear_l
 `needs` wants nothing): steps 1 and 2 alone, with or without the epilogue; no d y buffer, so the
 same budget holds more rows.
 
-Memory: one [C, V] float32 logits buffer and one [C, V] d y buffer per call, reused by every
-chunk (`chunk_rows`). A float32 d W accumulator [V, D] only for a 16-bit weight over several
-chunks (a float32 d W is its own accumulator; one chunk writes a 16-bit d W with one GEMM).
+Memory: one [C, V] float32 logits buffer per call, reused by every chunk (`chunk_rows`); d y
+lives in it, each row over its own row of y (`dlogits_over`). A float32 d W accumulator
+[V, D] only for a 16-bit weight over several chunks (a float32 d W is its own accumulator; one
+chunk writes a 16-bit d W with one GEMM).
 
 No host synchronization: the code reads shapes, dtypes and its arguments, never a tensor's
 values (no .item(), no data-dependent shapes); Triton and cuBLAS launches are asynchronous. A
@@ -47,11 +48,12 @@ from .epilogue import EPILOGUE, EpilogueArgs
 from .logits_logprobs import logits_logprob_backward, logits_logprob_forward, logits_loss_grad
 
 F32 = torch.float32
-# The default budget of a call's chunk buffers on a GPU (`chunk_rows`): 1 GiB gives 1,328 rows
-# at V = 128,256, D = 4,096 with bf16 d logits, where cuBLAS should run near its peak at
-# K = 4,096 (M >= 512 is the usual knee). A model estimate, not a measurement: the measured
-# optimum replaces it.
-CUDA_BUDGET_BYTES = 2**30
+# The default budget of a call's chunk buffer on a GPU (`chunk_rows`): 704 MiB gives 1,344 rows
+# at V = 128,256, D = 4,096, the chunks of the H200 rows in docs/gpu.md (1,328 rows, when the
+# bf16 d logits had a buffer of their own beside the float32 logits and the budget was 1 GiB):
+# the same GEMM shapes in two thirds of the memory. The fewer chunks of a larger budget save
+# d W's float32 read-modify-write per chunk (a model estimate: ~1 ms each at the 8B head).
+CUDA_BUDGET_BYTES = 704 * 2**20
 # Chunks are a multiple of this many rows when they hold at least that many: every chunk's
 # slices of the [N] per-token tensors then start 64-byte aligned, so every chunk launches the
 # binary the first one compiled (Triton specializes pointers on 16-byte alignment).
@@ -70,16 +72,14 @@ class LossGrad(NamedTuple):
     d_bias: torch.Tensor | None  # [V] in bias's dtype
 
 
-def chunk_rows(n: int, V: int, D: int, dtype: torch.dtype, budget_bytes: int,
-               grads: bool = True) -> int:
+def chunk_rows(n: int, V: int, D: int, budget_bytes: int) -> int:
     """Rows per chunk for n rows: the largest count whose buffers fit `budget_bytes`, at least
     1 and at most n (1 for n = 0), a multiple of ALIGN_ROWS when at least ALIGN_ROWS and < n.
 
-    Bytes per row: V·4 (float32 logits) + V·itemsize (d logits in the GEMM dtype `dtype`; not
-    when `grads` is False, a forward only) + D·8 (at most two [rows, D] float32 temporaries: the
-    mixed head's upcast hidden chunk and its d hidden before rounding, or the CPU emulation's
-    partial sums)."""
-    per_row = V * (4 + (dtype.itemsize if grads else 0)) + D * 8
+    Bytes per row: V·4 (float32 logits, with the d logits written over them: `dlogits_over`)
+    + D·8 (at most two [rows, D] float32 temporaries: the mixed head's upcast hidden chunk and
+    its d hidden before rounding, or the CPU emulation's partial sums)."""
+    per_row = V * 4 + D * 8
     rows = int(budget_bytes) // per_row
     if rows >= ALIGN_ROWS:
         rows -= rows % ALIGN_ROWS
@@ -116,13 +116,13 @@ def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, need
                budget_bytes, transform, fused: bool) -> LossGrad:
     (Na, D), V = hidden.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype (= weight's)
-    C = _resolve_rows(rows_arg, budget_bytes, Na, V, D, dt)
+    C = _resolve_rows(rows_arg, budget_bytes, Na, V, D)
     f32 = dict(device=hidden.device, dtype=F32)
     logp, ent, lse = (torch.empty(Na, **f32) for _ in range(3))
     coef = epilogue.outputs[1]
     grads = _Grads(hidden, weight, bias, needs, several=C < Na)
     logits = torch.empty(min(C, Na), V, **f32)  # [C, V], reused by every chunk
-    dz = torch.empty(min(C, Na), V, device=hidden.device, dtype=dt) if grads.wanted else None
+    dz = dlogits_over(logits, dt) if grads.wanted else None
     for r0 in range(0, Na, C):
         rows = slice(r0, min(r0 + C, Na))
         r = rows.stop - r0
@@ -162,7 +162,7 @@ def linear_logprob_forward_gemm(hidden, weight, bias, targets, temperature, epil
         _check(hidden, weight, bias, targets, epilogue, None)
     (Na, D), V = hidden.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMM's dtype (= weight's)
-    C = _resolve_rows(chunk_rows, budget_bytes, Na, V, D, dt, grads=False)
+    C = _resolve_rows(chunk_rows, budget_bytes, Na, V, D)
     f32 = dict(device=hidden.device, dtype=F32)
     logp, ent, lse = (torch.empty(Na, **f32) for _ in range(3))
     with torch.no_grad():  # the GEMMs write into a buffer (out=): no autograd graph here
@@ -183,10 +183,22 @@ def _wants_grads(bias, needs) -> bool:
     return bool(needs[0] or needs[1] or (bias is not None and needs[2]))
 
 
-def _resolve_rows(rows, budget_bytes, Na, V, D, dtype, grads: bool = True) -> int:
+def dlogits_over(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The d logits [C, V] in `dtype` (float32 or 16-bit) over the float32 logits buffer [C, V]:
+    the buffer itself for float32; else a view whose row n starts at row n's first byte and
+    takes the first half of its bytes (row stride 2V). The row kernels read every element of a
+    row before the write that lands on it (`logits_logprobs.shared_rows`), and the GEMMs take
+    the strided rows as they are (a leading dimension of 2V), so the chunk needs no second
+    buffer: 4 bytes per logit where a buffer of its own took 6."""
+    if dtype == F32:
+        return logits
+    return logits.view(dtype)[:, :logits.shape[1]]
+
+
+def _resolve_rows(rows, budget_bytes, Na, V, D) -> int:
     if rows is None:
         budget = CUDA_BUDGET_BYTES if budget_bytes is None else budget_bytes
-        return chunk_rows(Na, V, D, dtype, budget, grads)
+        return chunk_rows(Na, V, D, budget)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"chunk_rows must be a positive int or None, got {rows!r}")
     return min(rows, max(Na, 1))

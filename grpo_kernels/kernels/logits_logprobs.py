@@ -132,10 +132,17 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
 @triton.jit
 def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
                     logit_mul, softcap, HAS_GENT: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                    BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    ALIASED: tl.constexpr):
     """Writes the d logits of a block of rows (offsets `rows` in x, `drows` in dx) in one sweep
     over V; tgt, lse, ent, g = g_logp, gh = g_entropy are [ROWS]; busy == 0 (no row of the block
-    has a gradient) writes zeros without reading x."""
+    has a gradient) writes zeros without reading x.
+
+    ALIASED: dx is narrower than x and written over it (`shared_rows`): element j of a row's
+    d logits lands on x element j·isize(dx)/isize(x) <= j of the same row, which this sweep, or
+    an earlier one, has read. Another thread of the program may hold that element, so a barrier
+    before each store orders every thread's reads (and the forward's, in the fused kernel)
+    before any write. Loads run ahead of it only into later columns, which no write reaches."""
     for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         msk = n_mask[:, None] & (offs_v[None, :] < V)
@@ -156,6 +163,8 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, bu
                 dz = dz * dzdx
         else:
             dz = tl.zeros([ROWS, BLOCK_V], tl.float32)  # rows without gradient: no read
+        if ALIASED:
+            tl.debug_barrier()
         tl.store(dx_ptr + drows[:, None] + offs_v[None, :],
                  dz.to(dx_ptr.dtype.element_ty), mask=msk)
 
@@ -165,7 +174,7 @@ def _logits_logprob_bwd_kernel(
     x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
     N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
     HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIASED: tl.constexpr,
 ):
     # d logits_j = [g·(onehot_j - p_j) - g_H·p_j·(log p_j + H)] / τ  (see linear_logprobs.py);
     # with a transform z = cap(s·x) of the logits x given: d x_j = d logits_j · dz_j/dx_j,
@@ -188,17 +197,19 @@ def _logits_logprob_bwd_kernel(
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
-                    logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+                    logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
                             softcap=None, logit_scale=None):
-    """d logits [B, T, V] in logits' dtype for Σ g_logp·logp + Σ g_ent·H; written into `out`
-    (which may be `logits` itself: each element is read before it is overwritten).
-    softcap / logit_scale: as in `logits_logprob_forward` (d of the raw logits)."""
+    """d logits [B, T, V] for Σ g_logp·logp + Σ g_ent·H, in logits' dtype or `out`'s; written
+    into `out`, which may be `logits` itself (each element is read before it is overwritten) or
+    a narrower view over its rows (`shared_rows`). softcap / logit_scale: as in
+    `logits_logprob_forward` (d of the raw logits)."""
     B, T, V = logits.shape
     N = B * T
     dx = torch.empty_like(logits) if out is None else out
+    aliased = shared_rows(logits, dx) and dx.element_size() != logits.element_size()
     if N == 0:
         return dx
     cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
@@ -207,9 +218,30 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
         logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
         1.0 / temperature,
-        HAS_GENT=g_ent is not None, **cfg, **logit_transform_args(softcap, logit_scale),
+        HAS_GENT=g_ent is not None, ALIASED=aliased, **cfg,
+        **logit_transform_args(softcap, logit_scale),
     )
     return dx
+
+
+def shared_rows(logits: torch.Tensor, dx: torch.Tensor) -> bool:
+    """Does dx [B, T, V] write over the logits [B, T, V]? Either not at all (False), or as the
+    kernels support it (True): dx is the logits themselves, or a view in a narrower dtype whose
+    rows start at the logits' rows' bytes (a 16-bit d y over float32 logits, each of its rows in
+    the first half of the logits row's bytes: `linear_loss_grad.dlogits_over`). Any other
+    overlap would let a write land on logits not yet read: a ValueError."""
+    if dx.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+        return False
+    same_bytes = all(dx.stride(i) * dx.element_size() == logits.stride(i) * logits.element_size()
+                     for i in range(2) if logits.shape[i] > 1)
+    if (dx.shape != logits.shape or dx.data_ptr() != logits.data_ptr() or not same_bytes
+            or dx.element_size() > logits.element_size() or dx.stride(2) != 1):
+        raise ValueError(
+            f"the d logits share the logits' memory but not their rows: d logits {dx.dtype} "
+            f"{tuple(dx.shape)} strides {dx.stride()} at {dx.data_ptr()}, logits {logits.dtype} "
+            f"{tuple(logits.shape)} strides {logits.stride()} at {logits.data_ptr()}; they "
+            "must be the logits themselves or a view, no wider, whose rows start at theirs")
+    return True
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -218,7 +250,7 @@ def _logits_loss_grad_kernel(
     epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py); EPI_FLAGS has it on
     N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
     EPI_FLAGS: tl.constexpr, HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIASED: tl.constexpr,
 ):
     # the forward's sweep and epilogue, then the backward's sweep with g_logp = weight·dℓ/dlogp
     # from registers: the second read of a row block may come from L2
@@ -236,7 +268,7 @@ def _logits_loss_grad_kernel(
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     _d_logits_sweep(x_ptr, dx_ptr, rows, _row_offsets(offs_n, T, stride_db, stride_dt), n_mask,
                     tgt, lse, ent, g, gh, busy, V, inv_temp, logit_mul, softcap, HAS_GENT, ROWS,
-                    BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+                    BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
 
 
 def logits_loss_grad(logits, targets, temperature, epilogue, g_ent, out, dx, softcap=None,
@@ -246,7 +278,8 @@ def logits_loss_grad(logits, targets, temperature, epilogue, g_ent, out, dx, sof
     twice: its statistics, then its d logits). logits [B, T, V]; targets [B·T] int64; epilogue:
     the bundle (`epilogue.epilogue_args`, on), whose outputs it fills; g_ent [B·T] float32 or
     None; out: (logp, entropy, lse) [B·T] float32 to write; dx [B, T, V]: the d logits (any
-    float dtype; not the logits themselves)."""
+    float dtype; a buffer of its own, the logits themselves, or a narrower view over their rows:
+    `shared_rows`)."""
     if not EPILOGUE.value & epilogue.flags:
         raise ValueError("logits_loss_grad needs the GRPO epilogue (epilogue.epilogue_args)")
     B, T, V = logits.shape
@@ -254,12 +287,13 @@ def logits_loss_grad(logits, targets, temperature, epilogue, g_ent, out, dx, sof
     if N == 0:
         return
     logp, ent, lse = out
+    aliased = shared_rows(logits, dx)  # the forward sweep's reads, too, precede any write
     cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
                               converting_backward=dx.dtype != logits.dtype, fused=True)
     _logits_loss_grad_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, dx, targets, lse, ent, logp, g_ent if g_ent is not None else logp,
         epilogue.tensors, epilogue.scalars,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
-        1.0 / temperature, EPI_FLAGS=epilogue.flags, HAS_GENT=g_ent is not None, **cfg,
-        **logit_transform_args(softcap, logit_scale),
+        1.0 / temperature, EPI_FLAGS=epilogue.flags, HAS_GENT=g_ent is not None,
+        ALIASED=aliased, **cfg, **logit_transform_args(softcap, logit_scale),
     )

@@ -12,16 +12,16 @@ so that every rank runs as many chunks and as many collectives):
   4. the GRPO per-token loss on the combined log-prob and its derivative c = d(weight·ℓ)/dlogp
      (`grpo_math`, through `ops.three_pass._TokenTerms`), the same on every rank
   5. the backend's row backward from the global lse and H with g_logp = c, g_H = the entropy
-     bonus's weights: d y [C, V_r] in the GEMM dtype (over the logits of step 1 when that is
-     float32), the one-hot term only on the rank that holds the target (ids outside the shard
-     are -1)
+     bonus's weights: d y [C, V_r] in the GEMM dtype, over the logits of step 1
+     (`kernels.linear_loss_grad.dlogits_over`), the one-hot term only on the rank that holds
+     the target (ids outside the shard are -1)
   6. d hidden[c] = d y @ W_r (a partial sum), d W_r += d y^T @ h[c], d b_r += Σ d y
      (`kernels.linear_loss_grad._Grads`)
 
 then one all-reduce of d hidden [N, D] over the group. d W and d b stay local. Three [N, V_r, D]
-products per rank, as on a whole head. Memory: one [C, V_r] float32 buffer (two for a 16-bit
-head: its d y in its own dtype), and on the chunked backend the row launchers' scratch, blocks of
-an eighth of the chunk.
+products per rank, as on a whole head. Memory: one [C, V_r] float32 buffer (d y written over
+its rows), and on the chunked backend the row launchers' scratch, blocks of an eighth of the
+chunk.
 
 What it leaves out, against the whole head's three-pass: the per-token GRPO math is PyTorch on
 both backends (the Triton GRPO epilogue reads a log-prob that exists only after step 3), and the
@@ -75,8 +75,9 @@ def _row_forward(backend: str, y, ids, temperature, out) -> None:
 
 
 def _row_backward(backend: str, y, ids, lse, ent, c, gh, temperature, d) -> None:
-    """d y [r, V_r] (into d, the GEMM dtype; d may be y itself: both launchers read each
-    element before they overwrite it) of Σ c·logp + Σ gh·H from the global lse and H."""
+    """d y [r, V_r] (into d, the GEMM dtype; d is y itself or a narrower view over its rows:
+    both launchers read a row's elements before they write over them) of Σ c·logp + Σ gh·H
+    from the global lse and H."""
     y3, d3 = y.view(y.shape[0], 1, y.shape[1]), d.view(d.shape[0], 1, d.shape[1])
     if backend == "triton":  # its row kernel compares column ids: -1 matches none
         triton_rows.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3)
@@ -85,11 +86,11 @@ def _row_backward(backend: str, y, ids, lse, ent, c, gh, temperature, d) -> None
                                         chunk_elements=_scratch(y), shard_targets=True)
 
 
-def _chunks(shard: VocabShard, Na: int, D: int, dtype, backend: str) -> int:
+def _chunks(shard: VocabShard, Na: int, D: int, backend: str) -> int:
     """Rows per chunk: the whole head's rule (`kernels.linear_loss_grad.chunk_rows`: a float32
-    logits chunk and a d-logits chunk in the GEMM dtype within the budget) at the largest
-    shard, the same on every rank."""
-    return triton_loss_grad.chunk_rows(Na, shard.max_rows, D, dtype, chunk_budget_bytes(backend))
+    logits chunk, the d logits over it, within the budget) at the largest shard, the same on
+    every rank."""
+    return triton_loss_grad.chunk_rows(Na, shard.max_rows, D, chunk_budget_bytes(backend))
 
 
 def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperature):
@@ -101,7 +102,7 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
     terms = _TokenTerms(grpo_args, rows, grad_by_autograd)
     (Na, D), V = h_all.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype
-    C = _chunks(shard, Na, D, dt, backend)
+    C = _chunks(shard, Na, D, backend)
     f32 = dict(device=hidden.device, dtype=F32)
     logp, ent, lse, coef = (torch.zeros(Na, **f32) for _ in range(4))
     local = [torch.empty(min(C, Na), **f32) for _ in range(3)]  # the shard's own statistics
@@ -110,10 +111,7 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         # d hidden's partial sums in float32: summed over the group, then rounded once
         grads.dh = torch.empty(grads.dh.shape, **f32)
     y_buf = torch.empty(min(C, Na), V, **f32)
-    d_buf = None  # d y: over the logits when the GEMMs are float32, else a [C, V_r] of its own
-    if grads.wanted:
-        d_buf = y_buf if dt == F32 else torch.empty(min(C, Na), V, device=hidden.device,
-                                                    dtype=dt)
+    d_buf = triton_loss_grad.dlogits_over(y_buf, dt) if grads.wanted else None  # d y over y
     for r0 in range(0, Na, C):
         sl = slice(r0, min(r0 + C, Na))
         r = sl.stop - r0
