@@ -62,20 +62,36 @@ def forced_lengths(draw):
 
 class EosSchedule:
     """The padded path's form of forced lengths, a logits processor for `model.generate`:
-    scores [B, V] of the token at completion index t = input_ids.shape[1] - Lp."""
+    scores [B, V] of the token at completion index t = input_ids.shape[1] - Lp.
+
+    Its masks are built on the scores' device on the first call (again only if the device,
+    dtype or vocabulary changes): built per call, the lengths' copy to a GPU and the EOS ids
+    turned into an index there were host-to-device copies, each a host synchronization, in
+    every decode step of every forced-length benchmark."""
 
     def __init__(self, lengths: torch.Tensor, eos_ids: list[int], prompt_len: int):
         self.lengths, self.eos_ids, self.prompt_len = lengths, eos_ids, prompt_len  # [B]
+        self._masks = None  # ((device, dtype, V), last [B, 1], is_eos [V], only_eos [V])
+
+    def _device_masks(self, scores: torch.Tensor):
+        """(last [B, 1]: the completion index of each row's forced EOS, is_eos [V] bool,
+        only_eos [V]: 0 at eos_ids[0], -inf elsewhere), on the scores' device."""
+        key = (scores.device, scores.dtype, scores.shape[1])
+        if self._masks is None or self._masks[0] != key:
+            device, V = scores.device, scores.shape[1]
+            last = (torch.as_tensor(self.lengths).to(device) - 1).unsqueeze(1)
+            ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+            is_eos = torch.zeros(V, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+            only_eos = torch.full((V,), -math.inf, dtype=scores.dtype, device=device)
+            only_eos[self.eos_ids[0]] = 0.0
+            self._masks = (key, last, is_eos, only_eos)
+        return self._masks[1:]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1] - self.prompt_len
-        lengths = self.lengths.to(scores.device).unsqueeze(1)  # [B, 1]
-        is_eos = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-        is_eos[self.eos_ids] = True
-        only_eos = torch.full_like(scores[0], -math.inf)
-        only_eos[self.eos_ids[0]] = 0.0
-        scores = scores.masked_fill((t < lengths - 1) & is_eos, -math.inf)
-        return torch.where(t == lengths - 1, only_eos, scores)
+        last, is_eos, only_eos = self._device_masks(scores)
+        scores = scores.masked_fill((t < last) & is_eos, -math.inf)
+        return torch.where(t == last, only_eos, scores)
 
 
 @dataclass(frozen=True)

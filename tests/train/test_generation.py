@@ -358,3 +358,43 @@ def test_generation_benchmark_rows(tmp_path):
     assert int(rows[1]["prefilled_positions"]) == P * (Lp - 1) + B
     examples = bench.build(bench.QWEN_05B_2L | dict(layers=1), 4, 8, 512)[2]
     assert [len(ex["prompt"]) + 1 for ex in examples] == [512, 496, 480, 464]  # + "="
+
+
+def test_eos_schedule_builds_its_masks_once():
+    """The forced-length processor gives the schedule's scores (EOS banned before L_i - 1, only
+    eos_ids[0] at L_i - 1, untouched after), and after its first call a decode step makes no
+    tensor from Python data and copies nothing: on a GPU each was a host synchronization."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    B, V, Lp, eos = 3, 11, 4, [5, 7]
+    lengths = torch.tensor([1, 3, 20])
+    schedule = generation.EosSchedule(lengths, eos, Lp)
+    scores = torch.randn(B, V)
+    for t in range(5):
+        ids = torch.zeros(B, Lp + t, dtype=torch.long)
+        with Ops() as ops:
+            got = schedule(ids, scores)
+        if t:  # the masks exist: only arithmetic on them
+            copies = [n for n in ops.names if n in ("aten::lift_fresh", "aten::_to_copy",
+                                                    "aten::copy_", "aten::index_put_",
+                                                    "aten::_local_scalar_dense")]
+            assert copies == [], (t, copies)
+        for i, n in enumerate(lengths.tolist()):
+            want = scores[i].clone()
+            if t < n - 1:
+                want[eos] = -torch.inf
+            elif t == n - 1:
+                want = torch.full((V,), -torch.inf)
+                want[eos[0]] = 0.0
+            assert torch.equal(got[i], want), (t, i)
+    half = schedule(torch.zeros(B, Lp, dtype=torch.long), scores.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and half[0, eos[0]] == 0.0  # masks rebuilt per dtype
