@@ -20,7 +20,9 @@
 #   5. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
 #   6. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
 #      the reference (25 / 45)
-#   7. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
+#   7. row-tiles: the logits row kernels' launch configurations raced at Qwen2.5-0.5B,
+#      N = 16384 (benchmarks/row_tiles.py; 60)
+#   8. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
 #      (50 / 70, 30 / 45)
 #
 # On the lent device (repository root here; wheels fetched once, 4 MiB; the tree and .whl/ must
@@ -42,6 +44,7 @@
 #   peers-main.md          the main shape: all providers, score, forward and fwd+bwd
 #   profile.md             per-kernel profile of both routes of ours and eager there
 #   peers-heads.md, peers-logits.md, peers-long.md, peers-short.md   (and a .log per table)
+#   row-tiles.md           the row kernels' configurations raced (and row-tiles.log)
 #   results/<device>.csv, results/<device>-profile.csv   every row (copy into benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +68,8 @@ device_block() {
   LOGITS=(--heads qwen0.5b --tokens 16384)
   LOGITS_PROVIDERS=ours,liger,reference
   LOGITS_TIME=(25 45)
+  ROW_TILES=(--head qwen0.5b --tokens 16384)
+  ROW_TILES_TIMEOUT=60
   LONG=(--heads llama8b,qwen7b,qwen0.5b --tokens 65536)
   LONG_TIME=(50 70)
   SHORT=(--heads llama8b,qwen7b,qwen0.5b --tokens 4096)
@@ -89,6 +94,8 @@ dry_block() {
   LOGITS=(--heads tiny --tokens 256)
   LOGITS_PROVIDERS=ours,liger,reference
   LOGITS_TIME=(25 45)
+  ROW_TILES=(--head tiny --tokens 24 --device cpu)
+  ROW_TILES_TIMEOUT=60
   LONG=(--heads tiny --tokens 512)
   LONG_TIME=(50 70)
   SHORT=(--heads tiny --tokens 64)
@@ -126,6 +133,15 @@ sweep peers-heads "${HEADS_TIME[@]}" --kernels fused_linear "${HEADS[@]}" --mode
   --providers "$EAGER" --no-ceilings
 sweep peers-logits "${LOGITS_TIME[@]}" --kernels logits "${LOGITS[@]}" --modes forward,fwd+bwd \
   --providers "$LOGITS_PROVIDERS" --no-ceilings
+# The logits row kernels' launch configurations raced (the default of tile_configs.logits)
+if step_cap row-tiles "$ROW_TILES_TIMEOUT"; then
+  stamp "row-tiles: ${ROW_TILES[*]} (timeout ${CAP}s)$(dry_says "Triton's interpreter, a check \
+of the race, not a measurement")"
+  interp=""; if [ "$DRY_RUN" = 1 ]; then interp=TRITON_INTERPRET=1; fi
+  env $interp timeout "$CAP" python -m benchmarks.row_tiles "${ROW_TILES[@]}" \
+    --out "$OUT/results" > "$OUT/row-tiles.md" 2> "$OUT/row-tiles.log"
+  echo "exit $?" >> "$OUT/row-tiles.log"
+fi
 sweep peers-long "${LONG_TIME[@]}" --kernels fused_linear "${LONG[@]}" --modes fwd+bwd \
   --providers "$EAGER" --no-ceilings
 sweep peers-short "${SHORT_TIME[@]}" --kernels fused_linear "${SHORT[@]}" --modes fwd+bwd \

@@ -279,10 +279,15 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, so
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
                             chunk_elements=None, softcap=None, logit_scale=None,
-                            shard_targets=False):
+                            shard_targets=False, skipped_rows=False):
     """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself; its
     dtype may differ). shard_targets: an id outside [0, V) is another vocabulary shard's
-    (grpo_kernels/parallel) and adds no one-hot term (no soft cap or scale then)."""
+    (grpo_kernels/parallel) and adds no one-hot term (no soft cap or scale then).
+    skipped_rows: lse may mark rows a Triton forward skipped (NaN); they are recomputed first
+    (this backend runs such a backward only when the Triton one failed to build)."""
+    if skipped_rows:
+        lse, ent = _with_skipped_rows(logits, targets, lse, ent, temperature, chunk_elements,
+                                      softcap, logit_scale)
     if softcap is not None or logit_scale is not None:
         from .softcap import logits_backward
 
@@ -322,3 +327,18 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
                 z.scatter_add_(-1, ids, one * per_token(g))  # -d z
                 torch.mul(z, -inv_t, out=dx)
     return dx3
+
+
+def _with_skipped_rows(logits, targets, lse, ent, temperature, chunk_elements, softcap,
+                       logit_scale):
+    """(lse, entropy) [B·T] with the rows marked NaN recomputed (copies; one host read)."""
+    stale = torch.isnan(lse)
+    if not bool(stale.any()):
+        return lse, ent
+    V = logits.shape[-1]
+    idx = stale.nonzero().squeeze(1)
+    rows = logits.reshape(-1, V).index_select(0, idx).view(-1, 1, V)
+    _, ent_now, lse_now = logits_logprob_forward(rows, targets.index_select(0, idx),
+                                                 temperature, chunk_elements, softcap,
+                                                 logit_scale)
+    return lse.index_copy(0, idx, lse_now), ent.index_copy(0, idx, ent_now)

@@ -269,15 +269,17 @@ def _combine(quick: bool, arch: int, default_blocks: set):
 
 def _logits(arch: int, V: int, dtype, quick: bool):
     e = ELEM[dtype]
-    cfg, opts = _split_cfg(tile_configs.logits(V, None, arch=arch))
     T = COMPLETION if V % 16 == 0 else COMPLETION - 1  # an odd T too: stride T·V not /16
     rows = dict(x_ptr=Ptr(e), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
                 N=8 * T, V=V, T=T, stride_xb=T * V, stride_xt=V, inv_temp=1.0)
     for epi, tr in _with_transforms(EPILOGUES[:2] if quick else EPILOGUES, EPILOGUES[:2], quick):
-        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg,
-                    **_transform_args(tr))
+        # with the epilogue, the logits-input loss skips blocks of weight 0 (ops.launch)
+        fcfg, fopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
+                                                     softcap_backward=epi[0] and tr[1]))
+        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **fcfg,
+                    SKIP_ZERO_WEIGHT=epi[0], **_transform_args(tr))
         yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
-                      lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
+                      lgt._logits_logprob_fwd_kernel, args, fopts, "logits_fwd", True)
     for gent, tr in _with_transforms((False, True), (False, True), quick):
         bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
                                                      softcap_backward=tr[1]))
@@ -286,6 +288,14 @@ def _logits(arch: int, V: int, dtype, quick: bool):
                     **_transform_args(tr))
         yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
+    # before each logits-input backward: the rows its forward skipped, recomputed if needed
+    stats = {k: v for k, v in rows.items() if k != "tgt_ptr"} | {
+        k: Ptr("fp32") for k in ("lse_out_ptr", "ent_out_ptr", "glogp_ptr", "gent_ptr")}
+    for gent, tr in _with_transforms((False, True), (True, False), quick):
+        scfg, sopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1]))
+        args = dict(stats, HAS_GENT=gent, **scfg, **_transform_args(tr))
+        yield Variant(f"logits_skipped[{e},V={V},gent={gent}{_transform_tag(tr)}]",
+                      lgt._skipped_rows_kernel, args, sopts, "logits_skipped", True)
 
 
 def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
@@ -301,7 +311,7 @@ def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
     cfg, opts = _split_cfg(tile_configs.logits(V, None, arch=arch))
     for epi, tr in _with_transforms(EPILOGUES[1:], EPILOGUES[1:2], quick):
         args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg,
-                    **_transform_args(tr))
+                    SKIP_ZERO_WEIGHT=False, **_transform_args(tr))
         yield Variant(f"logits_fwd[fp32,three-pass,V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
                       lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
     d = ELEM[gemm_dtype]

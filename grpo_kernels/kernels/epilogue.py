@@ -168,6 +168,28 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
 
 
 @triton.jit
+def token_weights(offs, mask, epi_tensors):
+    """The bundle's per-token weights at `offs` [BLOCK] float32 (0 past the mask)."""
+    _, _, _, _, wt_ptr, _, _, _, _ = epi_tensors
+    return tl.load(wt_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def skipped_token_outputs(offs, mask, lse_ptr, ent_ptr, logp_ptr, epi_tensors):
+    """The outputs of tokens a forward did not compute (weight 0): log-prob, entropy, weight·ℓ,
+    weight·dℓ/dlogp and kl 0, the ratio 1, and lse NaN (the mark of a row not computed)."""
+    _, _, _, _, _, lossw_ptr, glogp_ptr, kl_ptr, ratio_ptr = epi_tensors
+    zero = tl.zeros_like(offs).to(tl.float32)
+    tl.store(ent_ptr + offs, zero, mask=mask)
+    tl.store(logp_ptr + offs, zero, mask=mask)
+    tl.store(lse_ptr + offs, zero + float("nan"), mask=mask)
+    tl.store(lossw_ptr + offs, zero, mask=mask)
+    tl.store(glogp_ptr + offs, zero, mask=mask)
+    tl.store(kl_ptr + offs, zero, mask=mask)
+    tl.store(ratio_ptr + offs, zero + 1.0, mask=mask)
+
+
+@triton.jit
 def grpo_token_outputs(offs, mask, logp, epi_tensors, epi_scalars, EPI_FLAGS: tl.constexpr):
     """Loads a block of per-token GRPO inputs ([N] float32), applies the epilogue, stores
     weight·ℓ, weight·dℓ/dlogp, kl and the ratio; returns weight·dℓ/dlogp (the block's g_logp)."""

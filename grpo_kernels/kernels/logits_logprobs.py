@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .epilogue import EPILOGUE, no_epilogue
+from .epilogue import EPILOGUE, no_epilogue, skipped_token_outputs, token_weights
 from .linear_logprobs import NEG_BIG, _store_token_results, loop_bound
 from .logit_transform import logit_transform_args, softcap_logits, softcap_logits_grad
 
@@ -75,22 +75,38 @@ def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: 
 def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T,
                   stride_xb, stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, SKIP_ZERO_WEIGHT: tl.constexpr):
     """The forward of this program's ROWS tokens: log-sum-exp, entropy and log-prob stored, the
-    epilogue run; returns (offs_n, n_mask, rows, lse, ent, g) for a backward sweep to follow."""
+    epilogue run; returns (offs_n, n_mask, rows, lse, ent, g) for a backward sweep to follow.
+
+    SKIP_ZERO_WEIGHT (with the epilogue): a block whose rows all have weight 0 (padding) reads
+    no logits and runs no epilogue (`epilogue.skipped_token_outputs`: log-prob, entropy,
+    weight·ℓ, its coefficient and kl 0, the ratio 1, as the three-pass route fills the rows it
+    does not compute), and its lse is NaN, the mark by which the backward recomputes a row that
+    turns out to have a gradient after all (`logits_logprob_backward(skipped_rows=True)`)."""
     offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n_mask = offs_n < N
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
-    # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into the
-    # row, so that no load leaves the logits; the backward clamps it the same way
-    tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
-    # the target logit is one load per row, not a search through the tiles
-    x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
-    z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
-    lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
-                               BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
-    g = _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr,
-                             epi_tensors, epi_scalars, EPI_FLAGS)
+    live = True
+    if SKIP_ZERO_WEIGHT:
+        live = tl.max(tl.abs(token_weights(offs_n, n_mask, epi_tensors)), axis=0) != 0.0
+    lse = tl.zeros([ROWS], tl.float32)
+    ent = tl.zeros([ROWS], tl.float32)
+    g = tl.zeros([ROWS], tl.float32)
+    if live:
+        # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into
+        # the row, so that no load leaves the logits; the backward clamps it the same way
+        tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
+        # the target logit is one load per row, not a search through the tiles
+        x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
+        z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
+        lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
+                                   BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+        g = _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+                                 epi_tensors, epi_scalars, EPI_FLAGS)
+    else:  # no epilogue either: its inputs at padding may be anything (an old log-prob of -100
+        # would overflow the ratio of a log-prob 0, and 0·inf is NaN)
+        skipped_token_outputs(offs_n, n_mask, lse_ptr, ent_ptr, logp_ptr, epi_tensors)
     return offs_n, n_mask, rows, lse, ent, g
 
 
@@ -100,31 +116,41 @@ def _logits_logprob_fwd_kernel(
     epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
     N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
     EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SKIP_ZERO_WEIGHT: tl.constexpr,
 ):
     _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T,
                   stride_xb, stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V,
-                  HAS_SCALE, HAS_SOFTCAP)
+                  HAS_SCALE, HAS_SOFTCAP, SKIP_ZERO_WEIGHT)
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
-                           logit_scale=None, out=None):
+                           logit_scale=None, out=None, skip_zero_weight=False):
     """logits [B, T, V] (last dim contiguous), targets [B·T] int64
     -> float32 (logp, entropy, lse), each [B·T]. softcap / logit_scale: the logits given are
     raw, and z = cap(s·logits) / τ (`logit_transform.py`). out: three [B·T] float32 tensors
-    (contiguous) to write (logp, entropy, lse) into instead of fresh ones."""
+    (contiguous) to write (logp, entropy, lse) into instead of fresh ones.
+    skip_zero_weight (with an epilogue): rows of weight 0 are not computed where a whole row
+    block has weight 0 (one row per block at V >= 4096): logp and entropy 0 there, lse NaN
+    (`_forward_rows`); `logits_logprob_backward` recomputes such a row if it has a gradient."""
+    if skip_zero_weight and (epilogue is None or not EPILOGUE.value & epilogue.flags):
+        raise ValueError("skip_zero_weight needs the GRPO epilogue, whose weights say which "
+                         "rows to skip")
     B, T, V = logits.shape
     N = B * T
     f32 = dict(device=logits.device, dtype=torch.float32)
     logp, ent, lse = out if out is not None else (torch.empty(N, **f32) for _ in range(3))
     if N == 0:
         return logp, ent, lse
-    cfg = tile_configs.logits(V, logits.device)
+    # skipping with a soft cap: the backward's narrower blocks (8 B spilled at 4096, sm_90,
+    # Triton 3.4, V = 32,001)
+    cfg = tile_configs.logits(V, logits.device,
+                              softcap_backward=skip_zero_weight and softcap is not None)
     ep = epilogue or no_epilogue(logp)
     _logits_logprob_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, targets, lse, ent, logp, ep.tensors, ep.scalars,
         N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
-        EPI_FLAGS=ep.flags, **cfg, **logit_transform_args(softcap, logit_scale),
+        EPI_FLAGS=ep.flags, SKIP_ZERO_WEIGHT=skip_zero_weight, **cfg,
+        **logit_transform_args(softcap, logit_scale),
     )
     return logp, ent, lse
 
@@ -200,18 +226,67 @@ def _logits_logprob_bwd_kernel(
                     logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
 
 
+@triton.jit(do_not_specialize=["N", "T"])
+def _skipped_rows_kernel(
+    x_ptr, lse_ptr, ent_ptr, lse_out_ptr, ent_out_ptr, glogp_ptr, gent_ptr,
+    N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
+    HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    # lse and entropy copied; a row the forward skipped (lse NaN, `_forward_rows`) in a block
+    # that has a gradient gets its statistics now: its own gradient needs them, and so does a
+    # row of g = 0 beside it (0·p must stay 0, and p of a NaN lse is NaN)
+    offs_n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
+    busy = tl.max(tl.abs(tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)), axis=0)
+    if HAS_GENT:
+        busy += tl.max(tl.abs(tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)), axis=0)
+    stale = lse != lse
+    if (busy != 0.0) & (tl.max(stale.to(tl.int32), axis=0) != 0):
+        rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
+        lse_now, ent_now = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap,
+                                           ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+        lse = tl.where(stale, lse_now, lse)
+        ent = tl.where(stale, ent_now, ent)
+    tl.store(lse_out_ptr + offs_n, lse, mask=n_mask)
+    tl.store(ent_out_ptr + offs_n, ent, mask=n_mask)
+
+
+def _with_skipped_rows(logits, lse, ent, g_logp, g_ent, temperature, softcap, logit_scale):
+    """(lse, entropy) [B·T] for the backward: copies of the forward's, with the rows it
+    skipped recomputed where their block has a gradient (`_skipped_rows_kernel`). The saved
+    tensors stay as they were, for a second backward."""
+    B, T, V = logits.shape
+    N = B * T
+    lse_out, ent_out = torch.empty_like(lse), torch.empty_like(ent)
+    # a soft cap takes the backward's narrower blocks (8 B spilled at 4096 on sm_90, Triton 3.4)
+    cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None)
+    _skipped_rows_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
+        logits, lse, ent, lse_out, ent_out, g_logp, g_ent if g_ent is not None else g_logp,
+        N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
+        HAS_GENT=g_ent is not None, **cfg, **logit_transform_args(softcap, logit_scale))
+    return lse_out, ent_out
+
+
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
-                            softcap=None, logit_scale=None):
+                            softcap=None, logit_scale=None, skipped_rows=False):
     """d logits [B, T, V] for Σ g_logp·logp + Σ g_ent·H, in logits' dtype or `out`'s; written
     into `out`, which may be `logits` itself (each element is read before it is overwritten) or
     a narrower view over its rows (`shared_rows`). softcap / logit_scale: as in
-    `logits_logprob_forward` (d of the raw logits)."""
+    `logits_logprob_forward` (d of the raw logits). skipped_rows: lse may mark rows the forward
+    skipped (NaN, `logits_logprob_forward(skip_zero_weight=True)`); they are recomputed first
+    where they need to be (`_with_skipped_rows`)."""
     B, T, V = logits.shape
     N = B * T
     dx = torch.empty_like(logits) if out is None else out
     aliased = shared_rows(logits, dx) and dx.element_size() != logits.element_size()
     if N == 0:
         return dx
+    if skipped_rows:
+        lse, ent = _with_skipped_rows(logits, lse, ent, g_logp, g_ent, temperature, softcap,
+                                      logit_scale)
     cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
                               converting_backward=dx.dtype != logits.dtype)
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
@@ -256,7 +331,8 @@ def _logits_loss_grad_kernel(
     # from registers: the second read of a row block may come from L2
     offs_n, n_mask, rows, lse, ent, g = _forward_rows(
         x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T, stride_xb,
-        stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+        stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP,
+        False)
     busy = tl.max(tl.abs(g), axis=0)
     gh = g
     if HAS_GENT:

@@ -144,8 +144,11 @@ class LogitsOp(BoundOp):
 
     def forward(self, targets, epilogue, logits):
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
+            # padding (weight 0) is not read: its log-prob and entropy are 0, its lse NaN,
+            # which the backward resolves (`skipped_rows`) should such a row get a gradient
             return self.impl.logits_logprob_forward(logits, targets, self.temperature,
-                                                    epilogue=epilogue, **self.transform)
+                                                    epilogue=epilogue, skip_zero_weight=True,
+                                                    **self.transform)
         return self._launch((logits,), "forward", (), "logits_logprob_forward", logits,
                             targets, self.temperature, **self.transform)
 
@@ -156,7 +159,8 @@ class LogitsOp(BoundOp):
         options = ("" if g_ent is None else "g_entropy", "inplace" if self.inplace else "")
         dx = self._launch(inputs, "backward", options, "logits_logprob_backward", logits,
                           targets, lse, ent, g_logp, g_ent, self.temperature,
-                          out=logits if self.inplace else None, **self.transform)
+                          out=logits if self.inplace else None, skipped_rows=True,
+                          **self.transform)
         if self.inplace:
             # the kernel wrote through a raw pointer: bump the version so that any other
             # autograd node that saved these logits fails loudly instead of using gradients

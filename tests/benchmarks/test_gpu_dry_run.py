@@ -87,7 +87,7 @@ def _check_steps(out: Path, names: list[str], on_cpu: list[str]) -> None:
 
 def _rows(out: Path, suffix: str = ".csv") -> list[dict]:
     (path,) = [p for p in (out / "results").glob("*.csv") if p.name.endswith(suffix)
-               and (suffix != ".csv" or not p.name.endswith("-profile.csv"))]
+               and (suffix != ".csv" or not p.name.endswith(("-profile.csv", "-row-tiles.csv")))]
     assert path.name.startswith("cpu-")
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
@@ -112,9 +112,9 @@ def _measured(rows, kernel, provider, mode) -> list[dict]:
 @pytest.mark.slow  # the script's dry run: a minute or two
 def test_peers_dry_run_writes_every_step(peers):
     _check_steps(peers, ["environment", "install peers", "pytest", "sweep peers-main",
-                         "profile", "sweep peers-heads", "sweep peers-logits",
+                         "profile", "sweep peers-heads", "sweep peers-logits", "row-tiles",
                          "sweep peers-long", "sweep peers-short", "done"],
-                 on_cpu=["environment", "pytest", "sweep peers-main", "profile",
+                 on_cpu=["environment", "pytest", "sweep peers-main", "profile", "row-tiles",
                          "sweep peers-short"])
     tests = (peers / "pytest.txt").read_text()
     assert " passed" in tests and " failed" not in tests, tests[-2000:]
@@ -123,6 +123,13 @@ def test_peers_dry_run_writes_every_step(peers):
         assert (peers / f"{name}.md").read_text().startswith("| kernel | provider |"), name
         _exit_zero(peers / f"{name}.log")
     _exit_zero(peers / "profile.log")
+    assert (peers / "row-tiles.md").read_text().startswith("| kernel | configuration |")
+    _exit_zero(peers / "row-tiles.log")
+    tiles = _rows(peers, "-row-tiles.csv")
+    for kernel in ("forward", "backward"):  # the default and at least one candidate, all exact
+        raced = [r for r in tiles if r["kernel"] == kernel]
+        assert [r["default"] for r in raced][:1] == ["True"] and len(raced) >= 2, raced
+        assert all(float(r["ms"]) > 0 and float(r["max_diff"]) < 1e-3 for r in raced), raced
 
 
 @pytest.mark.slow  # the script's dry run: a minute or two

@@ -125,9 +125,12 @@ def run_linear(B, T, D, V, dtype, **kw):
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
 
 
-def run_logits(B, T, V, dtype, inplace=False, **kw):
+def run_logits(B, T, V, dtype, inplace=False, unmasked=False, **kw):
+    """unmasked: every token has weight (the forward reads padding's row blocks not at all)."""
     hidden, weight, _, ids = make_head(B, T, 8, V, torch.float32, "cpu", scale=2.0)
     mask, adv, old, ref = make_grpo_batch(hidden, weight, None, ids)
+    if unmasked:
+        mask = torch.ones_like(mask)
     x = leaf(sliced((hidden @ weight.T).to(dtype)))
     loss, _ = gk.grpo_loss(x, ids, adv, mask, old, ref, beta=0.04, entropy_coef=0.01,
                            inplace=inplace, **kw)
@@ -225,5 +228,5 @@ def test_planted_off_by_one_is_caught(checker, monkeypatch):
     monkeypatch.setattr(logits_logprobs, "_logits_logprob_fwd_kernel",
                         OffByOne(logits_logprobs._logits_logprob_fwd_kernel))
     with gk.force_backend("triton"):
-        run_logits(2, 3, 37, torch.float32)
+        run_logits(2, 3, 37, torch.float32, unmasked=True)  # the last row is read
     assert checker.violations and all(kind == "load" for kind, *_ in checker.violations)
