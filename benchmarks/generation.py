@@ -35,7 +35,12 @@ to max_new (nothing for continuous batching to skip). Workloads (B = prompts x 8
 --layers, --max_new and --prompt_tokens override a workload's depth, cap and prompt, --tiny its
 model (hidden 64, 2 layers, vocab 4096; the GPU script's dry run); --device cuda and --dtype
 bfloat16 run it on a GPU; --per_path times each path's calls together and writes its row at once
-(a run cut short keeps the paths it finished).
+(a run cut short keeps the paths it finished). --sdpa_backends (a comma list of cudnn, flash,
+efficient, math) runs every call of the run, untimed and timed, under
+`torch.nn.attention.sdpa_kernel` with those backends (the models here use sdpa attention); the
+rows' sdpa_backends column names them ("default": PyTorch's choice). Without cudnn in the list,
+a padded run shows whether PyTorch's choice of cuDNN attention costs each new KV length a graph
+build (benchmarks/sdpa_probe.py times the call alone).
 
 The embedded task's prompts are a few tokens long; the long-prompt workloads use prompts of
 digits and "+" (the tokenizer is character-level: one token per character), 16 characters
@@ -67,10 +72,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from grpo_train.flags import Parser, run_cli
 
 from . import cpu_model, device_label, git_commit
+from .sdpa_probe import parse_backends
 from .step_row import append_row
 
 G = 8
@@ -176,12 +183,13 @@ def setups(model, tok, cfg, paths: list[str], autocast: bool = False) -> dict:
 
 def time_paths(model, tok, examples, cfg, paths: list[str], lengths: list[int],
                repeats: int, per_path: bool = False, done=None, autocast: bool = False,
-               warmup_tokens: int | None = None) -> dict[str, dict]:
+               warmup_tokens: int | None = None, sdpa_backends=None) -> dict[str, dict]:
     """Per path: seconds of each timed `generate` call, completion tokens and prompt positions
     prefilled. One untimed call per path (its completions cut to warmup_tokens, if given: the
     same shapes and compiled graphs, fewer decode steps), then `repeats` rounds of one call per
     path; with per_path, each path's calls one after the other, `done(path, result)` after
-    each path."""
+    each path. sdpa_backends (a list of SDPBackend): every call under
+    `torch.nn.attention.sdpa_kernel(sdpa_backends)`; None: PyTorch's choice."""
     from grpo_train.generation import forced_lengths
 
     ctx = setups(model, tok, cfg, paths, autocast)
@@ -191,7 +199,9 @@ def time_paths(model, tok, examples, cfg, paths: list[str], lengths: list[int],
         rounds = [[(i, name) for i in range(repeats + 1)] for name in paths]
     warm = lengths if warmup_tokens is None else [min(n, warmup_tokens) for n in lengths]
     drawn = [lengths]  # what the next call's completions are forced to
-    with forced_lengths(lambda B: drawn[0]):
+    backends = contextlib.nullcontext() if sdpa_backends is None else \
+        sdpa_kernel(sdpa_backends)
+    with forced_lengths(lambda B: drawn[0]), backends:
         for calls in rounds:
             for i, name in calls:
                 drawn[0] = lengths if i else warm
@@ -263,8 +273,17 @@ def parse_args(argv):
     parser.add_argument("--warmup_tokens", type=int, default=None,
                         help="cut the untimed call's completions to this many tokens (the same "
                              "shapes, so the same compiled graphs; fewer decode steps)")
+    parser.add_argument("--sdpa_backends", default=None,
+                        help="comma list of cudnn, flash, efficient, math: every call under "
+                             "torch.nn.attention.sdpa_kernel with those (default: PyTorch's "
+                             "choice)")
     parser.add_argument("--out", default=None, help="a CSV file to append one row per path to")
     args = parser.parse_args(argv)
+    try:
+        args.backend_list = None if args.sdpa_backends is None else \
+            parse_backends(args.sdpa_backends)
+    except ValueError as err:
+        parser.error(str(err))
     args.names, args.path_list = args.workloads.split(","), args.paths.split(",")
     unknown = ([n for n in args.names if n not in WORKLOADS]
                + [p for p in args.path_list if p not in PATHS])
@@ -287,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = device_label(device) if device.type == "cuda" else \
         f"{cpu_model()}, {os.cpu_count()} cores"
     print(f"# {machine} | {dt.date.today()} | commit {git_commit()} | torch {torch.__version__}"
-          f"\n# {command}")
+          f" | sdpa backends {args.sdpa_backends or 'default'}\n# {command}")
     print(f"{'workload':<14} {'threads':>7} {'path':<12} {'seconds':>8} {'tokens':>7} "
           f"{'tokens/s':>9} {'speedup':>8} {'prefilled':>9} {'load avg':>15}")
     for name in args.names:
@@ -323,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                     append_row(Path(args.out), dict(
                         date=dt.date.today().isoformat(), machine=machine, commit=git_commit(),
                         torch=torch.__version__, command=command, **where, device=device.type,
-                        dtype=args.dtype, autocast=args.autocast, threads=threads, path=path,
+                        dtype=args.dtype, autocast=args.autocast,
+                        sdpa_backends=args.sdpa_backends or "default", threads=threads, path=path,
                         repeats=args.repeats,
                         median_s=round(seconds, 4), min_s=round(min(t["times"]), 4),
                         max_s=round(max(t["times"]), 4), completion_tokens=t["tokens"],
@@ -332,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
             timed = time_paths(model, tok, examples, cfg, args.path_list, lengths, args.repeats,
                                per_path=args.per_path, done=report, autocast=args.autocast,
-                               warmup_tokens=args.warmup_tokens)
+                               warmup_tokens=args.warmup_tokens,
+                               sdpa_backends=args.backend_list)
             if not args.per_path:
                 for path in args.path_list:
                     report(path, timed[path])

@@ -3,11 +3,16 @@
 # generation rule (grpo_train.generation.GENERATION_RULES) and the attention rule
 # (grpo_kernels.hf.ATTENTION_RULES), with TRL 1.16 beside us. Qwen2.5-0.5B shape, random weights,
 # G completions of forced long-tailed lengths (cap CAP). Three parts, in this order (PARTS):
-#   generation  generation alone (benchmarks.generation, workload trainer-64): TRL's default call
-#               (`per-row`: model.generate, a prefill per row) against grpo_train's paths
-#               (padded, continuous, static), bf16 weights; then grpo_train --bf16's case, float32
-#               weights under bf16 autocast (padded, static). The untimed call per path is cut to
-#               WARM_TOKENS tokens (the same shapes and compiled graphs, fewer decode steps);
+#   generation  first benchmarks.sdpa_probe: the decode step's attention call, cold (the first
+#               call at a new KV length) against warm, per sdpa backend, and which backend and
+#               kernels PyTorch's choice runs; then generation alone (benchmarks.generation,
+#               workload trainer-64): TRL's default call (`per-row`: model.generate, a prefill
+#               per row) against grpo_train's paths (padded, continuous, static), bf16 weights;
+#               then grpo_train --bf16's case, float32 weights under bf16 autocast (padded,
+#               static). The untimed call per path is cut to WARM_TOKENS tokens (the same shapes
+#               and compiled graphs, fewer decode steps), so the timed call meets new KV lengths.
+#               Last of all, the lowest priority: the padded bf16 run again with cuDNN attention
+#               excluded (--sdpa_backends flash,efficient,math);
 #   loss        the loss phase on synthetic completions, with a warm-up step per timed step (each
 #               timed step's lengths replayed first, so no timed step compiles a kernel variant):
 #               grpo_train's padded rows against packed rows at a PROMPT_SHORT-token prompt and
@@ -36,6 +41,8 @@
 #   results/<device>-trainer.csv         benchmarks.trainer_step rows (phases' time and memory,
 #                                        the row layout, attention and generation path that ran)
 #   results/<device>-generation.csv      benchmarks.generation rows, one per path
+#   results/<device>-sdpa.csv            benchmarks.sdpa_probe rows, one per call and backend,
+#                                        and the profiled default's backend and kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN="${DRY_RUN:-0}"
@@ -49,6 +56,7 @@ if [ "$DRY_RUN" = 1 ]; then  # the CPU, tiny shapes: every step runs, in a few m
   G=4; CAP=16; PROMPT_SHORT=16; PROMPT_LONG=48; WARM_TOKENS=4
   LOSS_RUN=(--warmup 1 --steps 1); STEP_RUN=(--warmup 0 --steps 1)
   LOSS_BUDGET_S=60; STEP_BUDGET_S=90; GEN_BUDGET_S=90
+  PROBE=(--tiny); PROBE_BUDGET_S=45; NO_CUDNN_BUDGET_S=90
   GEN=(--tiny --max_new "$CAP" --prompt_tokens "$PROMPT_SHORT" --threads 1 --repeats 1)
   GEN_PATHS=per-row,padded,static-eager,continuous  # a CPU compile takes ~40 s: not here
   AUTOCAST_PATHS=padded,static-eager
@@ -59,6 +67,7 @@ else
   G=8; CAP=1024; PROMPT_SHORT=64; PROMPT_LONG=1024; WARM_TOKENS=16
   LOSS_RUN=(--warmup 2 --steps 2); STEP_RUN=(--warmup 0 --steps 1)
   LOSS_BUDGET_S=60; STEP_BUDGET_S=120; GEN_BUDGET_S=200
+  PROBE=(--lengths 32 --repeats 5); PROBE_BUDGET_S=45; NO_CUDNN_BUDGET_S=100
   GEN=(--max_new "$CAP" --prompt_tokens "$PROMPT_SHORT" --threads 0 --repeats 1)
   GEN_PATHS=per-row,padded,continuous,static
   AUTOCAST_PATHS=padded,static
@@ -88,8 +97,11 @@ STEP=(python -m benchmarks.trainer_step "${SHAPE[@]}" --num_generations "$G"
 LOSS=("${STEP[@]}" --synthetic "${LOSS_RUN[@]}")
 WARM=(--warmup_tokens "$WARM_TOKENS")
 
-# 1. generation alone: TRL's default call (per-row) against grpo_train's paths
+# 1. the decode step's attention, cold against warm per sdpa backend (cheap: first); then
+# generation alone: TRL's default call (per-row) against grpo_train's paths
 if part generation; then
+  run_step sdpa-probe "$PROBE_BUDGET_S" - python -m benchmarks.sdpa_probe --device "$KIND" \
+    "${PROBE[@]}" --out "$OUT/results"
   slug=$(python -c "import torch; from benchmarks import device_slug
 print(device_slug(torch.device('$KIND')))")
   GENERATION=(python -m benchmarks.generation --workloads trainer-64 --per_path --device "$KIND"
@@ -135,6 +147,13 @@ if part steps; then
   run_step "step-p${PROMPT_SHORT}-fused-$STATIC" "$STEP_BUDGET_S" - "${STEP[@]}" \
     --provider fused --prompt_tokens "$PROMPT_SHORT" --warmup 1 --steps 1 \
     --generation static --static_compile "$([ "$STATIC" = static ] && echo on || echo off)"
+fi
+
+# 4. the lowest priority: the padded bf16 run of part 1 with cuDNN attention excluded, beside
+# it: whether each new KV length costs a cuDNN graph build (benchmarks/sdpa_probe.py)
+if part generation; then
+  run_step "generation-p${PROMPT_SHORT}-padded-no-cudnn" "$NO_CUDNN_BUDGET_S" - \
+    "${GENERATION[@]}" --paths padded --dtype bfloat16 --sdpa_backends flash,efficient,math
 fi
 
 stamp "done"

@@ -1,10 +1,11 @@
 """benchmarks/gpu_trainer.sh, the prepared device script: its dry run (DRY_RUN=1: every step on the
-CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows: generation with bf16
-weights and under autocast, naming the path that ran; the loss runs warmed on each timed step's
-lengths, taking each attention implementation the rule considers on the CPU and reporting the layout
-and attention that ran; whole steps, grpo_train's on the static path; and the step runner's rows
-(ok, n/a for a missing package, timeout, failure, skipped at the deadline), which the dry run cannot
-reach."""
+CPU at tiny shapes, in a few minutes) exits 0 and writes every step's rows: the sdpa probe's (cold
+and warm per backend, the profiled default's backend); generation with bf16 weights and under
+autocast, naming the path that ran, and last the padded run without cuDNN attention; the loss
+runs warmed on each timed step's lengths, taking each attention implementation the rule considers
+on the CPU and reporting the layout and attention that ran; whole steps, grpo_train's on the
+static path; and the step runner's rows (ok, n/a for a missing package, timeout, failure, skipped
+at the deadline), which the dry run cannot reach."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def read(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_dry_run_writes_every_steps_rows(tmp_path):
-    """~2-3 minutes on a 2-core CPU (thirteen short processes)."""
+    """~2-3 minutes on a 2-core CPU (fifteen short processes)."""
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
     env.pop("TRITON_INTERPRET", None)  # as a user runs it
     run = subprocess.run(["bash", "benchmarks/gpu_trainer.sh"], cwd=ROOT, env=env,
@@ -34,10 +35,11 @@ def test_dry_run_writes_every_steps_rows(tmp_path):
     summary = {r["step"]: r for r in read(tmp_path / "gpu_trainer.csv")}
     trl = summary["step-p16-trl"]["status"] != "n/a: trl, datasets not installed"
     assert list(summary) == [
-        "generation-p16-bf16", "generation-p16-autocast", "loss-p16-padded",
+        "sdpa-probe", "generation-p16-bf16", "generation-p16-autocast", "loss-p16-padded",
         "loss-p16-packed-sdpa", "loss-p16-packed-eager", "loss-p48-padded",
         "loss-p48-shared-sdpa", "loss-p48-shared-eager", "loss-p16-trl", "loss-p16-trl-kernels",
-        "step-p16-trl", "step-p16-trl-kernels", "step-p16-fused-static-eager"], run.stdout[-3000:]
+        "step-p16-trl", "step-p16-trl-kernels", "step-p16-fused-static-eager",
+        "generation-p16-padded-no-cudnn"], run.stdout[-3000:]
     for name, r in summary.items():
         missing = "-trl" in name and not trl
         assert r["status"] == ("n/a: trl, datasets not installed" if missing else "ok"), (
@@ -72,9 +74,20 @@ def test_dry_run_writes_every_steps_rows(tmp_path):
         ("per-row", "bfloat16", "False", "padded"), ("padded", "bfloat16", "False", "padded"),
         ("static-eager", "bfloat16", "False", "static"),
         ("continuous", "bfloat16", "False", "continuous"),
-        ("padded", "float32", "True", "padded"), ("static-eager", "float32", "True", "static")]
+        ("padded", "float32", "True", "padded"), ("static-eager", "float32", "True", "static"),
+        ("padded", "bfloat16", "False", "padded")]
+    assert [r["sdpa_backends"] for r in gen] == ["default"] * 6 + ["flash,efficient,math"]
     assert len({r["completion_tokens"] for r in gen}) == 1  # the same forced lengths
     assert {r["prompt_tokens"] for r in gen} == {"16"}
+    probe = read(next(results.glob("*-sdpa.csv")))
+    backends = ("default", "cudnn", "flash", "efficient", "math")
+    assert [(r["call"], r["backend"]) for r in probe] == [
+        (c, b) for c in ("gqa", "masked") for b in backends] + [("gqa", "default"),
+                                                                ("masked", "default")]
+    assert [r["status"].split(":")[0] for r in probe] == (
+        ["ok", "no available kernel", "ok", "no available kernel", "ok"] * 2 + ["profiled"] * 2)
+    assert all(float(r["cold_ms_median"]) > 0 for r in probe if r["status"] == "ok")
+    assert [r["ran"] for r in probe[10:]] == ["flash", "flash"]  # the CPU's bf16 choice
 
 STEPS = """
 set -u
