@@ -6,13 +6,13 @@
 #   generation  first benchmarks.sdpa_probe: the decode step's attention call, cold (the first
 #               call at a new KV length) against warm, per sdpa backend, and which backend and
 #               kernels PyTorch's choice runs; then generation alone (benchmarks.generation,
-#               workload trainer-64): TRL's default call (`per-row`: model.generate, a prefill
-#               per row) against grpo_train's paths (padded, continuous, static), bf16 weights;
-#               then grpo_train --bf16's case, float32 weights under bf16 autocast (padded,
-#               static). The untimed call per path is cut to WARM_TOKENS tokens (the same shapes
-#               and compiled graphs, fewer decode steps), so the timed call meets new KV lengths.
-#               Last of all, the lowest priority: the padded bf16 run again with cuDNN attention
-#               excluded (--sdpa_backends flash,efficient,math);
+#               workload trainer-64): the padded path with cuDNN attention excluded
+#               (--sdpa_backends flash,efficient,math: with the probe, the decisive pair), then
+#               TRL's default call (`per-row`: model.generate, a prefill per row) against
+#               grpo_train's paths (padded, continuous, static), bf16 weights; then grpo_train
+#               --bf16's case, float32 weights under bf16 autocast (padded, static). The untimed
+#               call per path is cut to WARM_TOKENS tokens (the same shapes and compiled graphs,
+#               fewer decode steps), so the timed call meets new KV lengths;
 #   loss        the loss phase on synthetic completions, with a warm-up step per timed step (each
 #               timed step's lengths replayed first, so no timed step compiles a kernel variant):
 #               grpo_train's padded rows against packed rows at a PROMPT_SHORT-token prompt and
@@ -106,6 +106,10 @@ if part generation; then
 print(device_slug(torch.device('$KIND')))")
   GENERATION=(python -m benchmarks.generation --workloads trainer-64 --per_path --device "$KIND"
               "${GEN[@]}" "${WARM[@]}" --out "$OUT/results/$slug-generation.csv")
+  # first the padded bf16 run with cuDNN attention excluded: with the probe, whether each new KV
+  # length costs a cuDNN graph build (a decode step meets a new length at every token)
+  run_step "generation-p${PROMPT_SHORT}-padded-no-cudnn" "$NO_CUDNN_BUDGET_S" - \
+    "${GENERATION[@]}" --paths padded --dtype bfloat16 --sdpa_backends flash,efficient,math
   run_step "generation-p${PROMPT_SHORT}-bf16" "$GEN_BUDGET_S" - "${GENERATION[@]}" \
     --paths "$GEN_PATHS" --dtype bfloat16
   run_step "generation-p${PROMPT_SHORT}-autocast" "$GEN_BUDGET_S" - "${GENERATION[@]}" \
@@ -147,13 +151,6 @@ if part steps; then
   run_step "step-p${PROMPT_SHORT}-fused-$STATIC" "$STEP_BUDGET_S" - "${STEP[@]}" \
     --provider fused --prompt_tokens "$PROMPT_SHORT" --warmup 1 --steps 1 \
     --generation static --static_compile "$([ "$STATIC" = static ] && echo on || echo off)"
-fi
-
-# 4. the lowest priority: the padded bf16 run of part 1 with cuDNN attention excluded, beside
-# it: whether each new KV length costs a cuDNN graph build (benchmarks/sdpa_probe.py)
-if part generation; then
-  run_step "generation-p${PROMPT_SHORT}-padded-no-cudnn" "$NO_CUDNN_BUDGET_S" - \
-    "${GENERATION[@]}" --paths padded --dtype bfloat16 --sdpa_backends flash,efficient,math
 fi
 
 stamp "done"

@@ -35,11 +35,11 @@ def test_dry_run_writes_every_steps_rows(tmp_path):
     summary = {r["step"]: r for r in read(tmp_path / "gpu_trainer.csv")}
     trl = summary["step-p16-trl"]["status"] != "n/a: trl, datasets not installed"
     assert list(summary) == [
-        "sdpa-probe", "generation-p16-bf16", "generation-p16-autocast", "loss-p16-padded",
-        "loss-p16-packed-sdpa", "loss-p16-packed-eager", "loss-p48-padded",
-        "loss-p48-shared-sdpa", "loss-p48-shared-eager", "loss-p16-trl", "loss-p16-trl-kernels",
-        "step-p16-trl", "step-p16-trl-kernels", "step-p16-fused-static-eager",
-        "generation-p16-padded-no-cudnn"], run.stdout[-3000:]
+        "sdpa-probe", "generation-p16-padded-no-cudnn", "generation-p16-bf16",
+        "generation-p16-autocast", "loss-p16-padded", "loss-p16-packed-sdpa",
+        "loss-p16-packed-eager", "loss-p48-padded", "loss-p48-shared-sdpa",
+        "loss-p48-shared-eager", "loss-p16-trl", "loss-p16-trl-kernels", "step-p16-trl",
+        "step-p16-trl-kernels", "step-p16-fused-static-eager"], run.stdout[-3000:]
     for name, r in summary.items():
         missing = "-trl" in name and not trl
         assert r["status"] == ("n/a: trl, datasets not installed" if missing else "ok"), (
@@ -71,12 +71,12 @@ def test_dry_run_writes_every_steps_rows(tmp_path):
         assert whole[0][1] == "padded" and whole[1][1] == "shared"
     gen = read(next(results.glob("*-generation.csv")))
     assert [(r["path"], r["dtype"], r["autocast"], r["ran_path"]) for r in gen] == [
+        ("padded", "bfloat16", "False", "padded"),
         ("per-row", "bfloat16", "False", "padded"), ("padded", "bfloat16", "False", "padded"),
         ("static-eager", "bfloat16", "False", "static"),
         ("continuous", "bfloat16", "False", "continuous"),
-        ("padded", "float32", "True", "padded"), ("static-eager", "float32", "True", "static"),
-        ("padded", "bfloat16", "False", "padded")]
-    assert [r["sdpa_backends"] for r in gen] == ["default"] * 6 + ["flash,efficient,math"]
+        ("padded", "float32", "True", "padded"), ("static-eager", "float32", "True", "static")]
+    assert [r["sdpa_backends"] for r in gen] == ["flash,efficient,math"] + ["default"] * 6
     assert len({r["completion_tokens"] for r in gen}) == 1  # the same forced lengths
     assert {r["prompt_tokens"] for r in gen} == {"16"}
     probe = read(next(results.glob("*-sdpa.csv")))
