@@ -12,7 +12,7 @@ compiling).
     python -m benchmarks.generation --workloads long-prompt --paths per-row,padded --threads 2 \
         --repeats 5 --out benchmarks/results/cpu-amd-epyc-2-cores-generation.csv
 
-Completion lengths are drawn per sequence and forced with `grpo_train.generation.forced_lengths`
+Completion lengths are drawn per sequence and forced with `grpo_train.length_forcing.forced_lengths`
 (EOS exactly at the drawn length, never before), so every path produces the same number of
 tokens on random-weight models. "tail" lengths are long-tailed: round(exp(N(ln(max_new / 8), 1))),
 clipped to [1, max_new + 1] (max_new + 1 = truncated at max_new); "full" = every sequence runs
@@ -190,7 +190,7 @@ def time_paths(model, tok, examples, cfg, paths: list[str], lengths: list[int],
     path; with per_path, each path's calls one after the other, `done(path, result)` after
     each path. sdpa_backends (a list of SDPBackend): every call under
     `torch.nn.attention.sdpa_kernel(sdpa_backends)`; None: PyTorch's choice."""
-    from grpo_train.generation import forced_lengths
+    from grpo_train.length_forcing import forced_lengths
 
     ctx = setups(model, tok, cfg, paths, autocast)
     out = {name: {"times": []} for name in paths}

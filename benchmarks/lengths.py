@@ -99,7 +99,7 @@ class ForcedLengths:
         to return `synthetic` sequences instead of running the model."""
         from transformers import GenerationMixin, LogitsProcessorList
 
-        from grpo_train.generation import EosSchedule
+        from grpo_train.length_forcing import EosSchedule
 
         original = GenerationMixin.generate
         forcing = self

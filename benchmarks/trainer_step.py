@@ -284,7 +284,7 @@ def measure(args, argv) -> dict:
                 steps, recorder, ran = run_grpo_train(args, model_dir, data, workdir, device,
                                                       recorder)
         else:
-            from grpo_train.generation import forced_lengths
+            from grpo_train.length_forcing import forced_lengths
 
             with forced_lengths(forcing.draw):
                 steps, recorder, ran = run_grpo_train(args, model_dir, data, workdir, device,

@@ -85,7 +85,7 @@ class RunState:
     start: int  # step of the resumed checkpoint, 0 for a fresh run
     # generation (generation.py reads and keeps these)
     forced_lengths: Callable[[int], list[int]] | None = None  # completion lengths to force,
-    # per call (None: generation.forced_lengths' hook, if any)
+    # per call (None: length_forcing.forced_lengths' hook, if any)
     generation_path: str | None = None  # padded, continuous or static (generation.PATHS);
     # decided on the first call (None: not yet)
     generation_reason: str = ""  # why that path, as its log line says

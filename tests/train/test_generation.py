@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from grpo_train import continuous, generation
+from grpo_train import continuous, generation, length_forcing
 from grpo_train.cli import parse_config
 from grpo_train.config import TrainConfig, resolve_auto
 from grpo_train.flags import UsageError
@@ -163,7 +163,7 @@ def test_forced_lengths_on_both_paths(embedded):
     want = torch.tensor([min(n, cfg.max_new_tokens) for n in lengths])
     batches = []
     for path in ("padded", "continuous"):
-        with generation.forced_lengths(lambda n: lengths):
+        with length_forcing.forced_lengths(lambda n: lengths):
             batch = generation.generate(m, EXAMPLES, make_ctx(m, tok, cfg, path))
         assert torch.equal(batch["lengths"], want), path
         assert batch["truncated"].tolist() == [n > cfg.max_new_tokens for n in lengths], path
@@ -276,7 +276,7 @@ def test_prefill_once_gives_the_completions_of_a_prefill_per_row(embedded):
     m = biased(embedded, {tok.eos_token_id: 2.0, tok.convert_tokens_to_ids("a"): 0.0})
     B = len(VARIED) * cfg.num_generations
     lengths = [1 + (i * 5) % (cfg.max_new_tokens + 1) for i in range(B)]
-    with generation.forced_lengths(lambda n: lengths):  # exactly the forced lengths
+    with length_forcing.forced_lengths(lambda n: lengths):  # exactly the forced lengths
         (per_row, once), _ = per_row_and_once(m, tok, cfg, VARIED)
     assert_same_batch(per_row, once)
     assert once["lengths"].tolist() == [min(n, cfg.max_new_tokens) for n in lengths]
@@ -377,7 +377,7 @@ def test_eos_schedule_builds_its_masks_once():
 
     B, V, Lp, eos = 3, 11, 4, [5, 7]
     lengths = torch.tensor([1, 3, 20])
-    schedule = generation.EosSchedule(lengths, eos, Lp)
+    schedule = length_forcing.EosSchedule(lengths, eos, Lp)
     scores = torch.randn(B, V)
     for t in range(5):
         ids = torch.zeros(B, Lp + t, dtype=torch.long)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_train import generation, static_decode
+from grpo_train import generation, length_forcing, static_decode
 from grpo_train.config import TrainConfig, resolve_auto
 from grpo_train.models import build_embedded, prepare_tokenizer
 from tests.train.test_generation import EXAMPLES, ONCE, VARIED, assert_same_batch, make_ctx
@@ -114,7 +114,7 @@ def test_forced_lengths_on_the_static_path(tiny):
     models, tok, cfg = tiny
     B = len(EXAMPLES) * cfg.num_generations
     lengths = [1 + (i * 5) % (cfg.max_new_tokens + 1) for i in range(B)]
-    with generation.forced_lengths(lambda n: lengths):
+    with length_forcing.forced_lengths(lambda n: lengths):
         ctx = make_ctx(models["qwen2"], tok, cfg, "static", static_compile=False)
         batch = generation.generate(models["qwen2"], EXAMPLES, ctx)
     assert batch["lengths"].tolist() == [min(n, cfg.max_new_tokens) for n in lengths]
