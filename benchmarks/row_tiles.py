@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime
 import os
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 from . import HEADS, RESULTS_DIR, device_slug, environment
+from .step_row import append_row
 
 PAD = 0.25
 COLUMNS = ("device", "date", "commit", "kernel", "head", "N", "V", "dtype", "config",
@@ -181,15 +181,10 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.row_tiles " + " ".join(argv or sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{device_slug(device)}-row-tiles.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        for r in rows:
-            writer.writerow(dict(r, device=env["device"], date=env["date"], commit=env["commit"],
-                                 head=args.head, N=args.tokens, V=V, dtype="bfloat16",
-                                 command=command))
+    for r in rows:  # in COLUMNS' order
+        append_row(path, {k: dict(r, device=env["device"], date=env["date"], head=args.head,
+                                  commit=env["commit"], N=args.tokens, V=V, dtype="bfloat16",
+                                  command=command)[k] for k in COLUMNS})
     print("| kernel | configuration | ms | GB/s | max diff |\n|---|---|---|---|---|")
     for r in rows:
         mark = " (default)" if r["default"] else ""
