@@ -40,7 +40,13 @@ import weakref
 import torch
 from torch import nn
 
-from .packed_rows import PackedBatch, _place, check_prompt_and_completion, choose_row_width
+from .packed_rows import (
+    PackedBatch,
+    _place,
+    agreement_atol,
+    check_prompt_and_completion,
+    choose_row_width,
+)
 
 __all__ = ["check_shared_prompt", "share_prompts", "shared_prompt_mask"]
 
@@ -205,14 +211,15 @@ def _config_refusal(config) -> str | None:
     return None
 
 
-def check_shared_prompt(model: nn.Module, atol: float = 1e-4) -> str | None:
+def check_shared_prompt(model: nn.Module, atol: float | None = None) -> str | None:
     """None if `model` can run shared-prefix rows exactly, else why not (a sentence).
 
     Refuses from the config first (`_config_refusal`), then runs the model once on a prompt
     with two completions, shared and one sequence at a time, and compares the completions'
     logits. Cached per model and attention implementation (`hf.attention_choice` may check
     another implementation than the model's own). Pass the model before any DDP/FSDP wrapper (a
-    PEFT wrapper is fine)."""
+    PEFT wrapper is fine). atol: relative to max(1, the largest logit); default
+    `packed_rows.agreement_atol(model)`."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     seen = _SHARING_CHECKED.setdefault(model, {})
@@ -243,6 +250,7 @@ def _compare_with_separate(model: nn.Module, config, atol: float) -> str | None:
             shared = out.reshape(-1, out.shape[-1])[batch.logits_to_keep]
             alone = model(input_ids=ids, use_cache=False).logits.float()[:, 3:8]
         err = (shared - alone.reshape(shared.shape)).abs().max().item()
+        atol = agreement_atol(model) if atol is None else atol
         if not err <= atol * max(1.0, alone.abs().max().item()):
             return (f"{type(model).__name__} with attention {config._attn_implementation!r} "
                     f"gives other logits on a shared-prefix row ({err:.2g} from separate "

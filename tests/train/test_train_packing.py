@@ -18,6 +18,7 @@ from grpo_kernels.hf import (
     check_packed_attention,
     pack_sequences,
 )
+from grpo_kernels.hf.packed_rows import FULL_PRECISION_ATOL, HALF_PRECISION_ATOL, agreement_atol
 from grpo_train import batching, train
 from grpo_train import models as models_mod
 from grpo_train import trainer as trainer_mod
@@ -163,6 +164,43 @@ def test_packed_attention_check():
 
     reason = check_packed_attention(SeesEverything())
     assert reason is not None and "attends across" in reason and "'custom'" in reason
+
+
+class PerSequenceMean(torch.nn.Module):
+    """Attends within each sequence (a running mean restarting where position_ids restart);
+    a packed row's logits carry `noise` (relative to the largest), as a kernel of its own for
+    packed rows carries its rounding; `leak` attends over the whole row instead."""
+
+    def __init__(self, dtype, noise=0.0, leak=False):
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=11, _attn_implementation=f"n{noise}{leak}")
+        self.emb = torch.nn.Embedding(11, 4, dtype=dtype)
+        self.noise, self.leak = noise, leak
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        x = self.emb(input_ids).float()
+        pos = torch.arange(x.shape[1])[None] if position_ids is None else position_ids
+        seg = (pos == 0).cumsum(dim=1) if not self.leak else torch.zeros_like(pos)
+        same = (seg[:, :, None] == seg[:, None, :]) & torch.ones(
+            x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        y = (same.float() @ x) / same.sum(-1, keepdim=True)
+        if position_ids is not None:  # the packed forward
+            y = y + self.noise * y.abs().max() * torch.linspace(-1, 1, y.numel()).view(y.shape)
+        return types.SimpleNamespace(logits=y.to(x.dtype))
+
+
+def test_packed_check_bound_follows_the_precision():
+    """Half precision: a packed row within bf16's rounding of separate forwards passes (varlen
+    flash on the GPU is such a kernel), a leak does not; float32 keeps the tight bound."""
+    assert check_packed_attention(PerSequenceMean(torch.float32)) is None
+    assert check_packed_attention(PerSequenceMean(torch.bfloat16, noise=0.02)) is None
+    assert "attends across" in check_packed_attention(PerSequenceMean(torch.float32, noise=0.02))
+    assert "attends across" in check_packed_attention(
+        PerSequenceMean(torch.bfloat16, noise=0.02, leak=True))
+    fp32 = PerSequenceMean(torch.float32, noise=0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as `--bf16` runs the checks
+        assert agreement_atol(fp32) == HALF_PRECISION_ATOL
+    assert agreement_atol(fp32) == FULL_PRECISION_ATOL
 
 
 def test_cut_and_split_micro_batches():
