@@ -24,8 +24,8 @@ are float32 in every case (cuBLAS with a float32 output for 16-bit operands); d 
 dtype. Float32 GEMMs follow PyTorch's float32 matmul setting (TF32 or not, `gemm.py`).
 
 Forward only (no gradient wanted: `linear_logprob_forward_gemm`, which `linear_loss_grad` runs when
-`needs` wants nothing): steps 1 and 2 alone, with or without the epilogue; no d y buffer, so the
-same budget holds more rows.
+`needs` wants nothing): steps 1 and 2 alone, with or without the epilogue, in chunks of the
+same rows.
 
 Memory: one [C, V] float32 logits buffer per call, reused by every chunk (`chunk_rows`); d y
 lives in it, each row over its own row of y (`dlogits_over`). A float32 d W accumulator
@@ -101,7 +101,7 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: Epilo
     on a GPU: its second read of a row block may hit L2). Shapes are the caller's to
     guarantee; nothing here waits for the device."""
     _check(hidden, weight, bias, targets, epilogue, g_ent)
-    if not _wants_grads(bias, needs):  # steps 1 and 2 only: no d y buffer
+    if not _wants_grads(bias, needs):  # steps 1 and 2 only: no d y
         logp, ent, lse = linear_logprob_forward_gemm(
             hidden, weight, bias, targets, temperature, epilogue, chunk_rows=chunk_rows,
             budget_bytes=budget_bytes, softcap=softcap, logit_scale=logit_scale, check=False)
@@ -156,7 +156,7 @@ def linear_logprob_forward_gemm(hidden, weight, bias, targets, temperature, epil
 
     hidden [Na, D] (contiguous), weight [V, D], bias [V] | None, targets [Na] int64 (contiguous)
     -> float32 (logp, entropy, lse), each [Na]. chunk_rows, budget_bytes, softcap, logit_scale:
-    as `linear_loss_grad` (the budget holds no d y buffer here). check: False when the caller
+    as `linear_loss_grad`. check: False when the caller
     (`linear_loss_grad`) has checked the arguments."""
     if check:
         _check(hidden, weight, bias, targets, epilogue, None)

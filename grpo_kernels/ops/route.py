@@ -24,7 +24,8 @@ that says which and why.
 The chunks of the three-pass route are whole rows [C, V] within a memory budget: the backend's
 default (`chunked.loss_grad.CPU_BUDGET_BYTES`, `kernels.linear_loss_grad.CUDA_BUDGET_BYTES`) or
 GRPO_KERNELS_CHUNK_MIB. Each backend turns the budget into rows (its `chunk_rows`); the
-forward-only route's chunks follow the same budget (without a d-logits buffer: more rows).
+forward-only route's chunks follow the same budget (on Triton the same rows: the three-pass
+route writes its d-logits over its logits).
 
 The decision reads only what a trace sees as constant (shapes, dtypes, requires_grad, grad mode,
 the environment), so torch.compile traces it; the log line is written by `_log_route`, which
