@@ -295,9 +295,8 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
 _PACKING_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # How closely a packed (or shared-prefix) row's logits must match separate forwards, relative
-# to max(1, the largest logit). Measured on the CPU on the checks' own inputs (5 + 4 tokens,
-# a Qwen2.5-0.5B-shaped model with random weights, 24 layers, transformers 5.24;
-# `python -m benchmarks.check_bounds`, docs/trainer.md): two correct
+# to max(1, the largest logit). On the checks' own inputs (`python -m benchmarks.check_bounds`,
+# docs/trainer.md: Qwen2.5-0.5B shape, random weights, 24 layers, a CPU) two correct
 # implementations (eager, sdpa) differ by 1.2e-6 in float32 and 2.0e-2 in bf16, while a
 # sequence that attends to the other's tokens moves by 1.27 in both. A kernel of its own for
 # packed rows (varlen flash) differs from the separate forwards by its rounding, so in half
