@@ -32,3 +32,17 @@ def torchrun(script: Path, nproc: int, *args: str, timeout: int = 420,
            "--master_port", str(free_port()), str(script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def leave_after_barrier() -> None:
+    """A worker's last call, once its results are written: every rank past the barrier (its
+    last collective), then the process leaves without running destructors. gloo sends
+    asynchronously, and tearing it down while a peer's last send is in flight, or its threads
+    at interpreter exit, aborted ranks under load ("terminate called without an active
+    exception") after their results were written."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

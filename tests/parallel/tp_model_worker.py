@@ -19,6 +19,7 @@ warnings.simplefilter("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from mp_launch import leave_after_barrier  # noqa: E402
 
 from grpo_kernels import FusedLinearGRPOLoss, force_backend  # noqa: E402
 from grpo_kernels.hf import (  # noqa: E402
@@ -72,8 +73,7 @@ def main():
     results = {os.path.basename(d): compare(d) for d in model_dirs}
     with open(os.path.join(out_dir, f"hf-rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier()  # mp_launch: gloo's teardown
 
 
 def compare(model_dir: str) -> dict:

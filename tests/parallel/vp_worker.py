@@ -39,6 +39,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's GPU numerics,
     patch_interpreter()
 
 import vp_cases as vc  # noqa: E402
+from mp_launch import leave_after_barrier  # noqa: E402
 
 from grpo_kernels import force_backend, fused_linear_grpo_loss  # noqa: E402
 
@@ -216,10 +217,7 @@ def main():
         raise
     with open(os.path.join(out_dir, f"{suite}-rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
-    # every rank past its last collective before any rank tears gloo down (an in-flight send
-    # to a closed peer can abort the process)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_after_barrier()  # mp_launch: gloo's teardown
 
 
 if __name__ == "__main__":
