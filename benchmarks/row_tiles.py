@@ -28,14 +28,13 @@ import argparse
 import contextlib
 import datetime
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from . import HEADS, RESULTS_DIR, device_slug, environment
+from .measure import time_call
 from .step_row import append_row
 
 PAD = 0.25
@@ -108,20 +107,6 @@ def calls(logits, ids, inputs, rule):
     return forward, backward, results
 
 
-def median_ms(fn, device) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()  # the interpreter: one warm call, three timed
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def race(N, V, dtype, device, candidates) -> list[dict]:
     """One row per (kernel, configuration); the default configuration first."""
     from grpo_kernels.kernels import tile_configs
@@ -137,7 +122,9 @@ def race(N, V, dtype, device, candidates) -> list[dict]:
         for config in (None, *candidates[kernel]):
             with tiles(config):
                 *fns, results = calls(logits, ids, inputs, rule)
-                ms = median_ms(fns[index], device)
+                # the interpreter: a check, not a measurement (three timed calls)
+                kw = {} if device.type == "cuda" else dict(min_reps=3, max_reps=3)
+                ms = time_call(fns[index], device, **kw).p50
                 got = results(index)
             expect = got if expect is None else expect  # the default's, first
             cfg = default if config is None else tiles_dict(config)

@@ -168,7 +168,7 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
 
 
 @triton.jit
-def token_weights(offs, mask, epi_tensors):
+def load_token_weights(offs, mask, epi_tensors):
     """The bundle's per-token weights at `offs` [BLOCK] float32 (0 past the mask)."""
     _, _, _, _, wt_ptr, _, _, _, _ = epi_tensors
     return tl.load(wt_ptr + offs, mask=mask, other=0.0)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .epilogue import EPILOGUE, no_epilogue, skipped_token_outputs, token_weights
+from .epilogue import EPILOGUE, load_token_weights, no_epilogue, skipped_token_outputs
 from .linear_logprobs import NEG_BIG, _store_token_results, loop_bound
 from .logit_transform import logit_transform_args, softcap_logits, softcap_logits_grad
 
@@ -89,7 +89,7 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
     live = True
     if SKIP_ZERO_WEIGHT:
-        live = tl.max(tl.abs(token_weights(offs_n, n_mask, epi_tensors)), axis=0) != 0.0
+        live = tl.max(tl.abs(load_token_weights(offs_n, n_mask, epi_tensors)), axis=0) != 0.0
     lse = tl.zeros([ROWS], tl.float32)
     ent = tl.zeros([ROWS], tl.float32)
     g = tl.zeros([ROWS], tl.float32)
