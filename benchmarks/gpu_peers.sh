@@ -17,12 +17,15 @@
 #      eager reference, TRL, CCE, ours-4pass, Liger (about a second a call there), the compiled
 #      reference last (170 / 210)
 #   4. profile: per-kernel profile of ours, ours-4pass and eager at that shape (70; 17 s)
-#   5. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
-#   6. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
+#   5. three-pass-knobs: the route's chunk budget (352, 704, 1408 MiB) and row kernels (two, or
+#      fused) raced at the Llama-3-8B and Qwen2.5-0.5B heads, N = 16384
+#      (benchmarks/three_pass_knobs.py; 60)
+#   6. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
+#   7. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
 #      the reference (25 / 45)
-#   7. row-tiles: the logits row kernels' launch configurations raced at Qwen2.5-0.5B,
+#   8. row-tiles: the logits row kernels' launch configurations raced at Qwen2.5-0.5B,
 #      N = 16384 (benchmarks/row_tiles.py; 60)
-#   8. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
+#   9. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
 #      (50 / 70, 30 / 45)
 #
 # On the lent device (repository root here; wheels fetched once, 4 MiB; the tree and .whl/ must
@@ -43,6 +46,7 @@
 #   pytest.txt             the three-pass route's tests on the device
 #   peers-main.md          the main shape: all providers, score, forward and fwd+bwd
 #   profile.md             per-kernel profile of both routes of ours and eager there
+#   three-pass-knobs.md    the three-pass route's chunk budgets and row kernels raced
 #   peers-heads.md, peers-logits.md, peers-long.md, peers-short.md   (and a .log per table)
 #   row-tiles.md           the row kernels' configurations raced (and row-tiles.log)
 #   results/<device>.csv, results/<device>-profile.csv   every row (copy into benchmarks/results/)
@@ -62,6 +66,8 @@ device_block() {
   MAIN_TIME=(170 210)  # (--time-budget, timeout) in seconds
   PROFILE=(--head llama8b --tokens 16384 --dtype bfloat16 --warmup 2 --steps 3)
   PROFILE_TIMEOUT=70
+  KNOBS=(--heads llama8b,qwen0.5b --tokens 16384)
+  KNOBS_TIMEOUT=60
   EAGER=ours,reference,trl,cce,ours-4pass,liger
   HEADS=(--heads qwen0.5b,qwen7b --tokens 16384)
   HEADS_TIME=(60 80)
@@ -88,6 +94,8 @@ dry_block() {
   MAIN_TIME=(170 210)
   PROFILE=(--head tiny --tokens 256 --dtype float32 --warmup 1 --steps 1)
   PROFILE_TIMEOUT=70
+  KNOBS=(--heads tiny --tokens 64 --budgets_mib 0.02,0.04 --device cpu)
+  KNOBS_TIMEOUT=60
   EAGER=ours,reference,ours-4pass  # the peers run in peers-main (imports cost seconds a step)
   HEADS=(--heads tiny --tokens 192)
   HEADS_TIME=(60 80)
@@ -112,10 +120,11 @@ install_peers "$INSTALL_TIMEOUT"
 # The three-pass route's tests on the device first: its rows below mean little if it is wrong
 # there (the Triton cases run on the GPU, tests/helpers.py on_device; test_shared_rows.py checks
 # at a real vocabulary that the d logits written over the logits chunk match a buffer of their
-# own, which the interpreter cannot race)
+# own, which the interpreter cannot race; test_value_checks.py that a packed batch's call reads
+# nothing back to the host)
 pytest_step "pytest: the three-pass route's tests" pytest.txt "CPU: Triton's interpreter, a \
 small selection" tests/api/test_three_pass.py tests/kernels/test_linear_loss_grad.py \
-  tests/kernels/test_gemm.py tests/kernels/test_shared_rows.py
+  tests/kernels/test_gemm.py tests/kernels/test_shared_rows.py tests/api/test_value_checks.py
 
 sweep peers-main "${MAIN_TIME[@]}" --kernels fused_linear "${MAIN[@]}" \
   --modes score,forward,fwd+bwd --providers "$MAIN_PROVIDERS"
@@ -128,6 +137,16 @@ kernels")"
     --providers ours ours-4pass reference --out "$OUT/results" > "$OUT/profile.md" \
     2> "$OUT/profile.log"
   echo "exit $?" >> "$OUT/profile.log"
+fi
+# The three-pass route's launch knobs (the defaults of kernels.linear_loss_grad): chunk budget
+# and row kernels
+if step_cap three-pass-knobs "$KNOBS_TIMEOUT"; then
+  stamp "three-pass-knobs: ${KNOBS[*]} (timeout ${CAP}s)$(dry_says "Triton's interpreter, a \
+check of the race, not a measurement")"
+  interp=""; if [ "$DRY_RUN" = 1 ]; then interp=TRITON_INTERPRET=1; fi
+  env $interp timeout "$CAP" python -m benchmarks.three_pass_knobs "${KNOBS[@]}" \
+    --out "$OUT/results" > "$OUT/three-pass-knobs.md" 2> "$OUT/three-pass-knobs.log"
+  echo "exit $?" >> "$OUT/three-pass-knobs.log"
 fi
 sweep peers-heads "${HEADS_TIME[@]}" --kernels fused_linear "${HEADS[@]}" --modes fwd+bwd \
   --providers "$EAGER" --no-ceilings

@@ -20,7 +20,9 @@
 #               the rule considers for that layout; then TRL's GRPOTrainer and grpo_kernels' TRL
 #               subclass at the short prompt;
 #   steps       whole steps with real generation: TRL's GRPOTrainer with its defaults, the TRL
-#               subclass, and grpo_train with the static path (one warm-up step: its compile).
+#               subclass, and grpo_train with the static path; on a GPU each with one warm-up
+#               step that replays the timed step's lengths (compiles, cuBLAS and attention
+#               set-ups at those shapes), so all three are timed in the steady state of a run.
 # Steps run under a DEADLINE_S deadline, each under `timeout` (its budget or what is left), and
 # each appends its rows as it finishes, so a step cut short leaves the others.
 #
@@ -29,7 +31,8 @@
 #   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/gpu_trainer.sh   # every step on the CPU, tiny shapes
 # On the lent device (15 minutes, ~30 s to start), two calls that fit, carrying .whl:
 #   BENCH_COMMIT=<sha> PARTS=generation,loss DEADLINE_S=540 OUT=$OUT bash ...   (timeout_s 570)
-#   BENCH_COMMIT=<sha> PARTS=steps DEADLINE_S=270 OUT=$OUT bash ...             (timeout_s 290)
+#   BENCH_COMMIT=<sha> PARTS=steps DEADLINE_S=540 OUT=$OUT bash ...             (timeout_s 570)
+# (the steps part's warm-up steps double its time: a call of its own, in another session's time)
 # TRL and datasets are not on the device image: carry .whl (benchmarks/fetch_wheels.sh, LEAN=1);
 # install_wheels.sh installs them. A step whose package is missing writes an "n/a" row.
 #
@@ -65,8 +68,8 @@ else
   KIND=cuda; DEADLINE_S="${DEADLINE_S:-450}"; MIN_STEP_S=30
   SHAPE=(--device cuda)
   G=8; CAP=1024; PROMPT_SHORT=64; PROMPT_LONG=1024; WARM_TOKENS=16
-  LOSS_RUN=(--warmup 2 --steps 2); STEP_RUN=(--warmup 0 --steps 1)
-  LOSS_BUDGET_S=60; STEP_BUDGET_S=120; GEN_BUDGET_S=200
+  LOSS_RUN=(--warmup 2 --steps 2); STEP_RUN=(--warmup 1 --steps 1)
+  LOSS_BUDGET_S=60; STEP_BUDGET_S=170; GEN_BUDGET_S=200
   PROBE=(--lengths 32 --repeats 5); PROBE_BUDGET_S=45; NO_CUDNN_BUDGET_S=100
   GEN=(--max_new "$CAP" --prompt_tokens "$PROMPT_SHORT" --threads 0 --repeats 1)
   GEN_PATHS=per-row,padded,continuous,static
@@ -149,7 +152,7 @@ if part steps; then
       --provider "$provider" --prompt_tokens "$PROMPT_SHORT" "${STEP_RUN[@]}"
   done
   run_step "step-p${PROMPT_SHORT}-fused-$STATIC" "$STEP_BUDGET_S" - "${STEP[@]}" \
-    --provider fused --prompt_tokens "$PROMPT_SHORT" --warmup 1 --steps 1 \
+    --provider fused --prompt_tokens "$PROMPT_SHORT" "${STEP_RUN[@]}" \
     --generation static --static_compile "$([ "$STATIC" = static ] && echo on || echo off)"
 fi
 

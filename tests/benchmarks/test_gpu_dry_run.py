@@ -87,7 +87,8 @@ def _check_steps(out: Path, names: list[str], on_cpu: list[str]) -> None:
 
 def _rows(out: Path, suffix: str = ".csv") -> list[dict]:
     (path,) = [p for p in (out / "results").glob("*.csv") if p.name.endswith(suffix)
-               and (suffix != ".csv" or not p.name.endswith(("-profile.csv", "-row-tiles.csv")))]
+               and (suffix != ".csv" or not p.name.endswith(
+                   ("-profile.csv", "-row-tiles.csv", "-three-pass-knobs.csv")))]
     assert path.name.startswith("cpu-")
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
@@ -112,10 +113,11 @@ def _measured(rows, kernel, provider, mode) -> list[dict]:
 @pytest.mark.slow  # the script's dry run: a minute or two
 def test_peers_dry_run_writes_every_step(peers):
     _check_steps(peers, ["environment", "install peers", "pytest", "sweep peers-main",
-                         "profile", "sweep peers-heads", "sweep peers-logits", "row-tiles",
-                         "sweep peers-long", "sweep peers-short", "done"],
-                 on_cpu=["environment", "pytest", "sweep peers-main", "profile", "row-tiles",
-                         "sweep peers-short"])
+                         "profile", "three-pass-knobs", "sweep peers-heads",
+                         "sweep peers-logits", "row-tiles", "sweep peers-long",
+                         "sweep peers-short", "done"],
+                 on_cpu=["environment", "pytest", "sweep peers-main", "profile",
+                         "three-pass-knobs", "row-tiles", "sweep peers-short"])
     tests = (peers / "pytest.txt").read_text()
     assert " passed" in tests and " failed" not in tests, tests[-2000:]
     _exit_zero(peers / "pytest.txt")
@@ -130,6 +132,12 @@ def test_peers_dry_run_writes_every_step(peers):
         raced = [r for r in tiles if r["kernel"] == kernel]
         assert [r["default"] for r in raced][:1] == ["True"] and len(raced) >= 2, raced
         assert all(float(r["ms"]) > 0 and float(r["max_diff"]) < 1e-3 for r in raced), raced
+    assert (peers / "three-pass-knobs.md").read_text().startswith("| head | budget MiB |")
+    _exit_zero(peers / "three-pass-knobs.log")
+    knobs = _rows(peers, "-three-pass-knobs.csv")  # the default first, then 2 budgets x 2 kinds
+    assert [r["default"] for r in knobs] == ["True"] + ["False"] * 4, knobs
+    assert {r["row_kernels"] for r in knobs} == {"two", "fused"}, knobs
+    assert len({r["chunk_rows"] for r in knobs}) == 3, knobs  # three chunkings of the rows
 
 
 @pytest.mark.slow  # the script's dry run: a minute or two
