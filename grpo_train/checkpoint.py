@@ -124,9 +124,69 @@ def checkpoint_step(path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def load_checkpoint(path) -> dict:
-    # Our own files: they hold numpy/python RNG states, which weights_only loading rejects.
-    return torch.load(path, map_location="cpu", weights_only=False)
+# What every checkpoint holds (`save_run`), besides the config of the run that wrote it.
+CHECKPOINT_KEYS = ("step", "model", "optimizer", "scheduler", "data", "rng")
+
+
+def load_checkpoint(path, required: tuple[str, ...] = ()) -> dict:
+    """A checkpoint's contents; a UsageError naming --resume for a file that is not one (a
+    model's weights, another program's pickle, a truncated copy) or lacks a `required` key
+    (a resume requires CHECKPOINT_KEYS)."""
+    expected = "expected a step_*.pt file that grpo-train wrote into OUTPUT_DIR/checkpoints"
+    try:  # our own files: they hold numpy/python RNG states, which weights_only loading rejects
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - pickle, zip and I/O errors alike
+        raise UsageError(f"--resume {str(path)!r} could not be read as a checkpoint "
+                         f"({type(err).__name__}: {err}); {expected}") from err
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise UsageError(f"--resume {str(path)!r} is not a grpo-train checkpoint (it has no "
+                         f"{', '.join(missing)}); {expected}")
+    return state
+
+
+# Settings a resumed run may change: how it runs and what it reports, and the reward (fixing a
+# broken reward function and resuming is the way out of --max_unscored_steps). Every other field
+# must be the checkpoint's: it decides the data, its split and order, the batch, the sampling,
+# the loss and the model, and the optimizer and scheduler states restore the checkpoint's
+# learning rate, betas and weight decay whatever the flags say.
+RESUME_MAY_CHANGE = frozenset({
+    "steps", "output_dir", "resume", "overwrite", "progress", "plot", "eval_every",
+    "eval_batch_size", "eval_size", "save_every", "keep_checkpoints", "save_final_model",
+    "max_unscored_steps", "reward", "num_threads", "device", "backend", "generation",
+    "static_compile", "micro_batch_size", "max_tokens_per_microbatch", "padding_free",
+    "share_prompt", "attn_implementation", "gradient_checkpointing", "fsdp", "tp_size",
+    "trust_remote_code"})
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return "none" if value is None else repr(value) if value == "" else str(value)
+
+
+def check_resumed_config(state: dict, cfg, path, say) -> None:
+    """Refuse to resume checkpoint `path` (its contents: `state`) with settings that change what
+    the run trains: a UsageError naming each flag with this run's value and the checkpoint's.
+    The settings of RESUME_MAY_CHANGE that differ are said in one line. A field that the
+    checkpoint's config lacks (written by an older release) is not compared."""
+    saved, now = state.get("config") or {}, dataclasses.asdict(cfg)
+    changed = [k for k in now if k in saved and saved[k] != now[k]
+               and k not in ("resume", "overwrite", "output_dir")]
+    refused = [k for k in changed if k not in RESUME_MAY_CHANGE]
+    if refused:
+        shown = ", ".join(f"--{k} {_flag_value(now[k])} (the checkpoint's: "
+                          f"{_flag_value(saved[k])})" for k in refused)
+        raise UsageError(
+            f"--resume {str(path)!r}: this run's settings differ from the run that wrote the "
+            f"checkpoint: {shown}. A resumed run trains on with the settings it started with: "
+            "drop these flags or give the checkpoint's values, or start a new run in another "
+            "--output_dir")
+    if changed:
+        say("resume: settings changed from the checkpoint's run: " + ", ".join(
+            f"--{k} {_flag_value(saved[k])} -> {_flag_value(now[k])}" for k in changed))
 
 
 # ---- a run's state ------------------------------------------------------------------------------
@@ -154,12 +214,13 @@ def save_run(step: int, cfg, accel, model, optimizer, scheduler, sampler, say,
     accel.wait_for_everyone()
 
 
-def resume_run(path, model, optimizer, scheduler, sampler, rank: int, world: int, say) -> int:
-    """Load checkpoint `path` into a run's model, optimizer, scheduler, prompt sampler and this
-    process' RNG (when the process count is the one saved); returns its step."""
+def resume_run(state: dict, path, model, optimizer, scheduler, sampler, rank: int, world: int,
+               say) -> int:
+    """Load checkpoint `path` (its contents: `state`, from `load_checkpoint`) into a run's model,
+    optimizer, scheduler, prompt sampler and this process' RNG (when the process count is the
+    one saved); returns its step."""
     from . import sharding
 
-    state = load_checkpoint(path)
     sharding.load_state_dicts(model, optimizer, state["model"], state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["data"])
@@ -193,11 +254,38 @@ def check_output_dir(output_dir, resume: str | None, overwrite: bool) -> None:
             raise UsageError(
                 f"--resume auto: {str(out)!r} holds a previous run's files but no checkpoint to "
                 "continue from; pass --overwrite to replace that run, or another --output_dir")
+        found = find_checkpoint(resume, out)
+        if found is not None:
+            _check_resume_target(found, out, [name for name in entries if name in RUN_FILES])
         return
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
     raise UsageError(
         f"--output_dir {str(out)!r} already holds files ({shown}); pass --resume auto to continue "
         "that run, --overwrite to delete its files and start again, or another --output_dir")
+
+
+def _check_resume_target(found: Path, out: Path, run_files: list[str]) -> None:
+    """Resuming `found` continues a run in OUTPUT_DIR `out` (which holds `run_files`): refuse
+    where that would mix two histories there. Checkpoints past `found` in OUTPUT_DIR belong to
+    the history this resume replaces: --resume auto would take them up again later, and pruning
+    (--keep_checkpoints) would delete the new ones first. A checkpoint of another directory
+    must not continue into OUTPUT_DIR while it holds a run of its own."""
+    own = checkpoint_dir(out)
+    step = checkpoint_step(found)
+    if found.resolve().parent == own.resolve():
+        later = [p.name for p in list_checkpoints(own) if step is not None
+                 and checkpoint_step(p) > step]
+        if later:
+            raise UsageError(
+                f"--resume {str(found)!r}: {str(own)!r} also holds later checkpoints of that "
+                f"run ({', '.join(later)}); resuming from step {step} would mix their history "
+                "with the new one. Move or delete them to go back to step "
+                f"{step}, or pass --resume auto to continue from the latest")
+    elif run_files:
+        raise UsageError(
+            f"--resume {str(found)!r} would continue that run into --output_dir {str(out)!r}, "
+            f"which holds another run's files ({', '.join(run_files)}); pass the checkpoint's "
+            "own run directory as --output_dir, or a new one")
 
 
 def clear_run_files(output_dir) -> list[str]:

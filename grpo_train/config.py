@@ -202,7 +202,8 @@ class TrainConfig:
     save_every: int = option(100,
         "checkpoint every N steps (and on Ctrl-C and at the end); 0 = off")
     keep_checkpoints: int = option(2,
-        "older checkpoints are deleted after a new one is safely written")
+        "how many checkpoints to keep (0 = all): older ones are deleted after a new one is "
+        "safely written")
     save_final_model: bool = option(True, "save_pretrained() to OUTPUT_DIR/final_model at the end")
 
     fsdp: bool = option(False,

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from .flags import UsageError
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: max_memory_allocated since the last reset (this step). CPU: the process' peak RSS."""
@@ -74,10 +76,9 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
@@ -87,8 +88,23 @@ class MetricsLog:
 
 
 def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl. A last line that does not parse and has no newline after
+    it is a record torn by a crash in mid-write (kill -9, a full disk): it is dropped, as its
+    step is past the last checkpoint. Any other line that does not parse is a UsageError."""
     with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        lines = fh.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # the last line, no newline after it: torn
+                break
+            raise UsageError(f"{path}: line {number} is not a JSON record ({err}); fix or "
+                             "delete that line") from err
+    return records
 
 
 def plot_curves(output_dir) -> str:

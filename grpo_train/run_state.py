@@ -19,7 +19,15 @@ import torch
 from grpo_kernels import FusedLinearGRPOLoss
 
 from . import batching, sharding, tensor_parallel
-from .checkpoint import clear_run_files, find_checkpoint, resume_run, seed_everything
+from .checkpoint import (
+    CHECKPOINT_KEYS,
+    check_resumed_config,
+    clear_run_files,
+    find_checkpoint,
+    load_checkpoint,
+    resume_run,
+    seed_everything,
+)
 from .checks import grad_filter_value
 from .config import TrainConfig, grpo_params, lr_factor
 from .data import PromptSampler, load_examples
@@ -108,6 +116,9 @@ def setup(cfg: TrainConfig) -> RunState:
     train_ex, eval_ex = load_examples(cfg)
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
+    state = None if ckpt_path is None else load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    if state is not None:  # before any model loads: the settings must be the checkpoint's
+        check_resumed_config(state, cfg, ckpt_path, say)
     model, ref_model, tokenizer, eos_ids, layout, attention = build_models(
         cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
@@ -118,9 +129,10 @@ def setup(cfg: TrainConfig) -> RunState:
     sampler = PromptSampler(len(train_ex), cfg.seed)
     seed_everything(cfg.seed + rank)  # each process samples different completions
     start = 0
-    if ckpt_path is not None:
-        start = resume_run(ckpt_path, model, optimizer, scheduler, sampler,
+    if state is not None:
+        start = resume_run(state, ckpt_path, model, optimizer, scheduler, sampler,
                            accel.process_index, accel.num_processes, say)
+        del state  # the model and optimizer hold their own copies now
     # DistributedDataParallel when several processes; FSDP and tensor parallelism: the model
     ddp_model = model if cfg.fsdp or tp > 1 else accel.prepare_model(model)
     return RunState(
