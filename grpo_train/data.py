@@ -153,9 +153,14 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
         named = ", ".join(f"{flag} {col!r}" for flag, col in missing)
         raise UsageError(f"{where} has no column {named}; its columns are {columns}")
     examples = []
-    for row in rows:
+    for number, row in enumerate(rows, 1):
+        prompt = row.get(prompt_column)
+        if not isinstance(prompt, (str, list)):  # a row without the column, null, a number
+            got = "no such column" if prompt_column not in row else f"{prompt!r}"
+            raise UsageError(f"{where} row {number}: --prompt_column {prompt_column!r} must be "
+                             f"text or a list of chat messages, got {got}")
         ex = dict(row)
-        ex["prompt"] = row[prompt_column]
+        ex["prompt"] = prompt
         answer = row.get(answer_column) if answer_column else None
         ex["answer"] = None if answer is None else parse_gsm8k_answer(str(answer))
         examples.append(ex)

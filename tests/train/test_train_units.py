@@ -126,6 +126,19 @@ def test_local_files_and_missing_columns(tmp_path, ext):
     assert "question" in str(info.value)  # the error lists the columns there are
 
 
+@pytest.mark.parametrize("second, got", [({"prompt": "2+2"}, "got no such column"),
+                                         ({"question": None}, "got None"),
+                                         ({"question": 7}, "got 7")])
+def test_a_row_without_a_usable_prompt_is_named(tmp_path, second, got):
+    """Only the first row's columns were checked: a later row without the prompt column was a
+    KeyError, and a null prompt trained on as text."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"question": "1+1"}, second]))
+    with pytest.raises(UsageError, match=f"--dataset x row 2: --prompt_column 'question' must "
+                                         f"be text or a list of chat messages, {got}"):
+        to_examples(read_rows(str(path), None, "train"), "question", "", "--dataset x")
+
+
 def test_dataset_path_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--dataset"):
         read_rows(str(tmp_path / "nope.jsonl"), None, "train")
