@@ -94,7 +94,8 @@ class TrainConfig:
     max_unscored_steps: int = option(3,
         "Stop the run (exit status 2, an error naming each reward function's failure) after "
         "this many consecutive steps in which no completion was scored: every function raised "
-        "or returned None. The last checkpoint written before them is kept. 0 = never stop.")
+        "or returned None, NaN or inf. The last checkpoint written before them is kept. 0 = "
+        "never stop.")
 
     num_prompts: int | None = option(None, "P: prompts per step, over all processes")
     num_generations: int = option(8, "G: completions per prompt (a group); must be >= 2")

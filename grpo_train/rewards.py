@@ -163,7 +163,10 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
           columns: dict[str, list]) -> tuple[torch.Tensor, dict[str, int]]:
     """Rewards [N, F] float32 (NaN = unscored) and, per function, how many it could not score.
 
-    A function that raises leaves all its rewards NaN for this batch; the run goes on.
+    A function that raises leaves all its rewards NaN for this batch; the run goes on. A value
+    that is None or not a number leaves its completion unscored (counted under the function's
+    name), and so does an infinite or NaN one (counted apart): an infinite reward would turn its
+    whole group's advantages into NaN, and so into 0, while the step's reward read inf.
     """
     n = len(completions)
     out = torch.full((n, len(specs)), float("nan"))
@@ -176,18 +179,22 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
         except Exception as err:  # noqa: BLE001 - a reward bug must not kill a long run
             failures[f"{spec.name}: {type(err).__name__}: {err}"[:200]] = n
             continue
-        bad = 0
+        bad = non_finite = 0
         for i, v in enumerate(values):
             try:
                 v = None if v is None else float(v)
             except (TypeError, ValueError):
                 v = None
-            if v is None or math.isnan(v):
+            if v is None:
                 bad += 1
+            elif not math.isfinite(v):
+                non_finite += 1
             else:
                 out[i, j] = v
         if bad:
             failures[spec.name] = bad
+        if non_finite:
+            failures[f"{spec.name}: non-finite rewards (inf or NaN)"] = non_finite
     return out, failures
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_train.rewards import (
+    RewardSpec,
     accuracy,
     answers_match,
     combine,
@@ -16,6 +17,7 @@ from grpo_train.rewards import (
     group_advantages,
     parse_number,
     parse_reward_spec,
+    rewards_failed,
     score,
 )
 
@@ -130,6 +132,19 @@ def test_score_survives_failing_and_partial_functions():
     assert failures["partial"] == 1
     assert any("boom" in k and "bug in user code" in k for k in failures)
     assert any(k.startswith("short") for k in failures)
+
+
+def test_infinite_and_nan_rewards_leave_completions_unscored():
+    """An inf reward used to be kept: its group's advantages became NaN, then 0 (the group
+    trained on nothing) and the step's reward read inf, with no failure counted."""
+    def odd(prompts, completions, **kw):
+        return [float("inf"), -math.inf, float("nan"), 1.0]
+
+    rewards, failures = score([RewardSpec("odd", odd)], ["p"] * 4, ["a"] * 4, {})
+    assert torch.isnan(rewards[:3, 0]).all() and rewards[3, 0] == 1.0
+    assert failures == {"odd: non-finite rewards (inf or NaN)": 3}
+    message = str(rewards_failed(failures, 1, 1, 4, None))
+    assert "odd: non-finite rewards (inf or NaN) (3 of 4 completions)" in message
 
 
 def test_combine_weights_and_unscored_rows():
