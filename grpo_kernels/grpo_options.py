@@ -84,6 +84,9 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     values = torch.where(real, entropy.float(), torch.nan).reshape(-1)
     if gather is not None:
         values = gather(values)
+    if values.numel() == 0:  # packed rows of no token anywhere (e.g. every completion truncated
+        # under mask_truncated_completions): nanquantile refuses an empty tensor; keep none
+        return torch.zeros_like(entropy, dtype=torch.float32)
     threshold = torch.nanquantile(values, 1.0 - quantile)  # NaN if no real token: keeps none
     return ((entropy * mask.float() >= threshold) & real).float()
 

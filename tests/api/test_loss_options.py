@@ -245,3 +245,12 @@ def test_entropy_controller():
         EntropyController(entropy_coef_min=2.0)
     with pytest.raises(ValueError, match="entropy_target must be a finite"):
         EntropyController(entropy_target=math.nan)
+
+
+def test_entropy_quantile_of_no_token_keeps_none():
+    """Packed rows with no completion token (every completion of the micro-batch masked out):
+    nothing to take a quantile of, no token kept, as TRL's mask keeps none."""
+    from grpo_kernels.grpo_options import high_entropy_mask
+
+    got = high_entropy_mask(torch.empty(0), torch.empty(0), 0.5)
+    assert got.shape == (0,) and got.dtype == torch.float32

@@ -1,6 +1,7 @@
 """The TRL subclass against TRL 1.16's trainer with the loss options that need whole sequences
 or the batch (vespo, top_entropy_quantile, off_policy_mask_threshold, use_adaptive_entropy): one
-batch for each option with no fallback warning, and a short training run with every option (the
+batch for each option with no fallback warning, micro-batches with one or every completion
+masked out (packed and padded), and a short training run with every option (the
 adaptive entropy controller included). The functions against TRL's `_compute_loss` are in
 tests/api/test_loss_options.py."""
 
@@ -40,7 +41,8 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_trainer(cls, model_dir, **overrides):
+def make_trainer(cls, model_dir, padding_free=True, **overrides):
+    """A tiny trainer of class `cls` (padding_free goes to ours only)."""
     cfg = dict(
         output_dir=f"{model_dir}/out", report_to=[], use_cpu=True, bf16=False, seed=0,
         per_device_train_batch_size=MB, num_generations=4, max_completion_length=TC,
@@ -51,18 +53,20 @@ def make_trainer(cls, model_dir, **overrides):
     cfg.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        ours = {} if cls is trl.GRPOTrainer else dict(padding_free=padding_free)
         return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
-                   train_dataset=DATASET)
+                   train_dataset=DATASET, **ours)
 
 
-def trainer_batch(trainer, seed=0, noise=0.5):
-    """A TRL micro-batch: completions of lengths 7, 3, 5, 1, old/ref/sampling log-probs near the
+def trainer_batch(trainer, seed=0, noise=0.5, lengths=(7, 3, 5, 1)):
+    """A TRL micro-batch: completions of `lengths` (0: a completion masked out, as TRL's
+    mask_truncated_completions leaves a truncated one), old/ref/sampling log-probs near the
     policy's (TRL's scoring + noise, one unscored sampling token), rollout ratios."""
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(10, 90, (MB, P), generator=g)
     prompt_mask = torch.ones(MB, P, dtype=torch.long)
     prompt_mask[0, :2] = 0
-    completion_mask = (torch.arange(TC)[None] < torch.tensor([7, 3, 5, 1])[:, None]).long()
+    completion_mask = (torch.arange(TC)[None] < torch.tensor(lengths)[:, None]).long()
     completion_ids = torch.randint(10, 90, (MB, TC), generator=g).masked_fill(
         completion_mask == 0, 0)
     with torch.no_grad():
@@ -105,17 +109,35 @@ TRAINER_CASES = {
 
 @pytest.mark.parametrize("case", TRAINER_CASES)
 def test_trainer_matches_trl_without_fallback(model_dir, case):
-    cfg = dict(TRAINER_CASES[case])
+    assert_matches_trl(model_dir, dict(TRAINER_CASES[case]))
+
+
+# every option on, for micro-batches with completions masked out: one, or all of them (every
+# completion truncated under mask_truncated_completions: no token to take a quantile of)
+MASKED_OUT = dict(loss_type="grpo", beta=0.04, top_entropy_quantile=0.5, entropy_coef=0.1,
+                  off_policy_mask_threshold=0.05)
+
+
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("lengths", [(7, 0, 5, 1), (0, 0, 0, 0)], ids=["one", "all"])
+def test_masked_out_completions_match_trl(model_dir, lengths, padding_free):
+    assert_matches_trl(model_dir, dict(MASKED_OUT), lengths=lengths, padding_free=padding_free)
+
+
+def assert_matches_trl(model_dir, cfg, lengths=(7, 3, 5, 1), padding_free=True):
+    """One `_compute_loss` of TRL's trainer and ours (config `cfg`, its "patch" set on both
+    trainers) on `trainer_batch`: no fallback warning; the same loss, gradients, metrics and
+    entropy controller state."""
     patch = cfg.pop("patch", {})
-    ref, ours = make_trainer(trl.GRPOTrainer, model_dir, **cfg), make_trainer(
-        GRPOTrainer, model_dir, **cfg)
+    ref = make_trainer(trl.GRPOTrainer, model_dir, **cfg)
+    ours = make_trainer(GRPOTrainer, model_dir, padding_free=padding_free, **cfg)
     assert ours._loss_fallback is None
     for tr in (ref, ours):
         tr.model.train()
         tr.current_gradient_accumulation_steps = 2
         for k, v in patch.items():
             setattr(tr, k, v)
-    inputs = trainer_batch(ref)
+    inputs = trainer_batch(ref, lengths=lengths)
     loss_ref = ref._compute_loss(ref.model, inputs)
     loss_ref.backward()
     with force_backend("torch"), warnings.catch_warnings(record=True) as record:
