@@ -79,8 +79,10 @@ def make_batch(trainer, seed=0, noise=0.3, lengths=(7, 3, 5, 1), prompt_rows=Non
     )
 
 
-def run_both(model_dir, backend="chunked", mode="train", patch=None, extra=None, noise=0.3, **cfg):
-    """(TRL trainer, our trainer, TRL loss, our loss) on one batch, after backward."""
+def run_both(model_dir, backend="chunked", mode="train", patch=None, extra=None, noise=0.3,
+             drop=(), **cfg):
+    """(TRL trainer, our trainer, TRL loss, our loss) on one batch, after backward. extra:
+    batch entries added or replaced; drop: batch keys removed (e.g. old_per_token_logps)."""
     ref, ours = make_trainer(trl.GRPOTrainer, model_dir, **cfg), make_trainer(GRPOTrainer,
                                                                              model_dir, **cfg)
     for tr in (ref, ours):
@@ -89,6 +91,7 @@ def run_both(model_dir, backend="chunked", mode="train", patch=None, extra=None,
         for k, v in (patch or {}).items():
             setattr(tr, k, v)
     inputs = {**make_batch(ref, noise=noise), **(extra or {})}
+    inputs = {k: v for k, v in inputs.items() if k not in drop}
     loss_ref = ref._compute_loss(ref.model, inputs)
     loss_ref.backward()
     with force_backend(backend):
@@ -132,6 +135,9 @@ CASES = {
                         noise=1.0),
     # delta below 1 + epsilon_high: TRL flags high clipping on the delta-capped ratio
     "grpo-delta-entropy": dict(loss_type="grpo", delta=1.15, entropy_coef=0.1),
+    # an upper clip apart from the lower one, and a sampling temperature (scoring and loss)
+    "grpo-asymmetric-temperature": dict(loss_type="grpo", epsilon=0.1, epsilon_high=0.3,
+                                        temperature=0.7, beta=0.04),
     # a bf16 model with TRL's float32 head: our head runs in float32 too (head_dtype); padded,
     # as TRL's, because a bf16 body on packed rows rounds differently (its packed-against-padded
     # bound is in test_trl_padding_free.py)

@@ -119,6 +119,37 @@ def test_tool_mask_vllm_ratio_and_eval_mode(model_dir):
     assert_same(*run_both(model_dir, mode="eval", loss_type="cispo"), mode="eval")
 
 
+_VLLM = dict(use_vllm=True, vllm_importance_sampling_correction=True)
+_g = torch.Generator().manual_seed(11)
+BATCH_FORMS = {
+    # TRL's default schedule (num_iterations 1, steps_per_generation <= accumulation steps)
+    # scores no old policy: the batch has no old_per_token_logps, the ratio is 1 with the
+    # gradient of the current policy, and the off-policy mask drifts from the current policy
+    "no-old-logps": dict(drop=("old_per_token_logps",), loss_type="dapo", beta=0.04,
+                         off_policy_mask_threshold=0.05, entropy_coef=0.1),
+    "no-old-logps-vllm": dict(drop=("old_per_token_logps",), loss_type="grpo", patch=_VLLM,
+                              extra=dict(importance_sampling_ratio=torch.rand(B, T, generator=_g)
+                                         + 0.5)),
+    # TRL's default vllm_importance_sampling_mode ("sequence_mask") gives one ratio a sequence
+    "vllm-sequence-ratio": dict(loss_type="bnpo", beta=0.04, patch=_VLLM, extra=dict(
+        importance_sampling_ratio=torch.rand(B, 1, generator=_g) + 0.5)),
+    "vllm-sequence-ratio-gspo": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                     noise=1.0, patch=_VLLM, extra=dict(
+                                         importance_sampling_ratio=torch.rand(B, 1, generator=_g)
+                                         + 0.5)),
+    # advantages per token ([B, T], as TRL's subclasses may give them)
+    "token-advantages": dict(loss_type="grpo", beta=0.04, extra=dict(
+        advantages=torch.randn(B, T, generator=_g))),
+    "token-advantages-cispo": dict(loss_type="cispo", epsilon_high=1.2, extra=dict(
+        advantages=torch.randn(B, T, generator=_g))),
+}
+
+
+@pytest.mark.parametrize("cfg", BATCH_FORMS.values(), ids=BATCH_FORMS.keys())
+def test_batch_forms_of_trl_match_trl(model_dir, cfg):
+    assert_same(*run_both(model_dir, **cfg))
+
+
 def test_old_and_ref_scoring_match_trl(model_dir):
     ref, ours = make_trainer(trl.GRPOTrainer, model_dir), make_trainer(GRPOTrainer, model_dir)
     batch = make_batch(ref)
