@@ -89,6 +89,8 @@ def packed_grpo_loss(packed, hidden, weight, bias, completion_ids, mask, advanta
             return x
         return packed.unpack(x)
 
+    # every per-token value, vespo's φ included (per token where the advantages are [S, T])
     return loss, terms._replace(logp=grid(terms.logp), entropy=grid(terms.entropy),
                                 ratio=grid(terms.ratio), kl=grid(terms.kl),
+                                vespo_phi=grid(terms.vespo_phi),
                                 entropy_mask=grid(terms.entropy_mask))

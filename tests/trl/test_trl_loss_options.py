@@ -104,6 +104,9 @@ TRAINER_CASES = {
                         patch=dict(_last_world_entropy=1.0)),
     "adaptive-off": dict(loss_type="cispo", epsilon_high=1.2, use_adaptive_entropy=True,
                          entropy_coef=0.1, entropy_target=0.2),
+    # advantages per token ([B, T], as TRL's subclasses may give them): φ per token too
+    "vespo-token-advantages": dict(loss_type="vespo", off_policy_mask_threshold=0.05, batch=dict(
+        advantages=torch.linspace(-1.5, 1.5, MB * TC).reshape(TC, MB).T.contiguous())),
 }
 
 
@@ -126,9 +129,9 @@ def test_masked_out_completions_match_trl(model_dir, lengths, padding_free):
 
 def assert_matches_trl(model_dir, cfg, lengths=(7, 3, 5, 1), padding_free=True):
     """One `_compute_loss` of TRL's trainer and ours (config `cfg`, its "patch" set on both
-    trainers) on `trainer_batch`: no fallback warning; the same loss, gradients, metrics and
-    entropy controller state."""
-    patch = cfg.pop("patch", {})
+    trainers, its "batch" replacing entries of `trainer_batch`): no fallback warning; the same
+    loss, gradients, metrics and entropy controller state."""
+    patch, batch = cfg.pop("patch", {}), cfg.pop("batch", {})
     ref = make_trainer(trl.GRPOTrainer, model_dir, **cfg)
     ours = make_trainer(GRPOTrainer, model_dir, padding_free=padding_free, **cfg)
     assert ours._loss_fallback is None
@@ -137,7 +140,7 @@ def assert_matches_trl(model_dir, cfg, lengths=(7, 3, 5, 1), padding_free=True):
         tr.current_gradient_accumulation_steps = 2
         for k, v in patch.items():
             setattr(tr, k, v)
-    inputs = trainer_batch(ref, lengths=lengths)
+    inputs = {**trainer_batch(ref, lengths=lengths), **batch}
     loss_ref = ref._compute_loss(ref.model, inputs)
     loss_ref.backward()
     with force_backend("torch"), warnings.catch_warnings(record=True) as record:
