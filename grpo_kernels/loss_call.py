@@ -73,7 +73,8 @@ class GRPOTerms(NamedTuple):
     entropy: torch.Tensor  # per token, float32, differentiable
     ratio: torch.Tensor  # importance ratio w, detached: per token, or per sequence (GSPO)
     kl: torch.Tensor | None  # k3 KL per token, detached; None when beta == 0
-    vespo_phi: torch.Tensor | None = None  # vespo's φ per sequence, detached; else None
+    vespo_phi: torch.Tensor | None = None  # vespo's φ, detached (per token with [B, T]
+    # advantages, else per sequence); None for other loss types
     entropy_mask: torch.Tensor | None = None  # top_entropy_quantile < 1: kept tokens (0/1)
 
 
