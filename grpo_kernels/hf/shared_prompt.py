@@ -103,7 +103,8 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
         prompt_src = first * L + prompt_cols[first].nonzero().squeeze(1)  # [P]
         n = P[first] - 1
         src[at:at + n], pos[at:at + n], doc[at:at + n] = prompt_src[:-1], torch.arange(n), n_doc
-        prefix, n_doc, at = n_doc, n_doc + 1, at + n
+        # a one-token prompt has an empty prefix: no segment of its own, nothing to see
+        prefix, n_doc, at = (n_doc, n_doc + 1, at + n) if n else (-1, n_doc, at)
         for s in group:
             k = 1 + C[s]
             seg_start[s] = at

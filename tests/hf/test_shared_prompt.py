@@ -132,6 +132,19 @@ def test_shuffled_batch_shares_and_equals_padded():
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+def test_one_token_prompt_has_an_empty_prefix(attn_impl):
+    """A group whose prompt is one token has no prefix segment (its segments start with that
+    token): the rows build, and the log-probs equal the padded ones."""
+    model = tiny_qwen(attn_impl)
+    ids, attn, mask, T = grouped_batch(prompt_lengths=(1, 3), G=2)
+    sh = share_prompts(ids, attn, T, mask, model_config=model.config)
+    lp_pad = causal_lm_logprobs(model, ids, attn, T, position_ids=positions_of(attn))
+    lp_sh = causal_lm_logprobs(model, sh.input_ids, sh.attention_mask, sh.logits_to_keep,
+                               position_ids=sh.position_ids)
+    torch.testing.assert_close(lp_sh, sh.pack(lp_pad), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
