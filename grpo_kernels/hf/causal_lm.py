@@ -50,7 +50,6 @@ from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
     _HEAD_CHECKED,
-    _body,
     _check_head_input,
     _last_hidden,
     check_output_head,
@@ -119,12 +118,11 @@ def completion_hidden_states(
     """
     _check_batch(input_ids, attention_mask, logits_to_keep)
     inner = unwrap_model(model)
-    body = _body(inner)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
         # masks need not slice to one row (a BlockMask cannot): a text dummy for the check
-        _check_head_input(inner, body, input_ids.new_zeros(1, 2), None)
+        body = _check_head_input(inner, input_ids.new_zeros(1, 2), None)
     else:
-        _check_head_input(inner, body, input_ids, attention_mask)
+        body = _check_head_input(inner, input_ids, attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                   **model_kwargs)
     if return_router_logits:

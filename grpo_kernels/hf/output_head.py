@@ -97,29 +97,41 @@ def _body(inner: nn.Module) -> nn.Module:
     return body
 
 
+def _bodies(inner: nn.Module) -> list[nn.Module]:
+    """The modules whose output may feed the head, in order of preference: base_model, then its
+    sub-models (OPTForCausalLM runs base_model.decoder itself, never base_model)."""
+    from transformers import PreTrainedModel
+
+    body = _body(inner)
+    return [body, *(c for c in body.children() if isinstance(c, PreTrainedModel))]
+
+
 def _last_hidden(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
 
-# Models whose output embedding was seen to take the body's output unchanged (checked once each).
+# Models whose output embedding was seen to take the body's output unchanged (checked once
+# each), with that body: the module the hidden-state path runs.
 _HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _check_head_input(inner: nn.Module, body: nn.Module, input_ids, attention_mask) -> None:
+def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     """Once per model: run its own forward on one sequence and check that the output embedding
     is applied to the body's output as is, and that the model's logits are `logit_transform`'s
     z of the head's output. BERT-style heads (a dense+norm transform first, e.g.
     RobertaForCausalLM), a rescaled hidden state or an unknown logit transform would otherwise
-    give silently wrong losses."""
+    give silently wrong losses. Returns the body (`_bodies`: the first one the forward ran)."""
     if inner in _HEAD_CHECKED:
-        return
+        return _HEAD_CHECKED[inner]
+    bodies = _bodies(inner)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
-        return  # output_head() raises the error
+        return bodies[0]  # output_head() raises the error
     seen = {}
-    hooks = [body.register_forward_hook(lambda _m, _a, out: seen.setdefault("body", out)),
-             head.register_forward_pre_hook(lambda _m, args: seen.setdefault("head", args[0])),
-             head.register_forward_hook(lambda _m, _a, out: seen.setdefault("head_out", out))]
+    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: seen.setdefault(i, out))
+             for i, b in enumerate(bodies)]
+    hooks += [head.register_forward_pre_hook(lambda _m, args: seen.setdefault("head", args[0])),
+              head.register_forward_hook(lambda _m, _a, out: seen.setdefault("head_out", out))]
     devices = [input_ids.device] if input_ids.is_cuda else []
     try:  # no grad, and no RNG draws visible outside (dropout)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -135,7 +147,9 @@ def _check_head_input(inner: nn.Module, body: nn.Module, input_ids, attention_ma
     finally:
         for h in hooks:
             h.remove()
-    body_out = _last_hidden(seen["body"])[:, -1:] if "body" in seen else None
+    ran = next((i for i in range(len(bodies)) if i in seen), 0)
+    body = bodies[ran]
+    body_out = _last_hidden(seen[ran])[:, -1:] if ran in seen else None
     head_in = seen.get("head")
     if (body_out is None or head_in is None or head_in.shape != body_out.shape
             or not torch.equal(head_in, body_out.to(head_in.device))):
@@ -144,7 +158,8 @@ def _check_head_input(inner: nn.Module, body: nn.Module, input_ids, attention_ma
             f"({type(head).__name__}) directly to the output of its body "
             f"({type(body).__name__}); a head with its own transform is not supported")
     _check_logit_transform(inner, seen.get("head_out"), seen.get("logits"))
-    _HEAD_CHECKED[inner] = True
+    _HEAD_CHECKED[inner] = body
+    return body
 
 
 def _check_logit_transform(inner: nn.Module, head_out, logits) -> None:
@@ -177,7 +192,7 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -
         device = next(inner.parameters()).device
         vocab = getattr(getattr(inner, "config", None), "vocab_size", None) or 4
         input_ids = (torch.arange(1, 3, device=device) % max(vocab, 1)).unsqueeze(0)
-    _check_head_input(inner, _body(inner), input_ids, None)
+    _check_head_input(inner, input_ids, None)
 
 
 def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):

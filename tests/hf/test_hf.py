@@ -17,6 +17,8 @@ from transformers import (  # noqa: E402
     BioGptForCausalLM,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
     PhiConfig,
     PhiForCausalLM,
 )
@@ -154,6 +156,22 @@ def test_lm_head_bias():
     with force_backend("chunked"):
         assert_same_loss_and_grads(model, make_batch(60), **HP_CASES[0])
     assert model.lm_head.bias.grad is not None and model.lm_head.bias.grad.abs().sum() > 0
+
+
+def test_head_fed_by_a_sub_model_of_the_body():
+    """OPTForCausalLM's forward runs base_model.decoder, never base_model: the decoder is the
+    body (its output feeds the head), directly and through a wrapper."""
+    cfg = OPTConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                    ffn_dim=64, word_embed_proj_dim=32)
+    torch.manual_seed(5)
+    model = OPTForCausalLM(cfg).eval()
+    check_output_head(model)
+    with force_backend("chunked"):
+        assert_same_loss_and_grads(model, make_batch(60), **HP_CASES[0])
+        wrapped = DDPLike(model)
+        assert_same_loss_and_grads(model, make_batch(60, seed=2),
+                                   call=lambda _m, b, **hp: ours(wrapped, b, **hp), **HP_CASES[0])
+    assert wrapped.calls == 1
 
 
 class DDPLike(nn.Module):
