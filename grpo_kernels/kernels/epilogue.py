@@ -54,6 +54,7 @@ HAS_KL = tl.constexpr(8)  # beta != 0
 BIAS_CORRECT_KL = tl.constexpr(16)  # the k3 KL times the ratio
 HAS_ISR = tl.constexpr(32)  # rollout importance-sampling ratios given
 KIND_SHIFT = tl.constexpr(8)
+NAN_ALL = tl.PropagateNan.ALL  # min / max that return NaN when either operand is NaN
 
 
 class EpilogueArgs(NamedTuple):
@@ -111,20 +112,25 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
         w = tl.exp(logp - old)
     else:
         w = tl.exp(logp - logp)  # ratio ≡ 1, derivative w·dlogp keeps the A·∇logp gradient
+    # A NaN ratio (a NaN log-prob, old log-prob or hidden state) must give a NaN loss, as
+    # torch.minimum / torch.clamp give in grpo_math: tl.minimum / tl.maximum drop NaN by
+    # default (min.f32 returns the other operand), which would turn a broken token into a
+    # finite, wrong loss. Hence NAN_ALL on every min / max of w, and the derivative masks
+    # below written so that a NaN w passes through (w > δ is False for NaN).
     if LOSS_KIND == KIND_CISPO:
-        cap = tl.minimum(w, epsilon_high)
+        cap = tl.minimum(w, epsilon_high, propagate_nan=NAN_ALL)
         loss = -cap * adv * logp
         dloss = -cap * adv
     elif LOSS_KIND == KIND_DPPO:
         k = w
         if HAS_DELTA & EPI_FLAGS:
-            k = tl.minimum(w, delta)
+            k = tl.minimum(w, delta, propagate_nan=NAN_ALL)
         p = tl.exp(logp)
         change = p - p  # no old policy: the probability has not moved
         if HAS_OLD & EPI_FLAGS:
             change = p - tl.exp(old)
         inside = tl.where(adv > 0, change <= epsilon_high, change >= -epsilon_low)
-        k = tl.where(inside, k, 0.0)
+        k = tl.where(inside | (k != k), k, 0.0)  # NaN stays NaN (torch: NaN·0)
         loss = -k * adv * logp
         dloss = -k * adv
     elif LOSS_KIND == KIND_SAPO:
@@ -136,17 +142,17 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
         tl.static_assert(LOSS_KIND == KIND_CLIPPED, "grpo_token_epilogue: unknown LOSS_KIND")
         lo = 1.0 - epsilon_low
         hi = 1.0 + epsilon_high
-        c = tl.minimum(tl.maximum(w, lo), hi)
-        dc = tl.where((w >= lo) & (w <= hi), w, 0.0)
+        c = tl.minimum(tl.maximum(w, lo, propagate_nan=NAN_ALL), hi, propagate_nan=NAN_ALL)
+        dc = tl.where((w < lo) | (w > hi), 0.0, w)
         if HAS_DELTA & EPI_FLAGS:
-            u = tl.minimum(w, delta)
-            du = tl.where(w <= delta, w, 0.0)
+            u = tl.minimum(w, delta, propagate_nan=NAN_ALL)
+            du = tl.where(w > delta, 0.0, w)
         else:
             u = w
             du = w
         a = u * adv
         b = c * adv
-        loss = -tl.minimum(a, b)
+        loss = -tl.minimum(a, b, propagate_nan=NAN_ALL)
         da = -du * adv
         db = -dc * adv
         dloss = tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))

@@ -192,6 +192,31 @@ def test_fully_masked_batch_gives_zero_loss_and_gradients(backend):
     assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
 
 
+
+@pytest.mark.parametrize("delta", [None, 1.5])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "sapo", "dppo"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_ratio_gives_a_nan_loss(backend, loss_type, delta):
+    """A NaN old log-prob (or hidden state) at a real token makes the ratio NaN, and the loss
+    NaN, as the reference's torch.minimum / torch.clamp give it: Triton's min / max drop a NaN
+    operand by default, and the epilogue once returned a finite loss here."""
+    B, T, D, V = 2, 3, 8, 11
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=11)
+    adv, old = torch.tensor([1.0, -1.0]), torch.full((B, T), -2.4)
+    nan_old, nan_hidden = old.clone(), hidden.clone()
+    nan_old[0, 1] = nan_old[1, 2] = float("nan")
+    nan_hidden[1, 0, 0] = float("nan")
+    kw = hyper(loss_type, "token", 0.0, 1.0, delta)
+    for h, o in ((hidden, nan_old), (nan_hidden, old)):
+        truth, _ = reference.fused_linear_grpo_loss(h, weight, ids, adv, None, o, **kw)
+        assert truth.isnan()
+        with gk.force_backend(backend):
+            loss, _ = on_device(gk.fused_linear_grpo_loss, backend)(leaf(h), weight, ids, adv,
+                                                                   None, o, **kw)
+            from_logits, _ = on_device(gk.grpo_loss, backend)(h @ weight.T, ids, adv, None, o,
+                                                              **kw)
+        assert loss.isnan() and from_logits.isnan(), (loss, from_logits)
+
 def test_module_matches_function():
     B, T, D, V = 2, 6, 8, 30
     hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=8)
