@@ -83,6 +83,9 @@ class GRPOParams:
         for name in ("epsilon_high", "off_policy_mask_threshold"):
             if getattr(self, name) is not None:
                 _check_finite(name, getattr(self, name))
+        if not isinstance(self.use_bias_correction_kl, bool):  # "False" would be truthy
+            raise TypeError("use_bias_correction_kl must be a bool, got "
+                            f"{self.use_bias_correction_kl!r}")
         if self.epsilon_low < 0 or self.epsilon_high < 0:
             raise ValueError(
                 "epsilon_low and epsilon_high must be >= 0, "

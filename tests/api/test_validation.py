@@ -62,6 +62,8 @@ CASES = [
     ("bad temperature", lambda k: k.update(temperature=0.0), ValueError, "temperature"),
     ("nan epsilon", lambda k: k.update(epsilon_low=float("nan")), ValueError, "epsilon_low"),
     ("bad delta", lambda k: k.update(delta=-1.0), ValueError, "delta must be > 0"),
+    ("bias-correction flag a string", lambda k: k.update(use_bias_correction_kl="False"),
+     TypeError, "use_bias_correction_kl must be a bool, got 'False'"),
     ("isr shape", lambda k: k.update(importance_sampling_ratio=torch.ones(T)), ValueError,
      "importance_sampling_ratio must have shape"),
     ("num items type", lambda k: k.update(num_items_in_batch="12"), TypeError,
