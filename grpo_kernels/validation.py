@@ -77,6 +77,8 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
     if weight.shape[0] == 0:
         raise ValueError("weight must have at least one vocabulary row, got shape "
                          f"{tuple(weight.shape)}")
+    if weight.shape[1] == 0:  # [N, 0] hidden cannot be flattened to [-1, D] for the kernels
+        raise ValueError(f"weight must have a hidden size D >= 1, got shape {tuple(weight.shape)}")
     if hidden.dtype != weight.dtype and not _mixed_head(hidden.dtype, weight.dtype):
         raise TypeError(
             f"{hidden_name} ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype, "

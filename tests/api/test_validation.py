@@ -40,6 +40,8 @@ CASES = [
     ("int hidden", lambda k: k.update(hidden=k["hidden"].long()), TypeError,
      "hidden must be a floating-point"),
     ("weight 1-d", lambda k: k.update(weight=k["weight"][0]), ValueError, "weight must have 2"),
+    ("hidden size 0", lambda k: k.update(hidden=k["hidden"][..., :0], weight=k["weight"][:, :0]),
+     ValueError, "weight must have a hidden size D >= 1, got shape (21, 0)"),
     ("bias shape", lambda k: k.update(bias=torch.zeros(V + 1)), ValueError,
      "bias must have shape [V]"),
     ("advantages shape", lambda k: k.update(advantages=torch.randn(B + 1)), ValueError,
