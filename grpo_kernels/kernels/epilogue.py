@@ -54,7 +54,8 @@ HAS_KL = tl.constexpr(8)  # beta != 0
 BIAS_CORRECT_KL = tl.constexpr(16)  # the k3 KL times the ratio
 HAS_ISR = tl.constexpr(32)  # rollout importance-sampling ratios given
 KIND_SHIFT = tl.constexpr(8)
-NAN_ALL = tl.PropagateNan.ALL  # min / max that return NaN when either operand is NaN
+# min / max that return NaN when either operand is NaN (a constexpr: a kernel reads no other global)
+NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
 
 
 class EpilogueArgs(NamedTuple):
