@@ -2,9 +2,10 @@
 states (`causal_lm.py`), PEFT adapters on the output head (`head_adapters.py`), packed
 (padding-free) rows (`packed_rows.py`), rows holding a group's prompt once (`shared_prompt.py`),
 the choice between those and padded batches (the `RowLayout` of `row_layout.py`, chosen in
-`row_plan.py`), the attention implementation their forwards run (`attention_choice.py`),
-FSDP2-sharded models (`fsdp.py`), the Mixture-of-Experts auxiliary loss (`moe.py`) and heads
-sharded by DeepSpeed ZeRO-3 (`zero3.py`, used by `resolved_head`)."""
+`row_plan.py`; `padded_positions.py` where the padded forward passes no position_ids), the
+attention implementation their forwards run (`attention_choice.py`), FSDP2-sharded models
+(`fsdp.py`), the Mixture-of-Experts auxiliary loss (`moe.py`) and heads sharded by DeepSpeed
+ZeRO-3 (`zero3.py`, used by `resolved_head`)."""
 
 from . import causal_lm
 from .attention_choice import (
@@ -26,6 +27,7 @@ from .packed_rows import (
     pack_sequences,
     row_width_rule,
 )
+from .padded_positions import check_padded_positions
 from .row_layout import ROW_LAYOUTS, RowLayout, parse_row_layout
 from .row_plan import LayoutChoice, choose_layout, plan_rows, row_inputs
 from .shared_prompt import check_shared_prompt, share_prompts, shared_prompt_mask
@@ -34,7 +36,7 @@ __all__ = [*causal_lm.__all__, "ATTENTION_RULES", "AttentionChoice", "AttentionR
            "ROW_LAYOUTS", "LayoutChoice", "RowLayout", "RowWidthRule",
            "add_lora", "choose_layout", "fsdp2_root", "has_tuner_adapter", "PackedBatch",
            "parse_row_layout", "plan_rows", "row_inputs", "row_width_rule",
-           "check_packed_attention", "check_shared_prompt", "choose_attention",
-           "choose_row_width",
+           "check_packed_attention", "check_padded_positions", "check_shared_prompt",
+           "choose_attention", "choose_row_width",
            "load_balancing_loss", "pack_sequences", "run_as_forward", "share_prompts",
            "shared_prompt_mask", "using_attention"]

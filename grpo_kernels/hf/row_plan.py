@@ -10,8 +10,10 @@ in one of three row layouts (`RowLayout`):
     shared   packed, with each group's prompt once and its completions after it, under a 4-D
              mask that keeps siblings apart (`shared_prompt.share_prompts`)
 
-All three give the same log-probs, loss and gradients. `choose_layout` decides once per model,
-with the reason as one phrase for the caller's one log line; `plan_rows` lays out a batch and
+All three give the same log-probs, loss and gradients; where the padded forward passes no
+position_ids (TRL's), only for models that `padded_positions.check_padded_positions` allows
+(absolute position embeddings see other positions there). `choose_layout` decides once per
+model, with the reason as one phrase for the caller's one log line; `plan_rows` lays out a batch and
 `row_inputs` gives the model keywords that go with the rows. grpo_train (its micro-batches) and
 the TRL subclass (its scoring and loss forwards) both go through these three functions. A row
 layout named by a string (a command-line flag, a results row) becomes a `RowLayout`
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, takes_boundaries
+from .padded_positions import check_padded_positions
 from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt, share_prompts
 from .unwrap import unwrap_model
@@ -45,16 +48,22 @@ class LayoutChoice:
     reason: str
 
 
-def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
-                  ) -> LayoutChoice:
+def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True,
+                  padded_position_ids: bool = True) -> LayoutChoice:
     """The richest layout the caller asks for that `model` computes exactly: shared if
     share_prompt and `check_shared_prompt` allows it, else packed if padding_free and
-    `check_packed_attention` allows it, else padded. Checks run once per model (cached); pass
-    the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
+    `check_packed_attention` allows it, else padded. padded_position_ids: whether the caller's
+    padded forward passes position_ids counting from each sequence's first token (grpo_train's
+    passes cumsum(mask) - 1); where it passes none (TRL's), packed and shared rows also need
+    `check_padded_positions`, which refuses absolute position embeddings (GPT-2). Checks run
+    once per model (cached); pass the model before a DDP/FSDP wrapper (a PEFT wrapper is
+    fine)."""
     if not padding_free:
         return LayoutChoice(RowLayout.PADDED, "padding-free rows turned off")
     inner = unwrap_model(model)
     reason = check_packed_attention(inner)
+    if reason is None and not padded_position_ids:
+        reason = check_padded_positions(inner)
     if reason is not None:
         return LayoutChoice(RowLayout.PADDED, f"not packed: {reason}")
     if not share_prompt:

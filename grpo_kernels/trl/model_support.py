@@ -21,6 +21,10 @@ quirk with how it is detected and what is checked, and the row layout that follo
     attention over packed     the attention implementation,     the layout (`hf.choose_layout`):
       or shared-prefix rows     layer types, MoE                shared, packed or padded, said
                                                                 on one log line with the reason
+    positions in TRL's        a left-padded forward without     padded rows where they differ
+      padded forward            position_ids against packed     from packed rows' (absolute
+                                rows' (`hf.check_padded_        position embeddings: GPT-2)
+                                positions`)
     attention implementation  the device, the layout, the       `hf.choose_attention`'s rule
                               model class and config            among sdpa and eager (set for
                                                                 the whole model: TRL generates
@@ -110,8 +114,11 @@ class ModelSupport:
             layout = RowLayout.PADDED
             reason = f"the model runs TRL's own implementation ({self.fallback})"
         else:
+            # TRL's padded forward passes no position_ids: packed rows must give the same
+            # positions (absolute position embeddings, e.g. GPT-2's, do not)
             choice = choose_layout(model, padding_free=padding_free,
-                                   share_prompt=padding_free and share_prompt)
+                                   share_prompt=padding_free and share_prompt,
+                                   padded_position_ids=False)
             layout, reason = choice.layout, choice.reason
         quiet = layout is not RowLayout.PADDED or not padding_free
         (logger.info if quiet else logger.warning)(

@@ -21,12 +21,13 @@ normalization, metrics and accumulation see the batch TRL built.
   gradient-accumulation scaling are TRL's. Shared rows share every prompt whose completions
   meet in the micro-batch, wherever TRL's shuffle put them; the micro-batches stay TRL's.
 
-Exact where the model's attention reads packed position_ids (`check_packed_attention`) and, for
-shared rows, takes a 4-D mask (`check_shared_prompt`); both are checked once per model at the
-trainer's construction (`model_support.ModelSupport`), and one log line says which layout runs
-and why. A batch whose
-completion mask is not a prefix of each row (1s then 0s) cannot be packed without changing what
-the kept tokens attend to: it runs padded.
+Exact where the model's attention reads packed position_ids (`check_packed_attention`), where
+TRL's padded forward, which passes no position_ids, gives each sequence the positions packed rows
+give it (`check_padded_positions`; absolute position embeddings such as GPT-2's do not) and, for
+shared rows, where the model takes a 4-D mask (`check_shared_prompt`); all are checked once per
+model at the trainer's construction (`model_support.ModelSupport`), and one log line says which
+layout runs and why. A batch whose completion mask is not a prefix of each row (1s then 0s)
+cannot be packed without changing what the kept tokens attend to: it runs padded.
 """
 
 from __future__ import annotations

@@ -291,3 +291,23 @@ def test_unsupported_model_falls_back_with_one_line(monkeypatch, capsys):
     assert models_mod.micro_batch_layout(object(), cfg, said.append) == "padded"
     assert said == ["micro-batches: padded rows, not packed: it attends across "
                     "(--padding_free)"]
+
+
+def test_absolute_position_model_still_packs():
+    """grpo_train's padded forward passes cumsum(mask) - 1 positions, so a model with learned
+    absolute position embeddings (GPT-2) keeps packed and shared rows: its packed log-probs equal
+    the padded ones on left-padded prompts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4,
+                                       n_positions=64, bos_token_id=1, eos_token_id=1)).eval()
+    said = []
+    cfg = types.SimpleNamespace(padding_free=True, share_prompt=True)
+    assert models_mod.micro_batch_layout(model, cfg, said.append) == "shared"
+    ids, attn, mask, T = padded_batch()
+    lp_pad = causal_lm_logprobs(model, ids, attn, T, position_ids=models_mod.position_ids(attn))
+    pk = pack_sequences(ids, attn, T, mask)
+    lp_pk = causal_lm_logprobs(model, pk.input_ids, None, pk.logits_to_keep,
+                               position_ids=pk.position_ids)
+    torch.testing.assert_close(lp_pk, pk.pack(lp_pad), rtol=1e-5, atol=1e-5)

@@ -8,8 +8,9 @@
 - short training runs (num_iterations 2, steps_per_generation 4 != gradient_accumulation_steps 2,
   beta 0.04, the entropy bonus, torch.compile) end with the parameters of the padded run and of
   TRL's trainer; under two-process FSDP2 (gloo) packed scoring and loss equal the padded ones;
-- where packing cannot be exact (a model that attends across packed sequences, a completion mask
-  that is not a prefix) the trainer runs padded and says why.
+- where packing cannot be exact (a model that attends across packed sequences, absolute position
+  embeddings under TRL's padded forward without position_ids, a completion mask that is not a
+  prefix) the trainer runs padded and says why.
 """
 
 import json
@@ -26,7 +27,17 @@ import torch
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
-from trl_harness import CASES, REPO, B, P, T, assert_same, make_batch, make_trainer  # noqa: E402
+from trl_harness import (  # noqa: E402
+    CASES,
+    REPO,
+    B,
+    P,
+    T,
+    assert_same,
+    make_batch,
+    make_trainer,
+    run_both,
+)
 
 from grpo_kernels import force_backend  # noqa: E402
 from grpo_kernels.trl import GRPOTrainer  # noqa: E402
@@ -238,6 +249,55 @@ def test_model_attending_across_packed_rows_runs_padded(model_dir, monkeypatch, 
     with force_backend("chunked"):
         tr._compute_loss(tr.model, batch)
     assert calls.calls == [(B * (P + T), True)]
+
+
+@pytest.fixture(scope="module")
+def position_model_dirs(tmp_path_factory):
+    """Tiny random models saved with the tiny tokenizer: GPT-2 (learned absolute position
+    embeddings) and Llama (rotary positions)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpo_train.tiny import build_tokenizer, save_tiny_model
+
+    tok = build_tokenizer()
+    gpt2 = tmp_path_factory.mktemp("tiny_gpt2")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(
+        vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # as Qwen2's: no dropout to match
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id)).save_pretrained(gpt2)
+    tok.save_pretrained(gpt2)
+    llama = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_model(str(llama), arch="llama", hidden_size=32, num_layers=2)
+    return {"gpt2": str(gpt2), "llama": str(llama)}
+
+
+@pytest.mark.parametrize("arch, layout", [("gpt2", "padded"), ("llama", "shared")])
+def test_absolute_positions_run_padded_and_equal_trl(position_model_dirs, arch, layout, caplog):
+    """TRL's padded forward passes no position_ids: a left-padded prompt's positions start at
+    its pad count, while packed and shared rows start every sequence at 0. GPT-2's learned
+    position embeddings see the difference: the subclass runs padded rows and its one log line
+    says why. Rotary (Llama) does not: shared rows. Both give TRL's loss, gradients, metrics
+    and scoring on left-padded prompts."""
+    with caplog.at_level(logging.INFO, logger="grpo_kernels.trl.trainer"):
+        ref, ours, loss_ref, loss = run_both(position_model_dirs[arch])
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpo_kernels.trl.trainer"]
+    assert ours._layout == layout and len(lines) == 1  # ours (TRL's trainer logs no layout)
+    if layout == "padded":
+        assert "padded rows: not packed: GPT2LMHeadModel reads other positions" in lines[0]
+        assert caplog.records[-1].levelno == logging.WARNING
+    assert_same(ref, ours, loss_ref, loss)
+    batch = make_batch(ref)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    assert not bool(am[:, 0].all())  # left-padded prompts
+    with torch.no_grad():
+        want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(ref, ref.model, ids,
+                                                                        am, T)
+        with force_backend("chunked"):
+            got, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, am, T)
+    torch.testing.assert_close(got, want * am[:, -T:], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

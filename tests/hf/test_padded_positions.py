@@ -1,0 +1,98 @@
+"""`check_padded_positions`: a left-padded forward without position_ids against packed rows'
+positions. GPT-2's learned absolute position embeddings are refused, in float32 and bf16; rotary
+models (Qwen2, Llama) and OPT, which counts positions from the attention mask, are allowed; a
+forward that takes no position_ids is refused. `choose_layout` asks for the check only where the
+caller's padded forward passes no position_ids (the TRL subclass), so grpo_train still packs
+GPT-2."""
+
+import types
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from grpo_kernels.hf import RowLayout, check_padded_positions, choose_layout
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+SIZES = dict(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny(arch: str, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4,
+                                           n_positions=64, bos_token_id=1, eos_token_id=1))
+    elif arch == "opt":
+        model = OPTForCausalLM(OPTConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, ffn_dim=64,
+                                         max_position_embeddings=64, word_embed_proj_dim=32))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SIZES))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch, allowed", [("gpt2", False), ("opt", True), ("qwen2", True),
+                                           ("llama", True)])
+def test_absolute_positions_are_refused_relative_ones_allowed(arch, allowed, dtype):
+    model = tiny(arch, dtype).train()
+    reason = check_padded_positions(model)
+    if allowed:
+        assert reason is None
+    else:
+        assert reason.startswith("GPT2LMHeadModel reads other positions in a left-padded "
+                                 "forward without position_ids than in packed rows")
+    assert model.training  # put back as it was (the check runs in eval: no dropout)
+
+
+def test_checked_once_per_model():
+    model = tiny("gpt2")
+    calls = []
+    model.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    first = check_padded_positions(model)
+    assert first is not None and len(calls) == 2  # padded, then as packed rows run it
+    assert check_padded_positions(model) == first and len(calls) == 2
+
+
+class NoPositions(nn.Module):
+    """A causal LM whose forward takes no position_ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=11, _attn_implementation="eager")
+        self.emb = nn.Embedding(11, 4)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return types.SimpleNamespace(logits=self.emb(input_ids))
+
+
+def test_a_forward_without_position_ids_is_refused():
+    reason = check_padded_positions(NoPositions())
+    assert reason.startswith("NoPositions failed on a padded sequence or on position_ids: "
+                             "TypeError")
+
+
+def test_choose_layout_checks_positions_only_without_padded_position_ids():
+    gpt2 = tiny("gpt2")
+    trl_like = choose_layout(gpt2, padded_position_ids=False)
+    assert trl_like.layout is RowLayout.PADDED
+    assert trl_like.reason.startswith("not packed: GPT2LMHeadModel reads other positions")
+    # grpo_train's padded forward passes cumsum(mask) - 1: packed rows give the same positions
+    assert choose_layout(gpt2).layout is RowLayout.SHARED
+    assert choose_layout(tiny("qwen2"), padded_position_ids=False).layout is RowLayout.SHARED
+    assert choose_layout(tiny("llama"), padded_position_ids=False,
+                         share_prompt=False).layout is RowLayout.PACKED
