@@ -41,6 +41,15 @@ def _clamped_targets(tgt_ptr, offs_n, n_mask, V):
 
 
 @triton.jit
+def _nonzero_rows(x):
+    """How many of a block's [ROWS] values are not 0, NaN included (NaN != 0): the test of
+    whether a block has a gradient (or a weight). A max of |x| would drop a NaN beside zeros
+    (a reduction's maximum ignores NaN) and skip a broken row's block, giving it zeros where
+    its gradient is NaN."""
+    return tl.sum(tl.where(x != 0.0, 1.0, 0.0), axis=0)
+
+
+@triton.jit
 def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: tl.constexpr,
                     BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(lse, entropy) [ROWS] of z = cap(s·x) / τ for a block of rows (offsets `rows`), in one
@@ -89,7 +98,7 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
     live = True
     if SKIP_ZERO_WEIGHT:
-        live = tl.max(tl.abs(load_token_weights(offs_n, n_mask, epi_tensors)), axis=0) != 0.0
+        live = _nonzero_rows(load_token_weights(offs_n, n_mask, epi_tensors)) != 0.0
     lse = tl.zeros([ROWS], tl.float32)
     ent = tl.zeros([ROWS], tl.float32)
     g = tl.zeros([ROWS], tl.float32)
@@ -210,13 +219,13 @@ def _logits_logprob_bwd_kernel(
     rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
     drows = _row_offsets(offs_n, T, stride_db, stride_dt)
     g = tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)
-    busy = tl.max(tl.abs(g), axis=0)
+    busy = _nonzero_rows(g)
     gh = g
     ent = g
     if HAS_GENT:
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
-        busy += tl.max(tl.abs(gh), axis=0)
+        busy += _nonzero_rows(gh)
     # the target column as given: an id outside [0, V) (another vocabulary shard's, see
     # grpo_kernels/parallel; or a bad id, which the caller reports) matches no column and adds
     # no one-hot term, as in the linear head's tile kernels (`dlogits.dz_tile`)
@@ -240,9 +249,9 @@ def _skipped_rows_kernel(
     n_mask = offs_n < N
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
-    busy = tl.max(tl.abs(tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0)), axis=0)
+    busy = _nonzero_rows(tl.load(glogp_ptr + offs_n, mask=n_mask, other=0.0))
     if HAS_GENT:
-        busy += tl.max(tl.abs(tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)), axis=0)
+        busy += _nonzero_rows(tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0))
     stale = lse != lse
     if (busy != 0.0) & (tl.max(stale.to(tl.int32), axis=0) != 0):
         rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
@@ -333,11 +342,11 @@ def _logits_loss_grad_kernel(
         x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T, stride_xb,
         stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP,
         False)
-    busy = tl.max(tl.abs(g), axis=0)
+    busy = _nonzero_rows(g)
     gh = g
     if HAS_GENT:
         gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        busy += tl.max(tl.abs(gh), axis=0)
+        busy += _nonzero_rows(gh)
     lse = tl.where(n_mask, lse, 0.0)  # rows past N: finite, as the backward loads them
     # the one-hot term at the id as given: none for an id outside [0, V), as in the backward
     # kernel (another vocabulary shard's id, grpo_kernels/parallel); the sweep loads nothing by it

@@ -217,6 +217,33 @@ def test_a_nan_ratio_gives_a_nan_loss(backend, loss_type, delta):
                                                               **kw)
         assert loss.isnan() and from_logits.isnan(), (loss, from_logits)
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_rollout_ratio_gives_nan_gradients_where_the_reference_does(backend):
+    """A NaN rollout importance-sampling ratio at one token: the loss is NaN and so is the
+    d hidden of that token's row, as in the reference. The row kernels skip a block whose
+    rows have no gradient; a reduction's max drops a NaN beside zeros, which once skipped the
+    broken row's block and gave it zeros."""
+    B, T, D, V = 2, 3, 8, 11
+    hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=12)
+    # advantage 0 for the second sequence: in the row blocks of its tokens, the broken token's
+    # row is the only one whose gradient is not 0
+    adv, old = torch.tensor([1.0, 0.0]), torch.full((B, T), -2.4)
+    isr = torch.ones(B, T)
+    isr[1, 1] = float("nan")
+    kw = dict(loss_type="dapo", beta=0.0, importance_sampling_ratio=isr)
+    h, x = leaf(hidden), leaf(hidden)
+    truth, _ = reference.fused_linear_grpo_loss(h, weight, ids, adv, None, old, **kw)
+    truth.backward()
+    with gk.force_backend(backend):
+        loss, _ = on_device(gk.fused_linear_grpo_loss, backend)(x, weight, ids, adv, None, old,
+                                                                **kw)
+        loss.backward()
+    assert truth.isnan() and loss.isnan()
+    want, got = h.grad.isnan().any(-1), x.grad.isnan().any(-1)
+    assert want[1, 1] and torch.equal(got, want), (got, want)
+
+
 def test_module_matches_function():
     B, T, D, V = 2, 6, 8, 30
     hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu", seed=8)

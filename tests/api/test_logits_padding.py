@@ -102,3 +102,24 @@ def test_chunked_backward_recomputes_marked_rows(with_entropy):
                                           skipped_rows=True)
     assert torch.isnan(marked_lse[T:2 * T]).all()  # the saved statistics stay as they were
     assert max_err(got, expect) < 1e-6
+
+
+@pytest.mark.parametrize("where", ["g_logp", "g_ent"])
+def test_a_nan_gradient_beside_zero_rows_is_not_skipped(where):
+    """A block whose rows have no gradient is skipped (zeros, no read); a NaN gradient (a
+    broken token) beside zeros in one block must still give that row NaN d logits, as torch
+    does, not zeros: the skip test counts NaN as a gradient."""
+    from grpo_kernels.kernels.logits_logprobs import logits_logprob_backward
+
+    logits, ids, *_ = batch()
+    x = logits.reshape(1, B * T, V)[:, :8].to(KERNEL_DEVICE)  # 8 rows: one block or two
+    lse = x[0].float().logsumexp(-1)
+    ent = torch.zeros(8, device=x.device)
+    g = torch.zeros(8, device=x.device)
+    g_nan = g.clone()
+    g_nan[0] = float("nan")
+    g_logp, g_ent = (g_nan, None) if where == "g_logp" else (g, g_nan)
+    d = logits_logprob_backward(x, ids.reshape(-1)[:8].to(x.device), lse, ent, g_logp, g_ent,
+                                1.0)[0]
+    assert d[0].isnan().all(), d[0]
+    assert (d[1:] == 0).all()  # the rows without a gradient: zeros
