@@ -92,7 +92,9 @@ def _say(run, msg: str) -> None:
 def _path(model, run, sampling: dict) -> str:
     """The path, decided on the first call and kept in `run.generation_path`: the asked one or
     the device rule's first that runs here, else padded (its line logged now; continuous
-    batching's after its first call)."""
+    batching's after its first call). sampling: the run's sampled calls' settings, whichever
+    call comes first (a run's first is the held-out evaluation's greedy one, whose settings
+    would hide the sampling processors continuous batching may lack)."""
     if run.generation_path is None:
         cfg = run.cfg
         kind = next(model.parameters()).device.type
@@ -224,14 +226,14 @@ def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
     prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
     B = prompt_ids.shape[0]
     lengths = lengths_to_force(run, B, cfg.max_new_tokens)
-    sampling = dict(do_sample=False) if greedy else dict(
-        do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    sampled = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    sampling = dict(do_sample=False) if greedy else sampled
     was_training = model.training
     model.eval()
     completion_ids = None  # [B, T], right-padded with pad_token_id
     try:
         with sharding.full_parameters(model), run.autocast:  # FSDP: gathered once per call
-            if _path(model, run, sampling) == "continuous":
+            if _path(model, run, sampled) == "continuous":
                 completion_ids = _continuous(model, prompts, G, sampling, lengths, run, device)
             if completion_ids is None:  # padded or static (or continuous batching failed)
                 completion_ids = _padded(model, prompt_ids, prompt_mask, G, sampling, lengths,

@@ -1,6 +1,6 @@
 """grpo_train.generation's path rule and the static-cache path: "auto" takes the first path of
 the device's rule that runs (GENERATION_RULES) and the log line names the rule and each refusal
-(--bf16's among them); the static cache,
+(--bf16's among them), whichever call comes first; the static cache,
 uncompiled and compiled (slow: torch.compile on a CPU takes ~40 s), gives `model.generate`'s
 greedy tokens on the embedded model and random Qwen2 and Llama models, its prompts prefilled
 once, its cache kept across calls of one shape, and it falls back to padded, saying why."""
@@ -203,3 +203,20 @@ def test_cuda_rule_compiles_the_decode_only_where_it_pays_back(tiny, monkeypatch
     generation.generate(model, EXAMPLES, make_ctx(model, tok, cfg, "auto", log, bf16=True,
                                                   steps=10, static_compile=False))
     assert log == [f"{STATIC} ({rule}); {ONCE}"]
+
+
+def test_a_greedy_first_call_decides_the_path_for_the_sampled_calls(tiny, monkeypatch):
+    """A run's first call is the held-out evaluation's greedy one: continuous batching is
+    refused for a sampling processor of the model's generation config (min_p: no
+    continuous-batching form) all the same, as when a sampled call comes first."""
+    models, tok, cfg = tiny
+    model = models["embedded"]
+    monkeypatch.setattr(model.generation_config, "min_p", 0.5)
+    want = ["generation: padded (MinPLogitsWarper (from the generation config) has no "
+            f"continuous-batching form); {ONCE}"]
+    for first_greedy in (False, True):
+        log = []
+        ctx = make_ctx(model, tok, cfg, "continuous", log)
+        generation.generate(model, EXAMPLES, ctx, greedy=first_greedy)
+        generation.generate(model, EXAMPLES, ctx)
+        assert log == want, first_greedy
