@@ -59,6 +59,10 @@ def env_vars(values: Mapping[str, str | None]) -> Iterator[None]:
         apply(found)
 
 
+class NotMeasured(Exception):
+    """A mode a case cannot time honestly (the message says why); its row reads "n/a: ..."."""
+
+
 @dataclass
 class Case:
     """Inputs built for one (provider, shape) and the loss call on them. `env`: environment
@@ -77,6 +81,9 @@ class Case:
     # skips frames under a dispatch mode, and a fullgraph compile then raises
     cpu_memory: bool = True
     env: dict[str, str | None] = field(default_factory=dict)
+    # mode -> why this case has no time for it: `step(mode)` raises NotMeasured, and the row
+    # says "n/a: <why>" instead of a time that is not the mode's cost
+    unmeasured: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.env:  # every call of `loss`, also one made outside `step`, sees the variables
@@ -93,7 +100,10 @@ class Case:
         return sum(t.numel() * t.element_size() for t in self.leaves)
 
     def step(self, mode: str) -> Callable[[], None]:
-        """The callable to time for `mode` (for "backward", the forward runs here, untimed)."""
+        """The callable to time for `mode` (for "backward", the forward runs here, untimed, and
+        each call is a backward of that one graph, kept with retain_graph)."""
+        if mode in self.unmeasured:
+            raise NotMeasured(self.unmeasured[mode])
         if mode == "forward":
             def forward():
                 self.loss()  # the graph (saved activations) is built, then dropped

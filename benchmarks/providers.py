@@ -27,6 +27,7 @@ from .cases import (  # noqa: F401  (GRADED, Case, logits_inputs: re-exported fo
     Case,
     LossConfig,
     Provider,
+    env_vars,
     fused_inputs,
     logits_inputs,
     nbytes,
@@ -106,8 +107,33 @@ def _fused_ours(shape, dtype, device, cfg, three_pass=True, backward=None, grad_
         note += f"; {BACKWARD_ENV}={backward}"
     if grad_filter is not None:
         note += f"; grad_filter={grad_filter}"
+    extra = {}
+    if _takes_three_pass(h, w, backend, cfg, grad_filter, env):
+        note += f"; {THREE_PASS_NOTE}"
+        extra = dict(rated_modes=("score", "fwd+bwd"), unmeasured={"backward": THREE_PASS_NA})
     return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                [ids, adv, mask, old, ref], env=env)
+                [ids, adv, mask, old, ref], env=env, **extra)
+
+
+# The three-pass route forms the gradient in the forward, and the first backward of the graph
+# hands it to autograd. The backward mode times later backwards of one retained graph, which
+# recompute it (the four-pass backward): a cost no training step pays. So that route's case has
+# no backward time, and its forward (the whole work) no rate, as Liger's.
+THREE_PASS_NOTE = "three-pass route: gradient formed in the forward (forward unrated)"
+THREE_PASS_NA = ("three-pass route: the gradient is formed in the forward (see forward and "
+                 "fwd+bwd); a retained graph's repeated backward would time a recompute")
+
+
+def _takes_three_pass(h, w, backend, cfg, grad_filter, env) -> bool:
+    """Whether the loss call takes the three-pass route, by the library's own rule
+    (`route.linear_loss_route`) under the case's variables. h [B, T, D], w [V, D]."""
+    from grpo_kernels.ops import route
+    from grpo_kernels.params import GRPOParams
+
+    with env_vars(env):
+        return route.linear_loss_route(h.reshape(-1, h.shape[-1]), w, None, backend,
+                                       GRPOParams(**cfg.ours()), grad_filter=grad_filter
+                                       ).three_pass
 
 
 def _fused_reference(compiled: bool):

@@ -23,6 +23,7 @@ import torch
 from grpo_train.flags import UsageError
 
 from . import MODES, Shape, flops, logits_bytes
+from .cases import NotMeasured
 from .measure import (
     MiB,
     Timing,
@@ -99,6 +100,14 @@ def _short(exc: BaseException) -> str:
     return f"error: {type(exc).__name__}: {msg[:160]}"
 
 
+def _status(exc: BaseException) -> str:
+    """The row status of a failed build or call: OOM, n/a (a mode the case does not time) or
+    the error."""
+    if isinstance(exc, NotMeasured):
+        return f"n/a: {exc}"
+    return "OOM" if is_oom(exc) else _short(exc)
+
+
 def _rates(kernel: str, shape: Shape, mode: str, ms: float, elem: int, ceilings: dict) -> dict:
     """TFLOP/s for the fused linear loss, GB/s for the logits path, and % of the ceiling."""
     sec = ms * 1e-3
@@ -151,7 +160,7 @@ def run_provider(provider: Provider, shape: Shape, modes: Sequence[str], dtype, 
     try:
         case = provider.build(shape, dtype, device, cfg)
     except Exception as exc:  # noqa: BLE001 - recorded in the row, the sweep goes on
-        status = "OOM" if is_oom(exc) else _short(exc)
+        status = _status(exc)
         del exc
         release_memory(device)
         for _ in modes:
@@ -163,7 +172,7 @@ def run_provider(provider: Provider, shape: Shape, modes: Sequence[str], dtype, 
                                timing)
             res["note"] = "; ".join(x for x in (case.note, res.get("note")) if x)
         except Exception as exc:  # noqa: BLE001
-            res = dict(status="OOM" if is_oom(exc) else _short(exc), note=case.note)
+            res = dict(status=_status(exc), note=case.note)
             del exc
         for t in case.leaves:
             t.grad = None
@@ -184,7 +193,7 @@ def run_group(providers: Sequence[Provider], shape: Shape, modes: Sequence[str],
         try:
             cases[p.key] = p.build(shape, dtype, device, cfg)
         except Exception as exc:  # noqa: BLE001 - recorded in the row, the sweep goes on
-            status = "OOM" if is_oom(exc) else _short(exc)
+            status = _status(exc)
             del exc
             release_memory(device)
             for mode in modes:
@@ -196,7 +205,7 @@ def run_group(providers: Sequence[Provider], shape: Shape, modes: Sequence[str],
             try:
                 steps[p.key] = cases[p.key].step(mode)  # "backward": runs the forward here
             except Exception as exc:  # noqa: BLE001
-                results[p.key] = dict(status="OOM" if is_oom(exc) else _short(exc))
+                results[p.key] = dict(status=_status(exc))
                 del exc
         grads = {k: cases[k].leaves if mode in GRADED else [] for k in steps}
         timed = time_cpu_interleaved({k: (steps[k], grads[k]) for k in steps}, **(timing or {}))
@@ -204,13 +213,13 @@ def run_group(providers: Sequence[Provider], shape: Shape, modes: Sequence[str],
             case, t = cases[p.key], timed.get(p.key)
             res = results.get(p.key)
             if res is None and isinstance(t, BaseException):
-                res = dict(status="OOM" if is_oom(t) else _short(t))
+                res = dict(status=_status(t))
             if res is None:
                 try:
                     res = _result(case, p, shape, mode, dtype, device, ceilings, t,
                                   steps[p.key], memory)
                 except Exception as exc:  # noqa: BLE001
-                    res = dict(status="OOM" if is_oom(exc) else _short(exc))
+                    res = dict(status=_status(exc))
                     del exc
             res["note"] = "; ".join(x for x in (case.note, res.get("note")) if x)
             for x in case.leaves:

@@ -48,7 +48,10 @@ def test_cli_sweep_writes_csv_and_plot(tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2  # 2 runs × 2 providers × 2 modes (no ceilings measured)
     for r in rows:
         assert r["status"] == "ok", r
-        assert float(r["ms_p50"]) > 0 and float(r["tflops"]) > 0
+        assert float(r["ms_p50"]) > 0
+        # ours on the three-pass route forms its gradient in the forward: no forward rate
+        unrated = (r["provider"], r["mode"]) == ("ours", "forward")
+        assert (r["tflops"] == "") if unrated else float(r["tflops"]) > 0
         assert float(r["peak_above_mib"]) > 0
         if r["provider"] == "ours":  # custom operators, which the live-storage tracker cannot
             assert "memory: torch.profiler allocations" in r["note"]  # see into

@@ -12,6 +12,7 @@ import torch
 
 import grpo_kernels
 from benchmarks import make_shape
+from benchmarks.cases import NotMeasured
 from benchmarks.providers import NAMES, PROVIDERS, LossConfig, fused_inputs, select
 from benchmarks.runner import sweep
 
@@ -62,6 +63,11 @@ def test_each_variant_sets_the_route_around_its_own_calls(monkeypatch, outer, na
     case.leaves[0].register_hook(lambda g: seen.append(("backward", os.environ.get(VAR))))
     case.step("fwd+bwd")()
     assert os.environ.get(VAR) == outer
+    if "backward" in case.unmeasured:  # the three-pass route: no backward mode (next test)
+        with pytest.raises(NotMeasured):
+            case.step("backward")
+        assert seen == [("forward", inside), ("backward", inside)]
+        return
     step = case.step("backward")  # its forward runs here, the backward in the call
     assert os.environ.get(VAR) == outer
     step()
@@ -100,3 +106,30 @@ def test_both_routes_get_cpu_memory_rows():
     for r in rows:
         assert r["status"] == "ok" and r["peak_above_mib"] > 0, r
         assert "memory: torch.profiler allocations" in r["note"]
+
+
+def test_three_pass_backward_mode_times_no_recompute(monkeypatch):
+    """The three-pass route forms the gradient in the forward; a training step's backward only
+    hands it to autograd. The backward mode's repeated backward of one retained graph would
+    recompute it on every call (the four-pass backward), a cost no step pays: so `ours` on that
+    route gets no backward row, and its forward, which does the whole work, no rate (as Liger's,
+    whose gradient is formed in the forward too). The four-pass route keeps every row."""
+    from grpo_kernels.ops import three_pass_op
+
+    recomputed = []
+    real = three_pass_op.recompute_grads
+    monkeypatch.setattr(three_pass_op, "recompute_grads",
+                        lambda *a, **kw: recomputed.append(1) or real(*a, **kw))
+    providers = [PROVIDERS["fused_linear/ours"], PROVIDERS["fused_linear/ours-4pass"]]
+    rows = sweep(providers, [SHAPE], ["forward", "backward", "fwd+bwd"], torch.float32, CPU,
+                 CFG, {"matmul_tflops": 1.0}, ENV, "test", memory=False,
+                 timing={"budget_s": 0})
+    assert not recomputed
+    got = {(r["provider"], r["mode"]): r for r in rows}
+    assert got["ours", "backward"]["status"].startswith("n/a: three-pass route")
+    assert got["ours", "backward"].get("ms_p50") is None
+    assert got["ours", "forward"]["status"] == "ok" and got["ours", "forward"].get("tflops") is None
+    assert "three-pass route" in got["ours", "forward"]["note"]
+    assert got["ours", "fwd+bwd"]["tflops"] > 0
+    for mode in ("forward", "backward", "fwd+bwd"):
+        assert got["ours-4pass", mode]["status"] == "ok" and got["ours-4pass", mode]["tflops"] > 0
