@@ -121,10 +121,12 @@ install_peers "$INSTALL_TIMEOUT"
 # there (the Triton cases run on the GPU, tests/helpers.py on_device; test_shared_rows.py checks
 # at a real vocabulary that the d logits written over the logits chunk match a buffer of their
 # own, which the interpreter cannot race; test_value_checks.py that a packed batch's call reads
-# nothing back to the host)
+# nothing back to the host; the NaN tests that the GPU's min / max and block skips keep a NaN)
 pytest_step "pytest: the three-pass route's tests" pytest.txt "CPU: Triton's interpreter, a \
 small selection" tests/api/test_three_pass.py tests/kernels/test_linear_loss_grad.py \
-  tests/kernels/test_gemm.py tests/kernels/test_shared_rows.py tests/api/test_value_checks.py
+  tests/kernels/test_gemm.py tests/kernels/test_shared_rows.py tests/api/test_value_checks.py \
+  "tests/api/test_fused_linear_grpo.py::test_a_nan_ratio_gives_a_nan_loss" \
+  "tests/api/test_fused_linear_grpo.py::test_a_nan_rollout_ratio_gives_nan_gradients"
 
 sweep peers-main "${MAIN_TIME[@]}" --kernels fused_linear "${MAIN[@]}" \
   --modes score,forward,fwd+bwd --providers "$MAIN_PROVIDERS"
