@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import torch_varlen
-from .packed_rows import agreement_atol, check_packed_attention
+from .packed_rows import check_packed_attention, logits_disagree
 from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt
 from .unwrap import unwrap_model
@@ -263,8 +263,8 @@ def _forward_refusal(model, implementation: str, layout: RowLayout) -> str | Non
             own = model(input_ids=ids, use_cache=False).logits.float()
             with using_attention(model, implementation):
                 other = model(input_ids=ids, use_cache=False).logits.float()
-        err = (own - other).abs().max().item()
-        if not err <= agreement_atol(model) * max(1.0, own.abs().max().item()):
+        err = logits_disagree(model, other, own)
+        if err is not None:
             return f"its logits differ by {err:.2g} from the model's own implementation's"
         with using_attention(model, implementation):
             if layout is RowLayout.PACKED:

@@ -22,10 +22,9 @@ first, and W is a multiple of 16):
   at the next width would cost more than the best so far;
 - eager materializes [R, heads, W, W] attention weights in float32: rows as narrow as the
   longest sequence (rounded to 16), as for implementations this module does not know.
-Without a config the narrow rows are used (`row_width_rule` names the three rules:
-`RowWidthRule` ONE_ROW, COST and NARROW). The rounding is for the attention kernels: PyTorch's
-CPU sdpa took 2.6x longer on rows of 15 positions than of 16 (512 rows, 4 heads of 16, one
-thread, torch 2.13).
+Without a config the narrow rows are used (`row_width_rule`: `RowWidthRule` ONE_ROW, COST,
+NARROW). The rounding is for the attention kernels: CPU sdpa took 2.6x longer on rows of 15
+positions than of 16 (512 rows, 4 heads of 16, one thread, torch 2.13).
 
     packed = pack_sequences(input_ids, attention_mask, T, completion_mask)
     loss, metrics = causal_lm_grpo_loss(model, packed.input_ids, None, packed.logits_to_keep,
@@ -293,14 +292,10 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
 
 
 _PACKING_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-# How closely a packed (or shared-prefix) row's logits must match separate forwards, relative
-# to max(1, the largest logit). On the checks' own inputs (`python -m benchmarks.check_bounds`,
-# docs/trainer.md: Qwen2.5-0.5B shape, random weights, 24 layers, a CPU) two correct
-# implementations (eager, sdpa) differ by 1.2e-6 in float32 and 2.0e-2 in bf16, while a
-# sequence that attends to the other's tokens moves by 1.27 in both. A kernel of its own for
-# packed rows (varlen flash) differs from the separate forwards by its rounding, so in half
-# precision the bound must sit above bf16's noise and far below a leak.
+# How closely a packed (or shared-prefix) row's logits must match separate forwards (relative
+# to max(1, the largest logit)): above rounding, far below a leak. On the checks' own inputs
+# (`python -m benchmarks.check_bounds`, docs/trainer.md) eager and sdpa differ by 1.2e-6 in
+# float32 and 2.0e-2 in bf16; a sequence that sees the other's tokens moves by 1.27 in both.
 FULL_PRECISION_ATOL = 1e-4
 HALF_PRECISION_ATOL = 5e-2
 
@@ -314,17 +309,22 @@ def agreement_atol(model: nn.Module) -> float:
     return HALF_PRECISION_ATOL if half else FULL_PRECISION_ATOL
 
 
+def logits_disagree(model: nn.Module, got, want, atol: float | None = None) -> float | None:
+    """max |got - want| where past atol·max(1, max |want|), else None (atol: agreement_atol)."""
+    err = (got - want).abs().max().item()
+    atol = agreement_atol(model) if atol is None else atol
+    return None if err <= atol * max(1.0, want.abs().max().item()) else err
+
+
 def check_packed_attention(model: nn.Module, atol: float | None = None) -> str | None:
     """None if `model` attends within the sequences of a packed row, else why not (a sentence).
 
-    Runs the model once (cached per model) on two short sequences, packed and one at a time, and
-    compares the logits: attention implementations or models that do not read sequence
-    boundaries from position_ids would let the second sequence see the first. Implementations
-    that take the boundaries (`takes_boundaries`) are handed them, as the trainers hand them.
-    The outcome is cached per model and attention implementation (`hf.attention_choice` may
-    check another implementation than the model's own). Pass the model before a DDP/FSDP
-    wrapper is put around it (a PEFT wrapper is fine). atol: relative to max(1, the largest
-    logit); default `agreement_atol(model)`."""
+    Runs the model on two short sequences, packed and one at a time, and compares the logits
+    (`logits_disagree`, atol): implementations or models that do not read sequence boundaries
+    from position_ids would let the second sequence see the first. Implementations that take
+    the boundaries (`takes_boundaries`) are handed them, as the trainers hand them. Cached per
+    model and attention implementation (`hf.attention_choice` may check another one than the
+    model's own). Pass the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
     inner = model
     config = getattr(inner, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -348,9 +348,8 @@ def check_packed_attention(model: nn.Module, atol: float | None = None) -> str |
                            **bounds).logits.float()
             alone = torch.cat([inner(input_ids=x, use_cache=False).logits.float()
                                for x in (a, b)], dim=1)
-        err = (packed - alone).abs().max().item()
-        atol = agreement_atol(inner) if atol is None else atol
-        if not err <= atol * max(1.0, alone.abs().max().item()):
+        err = logits_disagree(inner, packed, alone, atol)
+        if err is not None:
             reason = (f"{type(inner).__name__} with attention {impl!r} attends across the "
                       f"sequences of a packed row (logits differ by {err:.2g} from separate "
                       "forwards)")

@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch import nn
 
-from .packed_rows import agreement_atol
+from .packed_rows import logits_disagree
 
 __all__ = ["PADS", "check_padded_positions"]
 
@@ -72,9 +72,8 @@ def _compare_padded(model: nn.Module, config, atol: float | None) -> str | None:
             padded = model(input_ids=padded_ids, attention_mask=mask,
                            use_cache=False).logits.float()[:, PADS:]
             rows = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
-        err = (padded - rows).abs().max().item()
-        atol = agreement_atol(model) if atol is None else atol
-        if not err <= atol * max(1.0, rows.abs().max().item()):
+        err = logits_disagree(model, padded, rows, atol)
+        if err is not None:
             return (f"{name} reads other positions in a left-padded forward without "
                     f"position_ids than in packed rows (logits differ by {err:.2g} with "
                     f"{PADS} left pads), as absolute position embeddings do")

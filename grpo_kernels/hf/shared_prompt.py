@@ -43,9 +43,9 @@ from torch import nn
 from .packed_rows import (
     PackedBatch,
     _place,
-    agreement_atol,
     check_prompt_and_completion,
     choose_row_width,
+    logits_disagree,
 )
 
 __all__ = ["check_shared_prompt", "share_prompts", "shared_prompt_mask"]
@@ -250,9 +250,8 @@ def _compare_with_separate(model: nn.Module, config, atol: float) -> str | None:
                         position_ids=batch.position_ids, use_cache=False).logits.float()
             shared = out.reshape(-1, out.shape[-1])[batch.logits_to_keep]
             alone = model(input_ids=ids, use_cache=False).logits.float()[:, 3:8]
-        err = (shared - alone.reshape(shared.shape)).abs().max().item()
-        atol = agreement_atol(model) if atol is None else atol
-        if not err <= atol * max(1.0, alone.abs().max().item()):
+        err = logits_disagree(model, shared, alone.reshape(shared.shape), atol)
+        if err is not None:
             return (f"{type(model).__name__} with attention {config._attn_implementation!r} "
                     f"gives other logits on a shared-prefix row ({err:.2g} from separate "
                     "forwards)")
