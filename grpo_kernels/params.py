@@ -28,8 +28,15 @@ from .loss_specs import (  # noqa: F401
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
+def is_finite(value) -> bool:
+    """math.isfinite for a Python number, written so that torch.compile can also trace it on a
+    symbolic number (a hyperparameter or a count that changes between calls of a compiled step,
+    which math.isfinite cannot take)."""
+    return value == value and abs(value) != math.inf
+
+
 def _check_finite(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not is_finite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 

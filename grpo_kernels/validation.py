@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import value_checks
+from .params import is_finite
 from .value_checks import check_finite_advantages, check_token_id_values  # noqa: F401
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -117,7 +118,7 @@ def _number_or_none(name: str, value) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
-    if not math.isfinite(value):
+    if not is_finite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 
@@ -168,9 +169,9 @@ def check_normalizer(name: str, value, device) -> torch.Tensor | None:
     if not isinstance(value, torch.Tensor):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
+        if not (is_finite(value) and value > 0):  # a symbolic int under torch.compile
             raise ValueError(f"{expected}, got {value!r}")
-        return torch.tensor(float(value), device=device)
+        return torch.tensor(value, device=device, dtype=torch.float32)
     if value.numel() != 1:
         raise ValueError(f"{name} must be a number or a one-element tensor, "
                          f"got shape {tuple(value.shape)}")
@@ -207,21 +208,33 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class _Shapes:
-    """The shapes a batch's per-token inputs may take: per token, and per sequence."""
+    """The shapes a batch's per-token inputs may take: per token, and per sequence. The texts
+    are built only for an error: formatting a size under torch.compile fixes it to its value
+    (a guard), so a compiled step would recompile at every new B or T."""
 
     tokens: tuple[int, ...]  # (B, T), or (N,) packed
     seqs: int  # B, or S packed
-    token_text: str  # "[B, T] = [2, 5]"
-    seq_text: str  # "[B] = [2] or [B, 1]"
 
     @classmethod
     def padded(cls, B: int, T: int) -> _Shapes:
-        return cls((B, T), B, f"[B, T] = [{B}, {T}]", f"[B] = [{B}] or [B, 1]")
+        return cls((B, T), B)
 
     @classmethod
     def packed(cls, N: int, S: int) -> _Shapes:
-        return cls((N,), S, f"[N] = [{N}] (packed tokens)",
-                   f"[S] = [{S}] or [S, 1] (S + 1 = {S + 1} entries of cu_seqlens)")
+        return cls((N,), S)
+
+    @property
+    def token_text(self) -> str:  # "[B, T] = [2, 5]", or "[N] = [10] (packed tokens)"
+        if len(self.tokens) == 2:
+            return f"[B, T] = [{self.tokens[0]}, {self.tokens[1]}]"
+        return f"[N] = [{self.tokens[0]}] (packed tokens)"
+
+    @property
+    def seq_text(self) -> str:  # "[B] = [2] or [B, 1]", or the packed batch's [S]
+        S = self.seqs
+        if len(self.tokens) == 2:
+            return f"[B] = [{S}] or [B, 1]"
+        return f"[S] = [{S}] or [S, 1] (S + 1 = {S + 1} entries of cu_seqlens)"
 
 
 def _per_token(name, x, shapes: _Shapes, device, allow_seq: bool,
@@ -230,8 +243,10 @@ def _per_token(name, x, shapes: _Shapes, device, allow_seq: bool,
     _float(name, x)
     _same_device(name, x, device, ref_name)
     shape, S = tuple(x.shape), shapes.seqs
-    # per sequence first: a packed batch with S = N reads a 1-D tensor as one value per sequence
-    if allow_seq and shape in ((S,), (S, 1)):
+    # per sequence first: a packed batch with S = N reads a 1-D tensor as one value per sequence.
+    # Two == tests, not `shape in (...)`: under torch.compile(dynamic=True) Dynamo reads a tuple
+    # of symbolic sizes as absent from a tuple of tuples (torch 2.13) though == holds.
+    if allow_seq and (shape == (S,) or shape == (S, 1)):
         return x.float().reshape(S, 1)
     if shape == shapes.tokens:
         return x.float()
@@ -257,11 +272,11 @@ def check_cu_seqlens(cu_seqlens, num_tokens: int, device, ref_name: str = "hidde
     compiling = torch.compiler.is_compiling()
     if compiling or cu.device.type == "cuda":  # no host read (see value_checks.py)
         ok = (cu[0] == 0) & (cu[-1] == num_tokens) & (cu[1:] >= cu[:-1]).all()
-        message = f"cu_seqlens must start at 0, never decrease and end at N = {num_tokens}"
-        if compiling:
+        message = "cu_seqlens must start at 0, never decrease and end at N"
+        if compiling:  # no N in the text: formatting a traced N would fix it (a recompile per N)
             torch._assert_async(ok, message)
         else:
-            value_checks.defer(~ok, message)
+            value_checks.defer(~ok, f"{message} = {num_tokens}")
         return cu
     values = cu.tolist()  # S + 1 integers: one small host read
     problem = None

@@ -128,7 +128,7 @@ def _plan(n, V, D, weight_dtype, budget_bytes, dtype, want_dw) -> _Plan:
         what = f" beside the {_dt(dtype)} d weight of a {_dt(weight_dtype)} head" if acc else ""
         if acc > budget_bytes:
             return _Plan(None, V, f"the {_mib(budget_bytes)} chunk budget does not hold the "
-                         f"{_dt(dtype)} d weight of a {_dt(weight_dtype)} head [{V:,}, {D:,}] "
+                         f"{_dt(dtype)} d weight of a {_dt(weight_dtype)} head [{_n(V)}, {_n(D)}] "
                          f"({acc / 2**20:,.1f} MiB)")
         cols = max(1, min(V, SLICE_BYTES // max(D * size, 1)))
         fixed = acc + cols * D * size
@@ -136,12 +136,19 @@ def _plan(n, V, D, weight_dtype, budget_bytes, dtype, want_dw) -> _Plan:
             cols, fixed = V, acc + whole  # room for one copy: converted once, not per chunk
     fit = (budget_bytes - fixed) // row
     if fit < 1 or fit < min(n, MIN_ROWS):
-        return _Plan(None, cols, f"the {_mib(budget_bytes)} chunk budget holds {max(fit, 0):,} "
-                     f"whole rows of V = {V:,}{what}, fewer than {min(n, MIN_ROWS)}")
+        return _Plan(None, cols, f"the {_mib(budget_bytes)} chunk budget holds {_n(max(fit, 0))} "
+                     f"whole rows of V = {_n(V)}{what}, fewer than {_n(min(n, MIN_ROWS))}")
     rows = max(1, min(n, fit))
-    return _Plan(rows, cols, f"chunks of {rows:,} whole rows of V = {V:,} within the "
+    return _Plan(rows, cols, f"chunks of {_n(rows)} whole rows of V = {_n(V)} within the "
                  f"{_mib(budget_bytes)} chunk budget" + (
-                     f", the weight in slices of {cols:,} rows" if cols < V else ""))
+                     f", the weight in slices of {_n(cols)} rows" if cols < V else ""))
+
+
+def _n(x) -> str:
+    """A count for a reason text, with thousands separators; "traced" under torch.compile,
+    where a count may be a symbolic size and formatting it would fix it to its value (a guard),
+    so that a compiled step would recompile at every new number of tokens."""
+    return "traced" if torch.compiler.is_compiling() else f"{x:,}"
 
 
 def _mib(n: int) -> str:
