@@ -191,6 +191,17 @@ def errors(rank, tp):
         "local_error_on_rank0": lambda: call(
             with_(adv=base["adv"][:2]) if rank == 0 else base, local_w, **group),
         "empty_shard": lambda: call(base, local_w[:0] if rank == 1 else local_w, **group),
+        # the same values in other places: the checksums must see positions, not only values
+        "mask_padded_other_side": lambda: call(
+            with_(mask=base["mask"].flip(1)) if rank == 1 else base, local_w, **group),
+        "targets_permuted": lambda: call(
+            with_(ids=base["ids"].roll(1, 1)) if rank == 1 else base, local_w, **group),
+        "hidden_rows_swapped": lambda: call(
+            with_(hidden=base["hidden"].flip(0)) if rank == 1 else base, local_w, **group),
+        # a float32 shard (a mixed head) on rank 1 only: its backward's all-reduce would differ
+        "weight_dtype_differs": lambda: call(
+            with_(hidden=base["hidden"].bfloat16()),
+            local_w if rank == 1 else local_w.bfloat16(), **group),
     }
     out = {}
     for name, fn in cases.items():
