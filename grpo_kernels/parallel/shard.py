@@ -13,10 +13,11 @@ group's rank order whose sizes may differ. A caller passes one in either of two 
 `local_head` turns either into (VocabShard, local weight, local bias), checking what every rank
 sees alike (the DTensor's placements). `agree` is the one collective check before any other
 collective of a call: every rank's local validation result, shard size, hidden size, token
-count, gradient needs, dtypes and route settings, and a checksum of each per-token input and
-of where its values lie (the hidden states, the targets, the GRPO tensors), in one all-gather of a few int64 per
-rank. Whatever disagrees raises the same error on every rank, so a bad input on one rank never
-leaves the others waiting in a later collective.
+count, gradient needs, dtypes, options (hyperparameters and the like) and route settings, and a
+checksum of each per-token input and of where its values lie (the hidden states, the targets,
+the GRPO tensors), in one all-gather of a few int64 per rank. Whatever disagrees raises the
+same error on every rank, so a bad input on one rank never leaves the others waiting in a later
+collective.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # read different values would take different routes, with different collectives.
 _ROUTE_ENV = ("GRPO_KERNELS_THREE_PASS", "GRPO_KERNELS_CHUNK_MIB")
 N_CHECKSUMS = 10  # per-token inputs checksummed per call (unused slots are 0)
-_FIELDS = ("status", "rows", "hidden_size", "tokens", "grads", "dtype", "route_env")
+_FIELDS = ("status", "rows", "hidden_size", "tokens", "grads", "dtype", "settings")
+_ENV_TEXT = "the environment's GRPO_KERNELS_THREE_PASS / GRPO_KERNELS_CHUNK_MIB"
+_OPTIONS = ("the call's options (GRPO hyperparameters, temperature, softcap, logit_scale, "
+            "grad_filter, backend, return_terms / return_token_values)")
 
 
 class VocabParallelError(ValueError):
@@ -185,13 +189,15 @@ def _by_position(sums: torch.Tensor) -> torch.Tensor:
 
 
 def agree(shard: VocabShard, error: Exception | None, *, rows: int, hidden_size: int,
-          tokens: int, grads: int, dtypes: tuple, checked: dict, device) -> VocabShard:
+          tokens: int, grads: int, dtypes: tuple, checked: dict, device,
+          options: tuple = ()) -> VocabShard:
     """The shard with every rank's size, once every rank agrees; otherwise the same error on
     every rank. error: this rank's own validation error (None if its inputs passed). checked:
     {name: tensor | None} of per-token inputs that must be equal on every rank (at most
     N_CHECKSUMS). grads: a bit mask of the gradients wanted (and grad mode). dtypes: the
     hidden states' and the weight's (a mixed head on some ranks only would all-reduce d hidden
-    in float32 there and in the 16-bit dtype elsewhere)."""
+    in float32 there and in the 16-bit dtype elsewhere). options: the call's scalar options
+    (`agreement.CallInputs`), compared with the route's environment in one int64."""
     if len(checked) > N_CHECKSUMS:
         raise ValueError(f"at most {N_CHECKSUMS} checked inputs, got {len(checked)}")
     names = list(checked)
@@ -199,9 +205,10 @@ def agree(shard: VocabShard, error: Exception | None, *, rows: int, hidden_size:
     if error is None:
         sums[:len(names)] = [torch.as_tensor(checksum(checked[n]), device=device)
                              for n in names]
-    route_env = zlib.crc32("\0".join(os.environ.get(k, "") for k in _ROUTE_ENV).encode())
+    route_env = "\0".join(os.environ.get(k, "") for k in _ROUTE_ENV)
+    settings = _crc31(route_env) << 31 | _crc31(repr(options))  # < 2^62
     head = [1 if error is not None else 0, rows, hidden_size, tokens, grads,
-            _dtype_code(*dtypes), route_env]
+            _dtype_code(*dtypes), settings]
     mine = torch.cat([torch.tensor(head, dtype=torch.int64, device=device), torch.stack(sums)])
     table = torch.empty(shard.world * mine.numel(), dtype=torch.int64, device=device)
     all_gather(table, mine, group=shard.group)
@@ -225,28 +232,32 @@ def _raise_disagreement(shard: VocabShard, error, table: list, names: list) -> N
             f"rank {failed[0]} of the vocabulary group rejected its inputs (its own error says "
             "why); every rank of the group raises, so that none waits in a collective")
     columns = {name: [row[i] for row in table] for i, name in enumerate(_FIELDS)}
-    what = {
-        "hidden_size": "the hidden size D (weight.shape[1])",
-        "tokens": "the number of tokens N",
-        "grads": "which tensors require grad (and grad mode)",
-        "route_env": "the environment's GRPO_KERNELS_THREE_PASS / GRPO_KERNELS_CHUNK_MIB",
-    }
-    for field, text in what.items():
-        if field == "route_env":
-            _raise_dtypes(shard, columns["dtype"])
+    for field, text in (("hidden_size", "the hidden size D (weight.shape[1])"),
+                        ("tokens", "the number of tokens N"),
+                        ("grads", "which tensors require grad (and grad mode)")):
         if len(set(columns[field])) > 1:
             raise VocabParallelError(
                 f"{text} differs across the ranks of the vocabulary group: {columns[field]} "
                 f"(ranks 0..{shard.world - 1}); every rank must hold the same inputs")
-    base = len(_FIELDS)
-    for i, name in enumerate(names):
-        values = [row[base + i] for row in table]
+    _raise_dtypes(shard, columns["dtype"])
+    settings, base = columns["settings"], len(_FIELDS)
+    same_call = "every rank of the group must make the same call, each on its own shard"
+    compared = [(_ENV_TEXT, [c >> 31 for c in settings], same_call),
+                (_OPTIONS, [c & (2**31 - 1) for c in settings], same_call),
+                *((name, [row[base + i] for row in table],
+                   f"a vocabulary-parallel head needs the same {name} on every rank of its "
+                   "group (each rank holds part of the vocabulary, not part of the batch)")
+                  for i, name in enumerate(names))]
+    for name, values, why in compared:
         if len(set(values)) > 1:
             other = next(r for r, v in enumerate(values) if v != values[0])
             raise VocabParallelError(
-                f"{name} differ between ranks 0 and {other} of the vocabulary group: a "
-                f"vocabulary-parallel head needs the same {name} on every rank of its group "
-                "(each rank holds part of the vocabulary, not part of the batch)")
+                f"{name} differ between ranks 0 and {other} of the vocabulary group: {why}")
+
+
+def _crc31(text: str) -> int:
+    """31 bits of a string's CRC-32 (two of them fit one int64)."""
+    return zlib.crc32(text.encode()) & (2**31 - 1)
 
 
 def _dtype_code(hidden_dtype, weight_dtype) -> int:

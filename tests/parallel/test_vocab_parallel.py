@@ -137,6 +137,8 @@ ERRORS = {  # case: (rank 0's message part, rank 1's)
     "mask_padded_other_side": ("mask differ between ranks 0 and 1", None),
     "targets_permuted": ("completion_ids differ between ranks 0 and 1", None),
     "hidden_rows_swapped": ("hidden states differ between ranks 0 and 1", None),
+    "temperature_differs": ("the call's options (GRPO hyperparameters, temperature", None),
+    "loss_type_differs": ("the call's options (GRPO hyperparameters, temperature", None),
     "weight_dtype_differs": ("the weight's dtype differs across the ranks of the vocabulary group: "
                              "['torch.bfloat16', 'torch.float32']", None),
 }

@@ -198,6 +198,12 @@ def errors(rank, tp):
             with_(ids=base["ids"].roll(1, 1)) if rank == 1 else base, local_w, **group),
         "hidden_rows_swapped": lambda: call(
             with_(hidden=base["hidden"].flip(0)) if rank == 1 else base, local_w, **group),
+        # hyperparameters differ: another temperature, or another route on rank 1
+        "temperature_differs": lambda: call(base, local_w, temperature=1.0 + 0.5 * rank,
+                                            **group),
+        "loss_type_differs": lambda: call(
+            base, local_w, **group, **(dict(loss_type="grpo", importance_sampling_level=
+                                            "sequence") if rank == 1 else {})),
         # a float32 shard (a mixed head) on rank 1 only: its backward's all-reduce would differ
         "weight_dtype_differs": lambda: call(
             with_(hidden=base["hidden"].bfloat16()),
