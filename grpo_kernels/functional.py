@@ -245,9 +245,16 @@ def fused_linear_grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors); with
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
-    params = GRPOParams.resolve(params, hyperparameters)
+    try:
+        params, bad = GRPOParams.resolve(params, hyperparameters), None
+    except (TypeError, ValueError) as exc:
+        if not parallel.is_vocab_parallel(weight, vocab_group):
+            raise
+        bad = exc  # raised in the ranks' agreement: every rank raises, none waits for another
 
     def check(hidden, weight, bias):
+        if bad is not None:
+            raise bad
         return linear_call(hidden, weight, completion_ids, advantages, completion_mask,
                            old_logps, ref_logps, bias, num_items_in_batch,
                            importance_sampling_ratio, cu_seqlens, grad_filter, params,

@@ -139,6 +139,7 @@ ERRORS = {  # case: (rank 0's message part, rank 1's)
     "hidden_rows_swapped": ("hidden states differ between ranks 0 and 1", None),
     "temperature_differs": ("the call's options (GRPO hyperparameters, temperature", None),
     "loss_type_differs": ("the call's options (GRPO hyperparameters, temperature", None),
+    "bad_hyperparameter_on_rank1": ("rank 1 " + OTHER_RANK, "loss_type must be one of"),
     "weight_dtype_differs": ("the weight's dtype differs across the ranks of the vocabulary group: "
                              "['torch.bfloat16', 'torch.float32']", None),
 }

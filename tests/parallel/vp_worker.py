@@ -13,6 +13,7 @@ Writes OUT_DIR/<suite>-rank<R>.json. A rank that aborts prints every thread's st
 (faulthandler); the tests run this under a timeout, so a hang fails instead of blocking.
 """
 
+import datetime
 import faulthandler
 import json
 import logging
@@ -204,6 +205,9 @@ def errors(rank, tp):
         "loss_type_differs": lambda: call(
             base, local_w, **group, **(dict(loss_type="grpo", importance_sampling_level=
                                             "sequence") if rank == 1 else {})),
+        # a hyperparameter that rank 1 alone rejects: raised in the agreement, not before it
+        "bad_hyperparameter_on_rank1": lambda: call(
+            base, local_w, loss_type="dapoo" if rank == 1 else "dapo", **group),
         # a float32 shard (a mixed head) on rank 1 only: its backward's all-reduce would differ
         "weight_dtype_differs": lambda: call(
             with_(hidden=base["hidden"].bfloat16()),
@@ -224,7 +228,10 @@ def errors(rank, tp):
 
 def main():
     suite, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    # the errors suite's calls are tiny: a rank left waiting in a collective (the bug those
+    # cases look for) raises gloo's timeout there, which the test reports, instead of a hang
+    timeout = dict(timeout=datetime.timedelta(seconds=60)) if suite == "errors" else {}
+    dist.init_process_group("gloo", **timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     try:
