@@ -230,7 +230,7 @@ def main():
     suite, out_dir = sys.argv[1], sys.argv[2]
     # the errors suite's calls are tiny: a rank left waiting in a collective (the bug those
     # cases look for) raises gloo's timeout there, which the test reports, instead of a hang
-    timeout = dict(timeout=datetime.timedelta(seconds=60)) if suite == "errors" else {}
+    timeout = dict(timeout=datetime.timedelta(seconds=120)) if suite == "errors" else {}
     dist.init_process_group("gloo", **timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
