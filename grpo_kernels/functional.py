@@ -122,7 +122,8 @@ def selective_logprobs(
     if parallel.is_vocab_parallel(weight, vocab_group):
         shard, weight, bias, hidden = parallel.local_head(weight, bias, vocab_group, hidden)
         shard, call = parallel.agreed(shard, lambda: check(hidden, weight, bias), lambda c:
-                                      parallel.CallInputs(*c[4], c[2], {}), "targets")
+                                      parallel.CallInputs(*c[4], c[2], {}, (*c[:2], c[3])),
+                                      "targets")
     else:
         call = check(hidden, weight, bias)
     temperature, transform, ids, eps, head = call
@@ -244,15 +245,23 @@ def fused_linear_grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors); with
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
-    params = GRPOParams.resolve(params, hyperparameters)
+    try:
+        params, bad = GRPOParams.resolve(params, hyperparameters), None
+    except (TypeError, ValueError) as exc:
+        if not parallel.is_vocab_parallel(weight, vocab_group):
+            raise
+        bad = exc  # raised in the ranks' agreement: every rank raises, none waits for another
 
     def check(hidden, weight, bias):
+        if bad is not None:
+            raise bad
         return linear_call(hidden, weight, completion_ids, advantages, completion_mask,
                            old_logps, ref_logps, bias, num_items_in_batch,
                            importance_sampling_ratio, cu_seqlens, grad_filter, params,
                            sampling_logps, softcap, logit_scale)
 
-    shard, call = vocab_parallel_call(check, hidden, weight, bias, vocab_group)
+    shard, call = vocab_parallel_call(check, hidden, weight, bias, vocab_group,
+                                      (params, return_terms, return_token_values))
     return linear_loss(call, params, entropy_gather, return_terms=return_terms,
                        return_token_values=return_token_values, shard=shard)
 

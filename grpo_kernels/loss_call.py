@@ -200,11 +200,11 @@ def linear_loss(call: tuple, params: GRPOParams, entropy_gather=None, *,
                   return_terms=return_terms, return_token_values=return_token_values)
 
 
-def vocab_parallel_call(check, hidden, weight, bias, vocab_group) -> tuple:
+def vocab_parallel_call(check, hidden, weight, bias, vocab_group, options: tuple = ()) -> tuple:
     """(None, check(hidden, weight, bias)) for a whole head; for a vocabulary-parallel one
     (a DTensor weight or vocab_group=, `parallel`), (its VocabShard, the checked call on the
-    local tensors) once every rank of the group agrees on its inputs (else the same error on
-    every rank)."""
+    local tensors) once every rank of the group agrees on its inputs and options (the call's
+    other arguments: params, the outputs asked for) (else the same error on every rank)."""
     if not parallel.is_vocab_parallel(weight, vocab_group):
         return None, check(hidden, weight, bias)
     shard, weight, bias, hidden = parallel.local_head(weight, bias, vocab_group, hidden)
@@ -214,7 +214,9 @@ def vocab_parallel_call(check, hidden, weight, bias, vocab_group) -> tuple:
         per_token = {k: getattr(inputs, k) for k in (
             "mask", "advantages", "old_logps", "ref_logps", "importance_sampling_ratio",
             "num_items_in_batch", "cu_seqlens", "sampling_logps")}
-        return parallel.CallInputs(*call[4], ids, per_token)
+        eps, backend, transform = call[2], call[3], call[5]
+        return parallel.CallInputs(*call[4], ids, per_token,
+                                   (eps, backend, transform, *options))
 
     return parallel.agreed(shard, lambda: check(hidden, weight, bias), inputs_of,
                            "completion_ids")

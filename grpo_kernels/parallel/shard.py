@@ -13,10 +13,11 @@ group's rank order whose sizes may differ. A caller passes one in either of two 
 `local_head` turns either into (VocabShard, local weight, local bias), checking what every rank
 sees alike (the DTensor's placements). `agree` is the one collective check before any other
 collective of a call: every rank's local validation result, shard size, hidden size, token
-count, gradient needs and route settings, and an order-independent checksum of each per-token
-input (the hidden states, the targets, the GRPO tensors), in one all-gather of a few int64 per
-rank. Whatever disagrees raises the same error on every rank, so a bad input on one rank never
-leaves the others waiting in a later collective.
+count, gradient needs, dtypes, options (hyperparameters and the like) and route settings, and a
+checksum of each per-token input and of where its values lie (the hidden states, the targets,
+the GRPO tensors), in one all-gather of a few int64 per rank. Whatever disagrees raises the
+same error on every rank, so a bad input on one rank never leaves the others waiting in a later
+collective.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ import zlib
 import torch
 import torch.distributed as dist
 
-# Dtypes by code in the agreement vector (a dtype that differs across ranks is refused).
+# Dtypes by code in the agreement vector (a dtype that differs across ranks is refused); the
+# "dtype" field holds the hidden states' and the weight's, `_dtype_code`.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The route's settings read from the environment (ops/route.py's ENV and CHUNK_ENV): ranks that
 # read different values would take different routes, with different collectives.
 _ROUTE_ENV = ("GRPO_KERNELS_THREE_PASS", "GRPO_KERNELS_CHUNK_MIB")
 N_CHECKSUMS = 10  # per-token inputs checksummed per call (unused slots are 0)
-_FIELDS = ("status", "rows", "hidden_size", "tokens", "grads", "dtype", "route_env")
+_FIELDS = ("status", "rows", "hidden_size", "tokens", "grads", "dtype", "settings")
+_ENV_TEXT = "the environment's GRPO_KERNELS_THREE_PASS / GRPO_KERNELS_CHUNK_MIB"
+_OPTIONS = ("the call's options (GRPO hyperparameters, temperature, softcap, logit_scale, "
+            "grad_filter, backend, return_terms / return_token_values)")
 
 
 class VocabParallelError(ValueError):
@@ -150,10 +155,16 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
     gather_single(out, x, group=group)
 
 
+_PRIME = 2**31 - 1  # sums and position weights are kept below it: no int64 product overflows
+
+
 def checksum(t) -> torch.Tensor | int:
-    """An order-independent integer checksum of a tensor's bits (0-dim int64; 0 for None):
-    equal tensors give equal sums whatever the reduction order, so ranks with different thread
-    counts agree; differing tensors almost surely differ."""
+    """A checksum of a tensor's bits and of where they lie (0-dim int64; 0 for None), the same
+    whatever the reduction order (integer sums), so ranks with different thread counts agree.
+    The tensor is read as [R, C] (C its last dimension): its row sums weighted by the row's
+    index and its column sums weighted by the column's, so that the same values in other
+    places (sequences in another order, a mask padded on the other side, shifted targets)
+    differ too; differing tensors almost surely differ."""
     if t is None:
         return 0
     if not isinstance(t, torch.Tensor):
@@ -161,16 +172,32 @@ def checksum(t) -> torch.Tensor | int:
     t = t.detach().contiguous()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
+    if t.numel() == 0:
+        return 0
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(bits).sum(dtype=torch.int64) + t.numel()
+    x = t.view(bits).reshape(-1, t.shape[-1] if t.dim() else 1)  # [R, C]
+    rows = _by_position(x.sum(1, dtype=torch.int64))
+    cols = _by_position(x.sum(0, dtype=torch.int64))
+    return rows + cols * _PRIME + t.numel()
+
+
+def _by_position(sums: torch.Tensor) -> torch.Tensor:
+    """Σ_i (i + 1)·sums_i mod _PRIME (0-dim int64) of sums [n] int64: each term below 2^62."""
+    at = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
+    return (sums.remainder(_PRIME) * at.remainder(_PRIME)).remainder(_PRIME).sum().remainder(
+        _PRIME)
 
 
 def agree(shard: VocabShard, error: Exception | None, *, rows: int, hidden_size: int,
-          tokens: int, grads: int, dtype, checked: dict, device) -> VocabShard:
+          tokens: int, grads: int, dtypes: tuple, checked: dict, device,
+          options: tuple = ()) -> VocabShard:
     """The shard with every rank's size, once every rank agrees; otherwise the same error on
     every rank. error: this rank's own validation error (None if its inputs passed). checked:
     {name: tensor | None} of per-token inputs that must be equal on every rank (at most
-    N_CHECKSUMS). grads: a bit mask of the gradients wanted (and grad mode)."""
+    N_CHECKSUMS). grads: a bit mask of the gradients wanted (and grad mode). dtypes: the
+    hidden states' and the weight's (a mixed head on some ranks only would all-reduce d hidden
+    in float32 there and in the 16-bit dtype elsewhere). options: the call's scalar options
+    (`agreement.CallInputs`), compared with the route's environment in one int64."""
     if len(checked) > N_CHECKSUMS:
         raise ValueError(f"at most {N_CHECKSUMS} checked inputs, got {len(checked)}")
     names = list(checked)
@@ -178,9 +205,10 @@ def agree(shard: VocabShard, error: Exception | None, *, rows: int, hidden_size:
     if error is None:
         sums[:len(names)] = [torch.as_tensor(checksum(checked[n]), device=device)
                              for n in names]
-    route_env = zlib.crc32("\0".join(os.environ.get(k, "") for k in _ROUTE_ENV).encode())
+    route_env = "\0".join(os.environ.get(k, "") for k in _ROUTE_ENV)
+    settings = _crc31(route_env) << 31 | _crc31(repr(options))  # < 2^62
     head = [1 if error is not None else 0, rows, hidden_size, tokens, grads,
-            _DTYPES.index(dtype) if dtype in _DTYPES else -1, route_env]
+            _dtype_code(*dtypes), settings]
     mine = torch.cat([torch.tensor(head, dtype=torch.int64, device=device), torch.stack(sums)])
     table = torch.empty(shard.world * mine.numel(), dtype=torch.int64, device=device)
     all_gather(table, mine, group=shard.group)
@@ -204,24 +232,50 @@ def _raise_disagreement(shard: VocabShard, error, table: list, names: list) -> N
             f"rank {failed[0]} of the vocabulary group rejected its inputs (its own error says "
             "why); every rank of the group raises, so that none waits in a collective")
     columns = {name: [row[i] for row in table] for i, name in enumerate(_FIELDS)}
-    what = {
-        "hidden_size": "the hidden size D (weight.shape[1])",
-        "tokens": "the number of tokens N",
-        "grads": "which tensors require grad (and grad mode)",
-        "dtype": "the hidden states' dtype",
-        "route_env": "the environment's GRPO_KERNELS_THREE_PASS / GRPO_KERNELS_CHUNK_MIB",
-    }
-    for field, text in what.items():
+    for field, text in (("hidden_size", "the hidden size D (weight.shape[1])"),
+                        ("tokens", "the number of tokens N"),
+                        ("grads", "which tensors require grad (and grad mode)")):
         if len(set(columns[field])) > 1:
             raise VocabParallelError(
                 f"{text} differs across the ranks of the vocabulary group: {columns[field]} "
                 f"(ranks 0..{shard.world - 1}); every rank must hold the same inputs")
-    base = len(_FIELDS)
-    for i, name in enumerate(names):
-        values = [row[base + i] for row in table]
+    _raise_dtypes(shard, columns["dtype"])
+    settings, base = columns["settings"], len(_FIELDS)
+    same_call = "every rank of the group must make the same call, each on its own shard"
+    compared = [(_ENV_TEXT, [c >> 31 for c in settings], same_call),
+                (_OPTIONS, [c & (2**31 - 1) for c in settings], same_call),
+                *((name, [row[base + i] for row in table],
+                   f"a vocabulary-parallel head needs the same {name} on every rank of its "
+                   "group (each rank holds part of the vocabulary, not part of the batch)")
+                  for i, name in enumerate(names))]
+    for name, values, why in compared:
         if len(set(values)) > 1:
             other = next(r for r, v in enumerate(values) if v != values[0])
             raise VocabParallelError(
-                f"{name} differ between ranks 0 and {other} of the vocabulary group: a "
-                f"vocabulary-parallel head needs the same {name} on every rank of its group "
-                "(each rank holds part of the vocabulary, not part of the batch)")
+                f"{name} differ between ranks 0 and {other} of the vocabulary group: {why}")
+
+
+def _crc31(text: str) -> int:
+    """31 bits of a string's CRC-32 (two of them fit one int64)."""
+    return zlib.crc32(text.encode()) & (2**31 - 1)
+
+
+def _dtype_code(hidden_dtype, weight_dtype) -> int:
+    """One int64 for the (hidden, weight) dtypes: 5·i + j of their indices in _DTYPES (4: any
+    other, or None where this rank's own check failed)."""
+    index = [_DTYPES.index(d) if d in _DTYPES else len(_DTYPES)
+             for d in (hidden_dtype, weight_dtype)]
+    return index[0] * (len(_DTYPES) + 1) + index[1]
+
+
+def _raise_dtypes(shard: VocabShard, codes: list) -> None:
+    """The same error on every rank where the ranks' hidden or weight dtypes differ."""
+    n = len(_DTYPES) + 1
+    names = [*map(str, _DTYPES), "another dtype"]
+    for text, part in (("the hidden states' dtype", lambda c: c // n),
+                       ("the weight's dtype", lambda c: c % n)):
+        got = [names[part(c)] for c in codes]
+        if len(set(got)) > 1:
+            raise VocabParallelError(
+                f"{text} differs across the ranks of the vocabulary group: {got} (ranks "
+                f"0..{shard.world - 1}); every rank's shard must have the same dtype")

@@ -134,6 +134,14 @@ ERRORS = {  # case: (rank 0's message part, rank 1's)
     "tokens_differ": ("the number of tokens N differs", None),
     "local_error_on_rank0": ("advantages must have shape", "rank 0 " + OTHER_RANK),
     "empty_shard": ("rank 1 " + OTHER_RANK, "weight must have at least one vocabulary row"),
+    "mask_padded_other_side": ("mask differ between ranks 0 and 1", None),
+    "targets_permuted": ("completion_ids differ between ranks 0 and 1", None),
+    "hidden_rows_swapped": ("hidden states differ between ranks 0 and 1", None),
+    "temperature_differs": ("the call's options (GRPO hyperparameters, temperature", None),
+    "loss_type_differs": ("the call's options (GRPO hyperparameters, temperature", None),
+    "bad_hyperparameter_on_rank1": ("rank 1 " + OTHER_RANK, "loss_type must be one of"),
+    "weight_dtype_differs": ("the weight's dtype differs across the ranks of the vocabulary group: "
+                             "['torch.bfloat16', 'torch.float32']", None),
 }
 
 

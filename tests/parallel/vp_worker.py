@@ -13,6 +13,7 @@ Writes OUT_DIR/<suite>-rank<R>.json. A rank that aborts prints every thread's st
 (faulthandler); the tests run this under a timeout, so a hang fails instead of blocking.
 """
 
+import datetime
 import faulthandler
 import json
 import logging
@@ -191,6 +192,26 @@ def errors(rank, tp):
         "local_error_on_rank0": lambda: call(
             with_(adv=base["adv"][:2]) if rank == 0 else base, local_w, **group),
         "empty_shard": lambda: call(base, local_w[:0] if rank == 1 else local_w, **group),
+        # the same values in other places: the checksums must see positions, not only values
+        "mask_padded_other_side": lambda: call(
+            with_(mask=base["mask"].flip(1)) if rank == 1 else base, local_w, **group),
+        "targets_permuted": lambda: call(
+            with_(ids=base["ids"].roll(1, 1)) if rank == 1 else base, local_w, **group),
+        "hidden_rows_swapped": lambda: call(
+            with_(hidden=base["hidden"].flip(0)) if rank == 1 else base, local_w, **group),
+        # hyperparameters differ: another temperature, or another route on rank 1
+        "temperature_differs": lambda: call(base, local_w, temperature=1.0 + 0.5 * rank,
+                                            **group),
+        "loss_type_differs": lambda: call(
+            base, local_w, **group, **(dict(loss_type="grpo", importance_sampling_level=
+                                            "sequence") if rank == 1 else {})),
+        # a hyperparameter that rank 1 alone rejects: raised in the agreement, not before it
+        "bad_hyperparameter_on_rank1": lambda: call(
+            base, local_w, loss_type="dapoo" if rank == 1 else "dapo", **group),
+        # a float32 shard (a mixed head) on rank 1 only: its backward's all-reduce would differ
+        "weight_dtype_differs": lambda: call(
+            with_(hidden=base["hidden"].bfloat16()),
+            local_w if rank == 1 else local_w.bfloat16(), **group),
     }
     out = {}
     for name, fn in cases.items():
@@ -207,7 +228,10 @@ def errors(rank, tp):
 
 def main():
     suite, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    # the errors suite's calls are tiny: a rank left waiting in a collective (the bug those
+    # cases look for) raises gloo's timeout there, which the test reports, instead of a hang
+    timeout = dict(timeout=datetime.timedelta(seconds=120)) if suite == "errors" else {}
+    dist.init_process_group("gloo", **timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     try:
