@@ -245,12 +245,7 @@ def fused_linear_grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors); with
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
-    try:
-        params, bad = GRPOParams.resolve(params, hyperparameters), None
-    except (TypeError, ValueError) as exc:
-        if not parallel.is_vocab_parallel(weight, vocab_group):
-            raise
-        bad = exc  # raised in the ranks' agreement: every rank raises, none waits for another
+    params, bad = _resolve(params, hyperparameters, weight, vocab_group)
 
     def check(hidden, weight, bias):
         if bad is not None:
@@ -264,6 +259,18 @@ def fused_linear_grpo_loss(
                                       (params, return_terms, return_token_values))
     return linear_loss(call, params, entropy_gather, return_terms=return_terms,
                        return_token_values=return_token_values, shard=shard)
+
+
+def _resolve(params, hyperparameters: dict, weight, vocab_group) -> tuple:
+    """(GRPOParams, None), or for a vocabulary-parallel head whose hyperparameters this rank
+    rejects, (None, the error), raised in the ranks' agreement: every rank raises, none waits
+    for another."""
+    try:
+        return GRPOParams.resolve(params, hyperparameters), None
+    except (TypeError, ValueError) as exc:
+        if not parallel.is_vocab_parallel(weight, vocab_group):
+            raise
+        return None, exc
 
 
 @signature_with_params
