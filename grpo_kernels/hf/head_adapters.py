@@ -24,6 +24,7 @@ variant, LoHa/LoKr/IA3/..., trainable token indices, a quantized base layer) rai
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -204,7 +205,12 @@ def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32.0, dropout: flo
         targets = [*targets, head_name]
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_kwargs)
-    wrapped = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # PEFT's constructor reads model.is_gradient_checkpointing, which transformers 5
+        # deprecates: a notice about PEFT's code that the caller of add_lora cannot act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
+                                category=FutureWarning)
+        wrapped = get_peft_model(model, config)
     inner = wrapped.get_base_model()
     if out is not None:
         resolve_head(inner.get_output_embeddings(), f"{type(inner).__name__}.{head_name}")

@@ -223,4 +223,5 @@ def test_lora_example_runs():
     out = subprocess.run([sys.executable, str(repo / "examples" / "lora_head.py")],
                          capture_output=True, text=True, cwd=repo, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip() == "", out.stderr[-3000:]  # only the example's own lines
     assert "done:" in out.stdout and "lm_head.lora_B moved" in out.stdout
