@@ -4,8 +4,9 @@
     python examples/trl_swap.py --compare    # also train TRL's own trainer from the same seed
     python examples/trl_swap.py --padded     # keep TRL's padded batches (padding_free=False)
 
-The only grpo-kernels line is the import of `GRPOTrainer`; the config, dataset, reward function
-and training call are plain TRL. A tiny random Qwen2 model and a character-level tokenizer are
+In the training code the only grpo-kernels line is the import of `GRPOTrainer` (the command
+line lists TRL's loss types from grpo_kernels); the config, dataset, reward function and
+training call are plain TRL. A tiny random Qwen2 model and a character-level tokenizer are
 saved to a temporary directory first (TRL loads the policy, and the reference model for the KL
 term, from that path).
 
