@@ -1,5 +1,5 @@
-"""The examples' command lines: a wrong value is refused by the parser, with the flag named,
-before any model is built (examples/trl_swap.py)."""
+"""The examples' command lines: a wrong value or an unknown flag is refused by the parser, with
+the flag named, before any model is built."""
 
 import importlib.util
 from pathlib import Path
@@ -10,7 +10,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def load_example(name: str):
-    pytest.importorskip("trl")
+    pytest.importorskip("trl" if name == "trl_swap" else "transformers")
+    if name == "lora_head":
+        pytest.importorskip("peft")
     spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines functions only: main() is not run
@@ -42,3 +44,13 @@ def test_trl_swap_takes_every_trl_loss_type():
     opts = trl_swap.parse_args([])
     assert (opts.steps, opts.loss_type, opts.beta, opts.padded, opts.compare) == (
         3, "dapo", 0.04, False, False)
+
+
+@pytest.mark.parametrize("name", ["hf_plain_pytorch", "lora_head"])
+def test_examples_without_flags_refuse_arguments(name, capsys):
+    example = load_example(name)
+    assert example.parse_args([]) is not None
+    with pytest.raises(SystemExit) as exit_info:  # once ignored: the example ran as if bare
+        example.parse_args(["--steps", "2"])
+    assert exit_info.value.code == 2
+    assert "--steps" in capsys.readouterr().err
