@@ -89,3 +89,25 @@ def test_documented_signature_is_the_real_one(name):
         assert order == [p[0] for p in _real(fn) if p[1] == "positional"][:len(order)], name
         missing = [p for p in real if p not in table and p not in FIELD_NAMES]
         assert not missing, f"{name}: parameters the table never mentions: {missing}"
+
+
+def test_semantics_hyperparameter_defaults_are_the_real_ones():
+    """docs/semantics.md's Hyperparameters table: every keyword of fused_linear_grpo_loss it
+    lists has its real default ("None (= epsilon_low)" reads as None)."""
+    text = (DOC.parent / "semantics.md").read_text()
+    start = text.index("## Hyperparameters")
+    rows = [r for r in text[start:text.index("\n## ", start + 1)].splitlines()
+            if r.startswith("| `")]
+    real = {p.name: p.default for p in
+            inspect.signature(gk.fused_linear_grpo_loss).parameters.values()}
+    seen = set()
+    for row in rows:
+        names_cell, default_cell = row.split(" | ")[:2]
+        names = re.findall(r"`(\w+)`", names_cell)
+        defaults = [d.strip().split(" (")[0].strip("`") for d in default_cell.split(",")]
+        assert len(names) == len(defaults), row
+        for name, default in zip(names, defaults):
+            assert name in real, f"semantics.md lists {name!r}, no keyword of the loss"
+            assert ast.literal_eval(default) == real[name], (name, default, real[name])
+            seen.add(name)
+    assert set(FIELD_NAMES) <= seen, set(FIELD_NAMES) - seen
