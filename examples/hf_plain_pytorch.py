@@ -22,6 +22,7 @@ import transformers
 
 from grpo_kernels import FusedLinearGRPOLoss
 from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
+from grpo_train.flags import Parser  # the flag convention of grpo-train and the benchmarks
 from grpo_train.tiny import build_tiny_model, build_tokenizer
 
 PROMPTS = ["12+30", "7+5", "40+2", "3+3"]
@@ -65,7 +66,14 @@ def sample(model, tokenizer, prompts):
     return out, attention_mask, completion.shape[1], completion_mask, texts
 
 
+def parse_args(argv: list[str] | None = None):
+    """No options: --help describes the example, and any other argument is an error."""
+    parser = Parser("examples/hf_plain_pytorch.py", description=__doc__.splitlines()[0])
+    return parser.parse_args(argv)
+
+
 def main() -> None:
+    parse_args()
     # only this script's lines: no transformers logging (generation notices) or progress bars
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

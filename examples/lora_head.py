@@ -22,13 +22,21 @@ import torch
 from grpo_kernels import FusedLinearGRPOLoss, reference
 from grpo_kernels.hf import causal_lm_grpo_loss, causal_lm_logprobs
 from grpo_kernels.hf.head_adapters import add_lora
+from grpo_train.flags import Parser  # the flag convention of grpo-train and the benchmarks
 from grpo_train.tiny import build_tiny_model, build_tokenizer
 
 B, P, T = 8, 6, 5  # sequences, prompt length, completion length
 STEPS = 5
 
 
+def parse_args(argv: list[str] | None = None):
+    """No options: --help describes the example, and any other argument is an error."""
+    parser = Parser("examples/lora_head.py", description=__doc__.splitlines()[0])
+    return parser.parse_args(argv)
+
+
 def main() -> None:
+    parse_args()
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     base = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, tie_word_embeddings=False)

@@ -4,8 +4,9 @@
     python examples/trl_swap.py --compare    # also train TRL's own trainer from the same seed
     python examples/trl_swap.py --padded     # keep TRL's padded batches (padding_free=False)
 
-The only grpo-kernels line is the import of `GRPOTrainer`; the config, dataset, reward function
-and training call are plain TRL. A tiny random Qwen2 model and a character-level tokenizer are
+In the training code the only grpo-kernels line is the import of `GRPOTrainer` (the command
+line lists TRL's loss types from grpo_kernels); the config, dataset, reward function and
+training call are plain TRL. A tiny random Qwen2 model and a character-level tokenizer are
 saved to a temporary directory first (TRL loads the policy, and the reference model for the KL
 term, from that path).
 
@@ -17,6 +18,7 @@ trainer draws random numbers outside generation).
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 import warnings
@@ -27,6 +29,7 @@ from datasets import Dataset
 from transformers import PrinterCallback
 from trl import GRPOConfig
 
+from grpo_kernels.loss_specs import TRL_LOSS_TYPES
 from grpo_kernels.trl import GRPOTrainer  # was: from trl import GRPOTrainer
 from grpo_train.flags import Parser  # the flag convention of grpo-train and the benchmarks
 from grpo_train.tiny import save_tiny_model
@@ -63,17 +66,36 @@ def losses(trainer) -> list[float]:
     return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    # TRL's max_steps reads 0 as one step and -1 as "train whole epochs"
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser("examples/trl_swap.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    parser.add_argument("--loss_type", default="dapo",
-                        help="TRL loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo")
-    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
+    parser.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (>= 1)")
+    parser.add_argument("--loss_type", default="dapo", choices=TRL_LOSS_TYPES,
+                        metavar="{" + ",".join(TRL_LOSS_TYPES) + "}", help="TRL's loss_type")
+    parser.add_argument("--beta", type=finite_float, default=0.04, help="KL coefficient")
     parser.add_argument("--padded", action="store_true",
                         help="run TRL's padded batches, not packed rows (padding_free=False)")
     parser.add_argument("--compare", action="store_true",
                         help="also run trl.GRPOTrainer from the same seed and compare")
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    opts = parse_args()
     # only this script's lines: no progress bars (weights, shards, dataset maps) or library
     # logging; transformers 5 deprecation notices about argument names TRL still uses
     transformers.logging.set_verbosity_error()

@@ -10,17 +10,42 @@ import torch
 from torch import nn
 
 from .functional import fused_linear_grpo_loss, grpo_loss
-from .params import GRPOParams, signature_with_params
+from .params import FIELD_NAMES, GRPOParams, signature_with_params
 from .validation import check_grad_filter, check_logit_transform
 
 
 class _GRPOModule(nn.Module):
-    """Holds `params` (from params= or the hyperparameter keywords) and kernel options."""
+    """Holds `params` (from params= or the hyperparameter keywords) and kernel options.
+
+    Each setting reads as an attribute (`loss_fn.beta`, `loss_fn.softcap`); assigning one is
+    refused, since forward reads `params` and `options` only (an attribute set beside them would
+    change nothing). A new GRPOParams goes in whole: `loss_fn.params = replace(loss_fn.params,
+    beta=0.0)`, checked by GRPOParams itself."""
 
     def __init__(self, params: GRPOParams | None, hyperparameters: dict, **options):
         super().__init__()
         self.params = GRPOParams.resolve(params, hyperparameters)
         self.options = options  # kernel options, not GRPO hyperparameters
+
+    def __getattr__(self, name: str):
+        state = self.__dict__  # unpickling calls this before params and options exist
+        if name in FIELD_NAMES and "params" in state:
+            return getattr(state["params"], name)
+        if name in state.get("options", ()):
+            return state["options"][name]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in FIELD_NAMES or name in self.__dict__.get("options", ()):
+            kind = "hyperparameters" if name in FIELD_NAMES else "kernel options"
+            raise AttributeError(
+                f"cannot set {type(self).__name__}.{name}: the {kind} are fixed at construction "
+                f"and forward reads them from .params / .options; build a new "
+                f"{type(self).__name__}(..., {name}=...) or, for a hyperparameter, set "
+                f"params = dataclasses.replace(loss_fn.params, {name}=...)")
+        if name == "params" and not isinstance(value, GRPOParams):
+            raise TypeError(f"params must be a GRPOParams, got {type(value).__name__}")
+        super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         # options at their defaults (None, False) are left out; grad_filter=0.0 is shown
@@ -68,6 +93,8 @@ class GRPOLoss(_GRPOModule):
     def __init__(self, *, inplace: bool = False, softcap: float | None = None,
                  logit_scale: float | None = None, params: GRPOParams | None = None,
                  **hyperparameters):
+        if not isinstance(inplace, bool):  # "False" would read as true: logits overwritten
+            raise TypeError(f"inplace must be a bool, got {inplace!r}")
         softcap, logit_scale = check_logit_transform(softcap, logit_scale)
         super().__init__(params, hyperparameters, inplace=inplace, softcap=softcap,
                          logit_scale=logit_scale)

@@ -23,7 +23,9 @@ variant, LoHa/LoKr/IA3/..., trainable token indices, a quantized base layer) rai
 
 from __future__ import annotations
 
+import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -170,16 +172,35 @@ def fold_lora(resolved: ResolvedHead, body_out: torch.Tensor, hidden: torch.Tens
     return torch.cat(columns, dim=-1), torch.cat(ups, dim=1), bias
 
 
+def _lora_targets(model: nn.Module, out: nn.Module | None, target_modules, head: bool):
+    """PEFT's target_modules for add_lora: a list of names, or a str regex that PEFT fullmatches
+    against each module's qualified name; with head=True the output embedding joins either."""
+    targets = target_modules
+    if isinstance(targets, str) and targets != "all-linear" and re.fullmatch(r"[\w.]+", targets):
+        targets = [targets]  # one module name, as a list names it (as a regex it matches nothing)
+    if not head:
+        return targets
+    head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
+    if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
+        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and m is not out})
+    if isinstance(targets, str):  # a regex: the head as one more alternative
+        return f"(?:{targets})|{re.escape(head_name)}"
+    return [*targets, head_name]
+
+
 def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32.0, dropout: float = 0.0,
              target_modules: str | list[str] = "all-linear", head: bool = True,
              modules_to_save: list[str] | None = None, **lora_kwargs) -> nn.Module:
     """Wrap a Hugging Face causal LM with a PEFT LoRA adapter the fused loss can train.
 
-    target_modules: PEFT's (names, or "all-linear": every linear layer except the output
-    embedding); head=True adds the output embedding (whatever it is called) to them.
-    Extra keywords go to `peft.LoraConfig`. Returns the `PeftModel`; raises ImportError without
-    peft, and NotImplementedError (naming the module) when the resulting head is not one the
-    fused path reproduces, e.g. use_dora=True with head=True.
+    target_modules: PEFT's: a list of module names, a str regex over the modules' qualified
+    names, one module name, or "all-linear" (every linear layer except the output embedding);
+    head=True adds the output embedding (whatever it is called) to them. Extra keywords go to
+    `peft.LoraConfig`. Returns the `PeftModel`; raises ImportError without peft, ValueError
+    when target_modules (non-empty) matches no module besides the head, and
+    NotImplementedError (naming the module) when the resulting head is not one the fused path
+    reproduces, e.g. use_dora=True with head=True.
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -187,25 +208,31 @@ def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32.0, dropout: flo
         raise ImportError("LoRA needs PEFT: pip install grpo-kernels[lora]") from exc
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise ValueError(f"r must be a positive int, got {r!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    if (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+            or not 0.0 <= dropout < 1.0):
+        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
     get = getattr(model, "get_output_embeddings", None)
     out = get() if get is not None else None
     if head and out is None:
         raise ValueError(f"{type(model).__name__} has no output embedding to put LoRA on")
-    targets = target_modules
-    head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
-    if head:
-        if isinstance(targets, str) and targets != "all-linear":
-            targets = [targets]
-        if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
-            targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                              if isinstance(m, nn.Linear) and m is not out})
-        targets = [*targets, head_name]
+    targets = _lora_targets(model, out, target_modules, head)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         modules_to_save=modules_to_save, task_type="CAUSAL_LM", **lora_kwargs)
-    wrapped = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # PEFT's constructor reads model.is_gradient_checkpointing, which transformers 5
+        # deprecates: a notice about PEFT's code that the caller of add_lora cannot act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
+                                category=FutureWarning)
+        wrapped = get_peft_model(model, config)
     inner = wrapped.get_base_model()
+    if head and target_modules and not any(has_tuner_adapter(m) for m in inner.modules()
+                                           if m is not inner.get_output_embeddings()):
+        # PEFT raises when nothing matches; the head always does, so say it here
+        raise ValueError(f"target_modules={target_modules!r} matched no module besides the "
+                         f"output embedding (a str is a regex over qualified module names, "
+                         f"e.g. r'.*\\.(q_proj|v_proj)'; a list names modules)")
     if out is not None:
-        resolve_head(inner.get_output_embeddings(), f"{type(inner).__name__}.{head_name}")
+        out = inner.get_output_embeddings()
+        head_name = next((n for n, m in inner.named_modules() if m is out), "output embedding")
+        resolve_head(out, f"{type(inner).__name__}.{head_name}")
     return wrapped

@@ -209,6 +209,29 @@ def test_add_lora_puts_a_trainable_adapter_on_the_head(base):
         add_lora(copy.deepcopy(base), r=0)
 
 
+def lora_modules(model) -> list[str]:
+    inner = model.get_base_model()
+    return sorted(n for n, m in inner.named_modules() if isinstance(m, peft.tuners.lora.Linear))
+
+
+def test_add_lora_keeps_peft_target_modules_meaning(base):
+    """A str target_modules is PEFT's regex over module names, a list names modules; the head
+    joins either (a regex once became a list entry that matched nothing: the head alone)."""
+    from grpo_kernels.hf.head_adapters import add_lora
+
+    model = add_lora(copy.deepcopy(base), r=2, target_modules=r".*\.(q_proj|v_proj)")
+    assert lora_modules(model) == ["lm_head", "model.layers.0.self_attn.q_proj",
+                                   "model.layers.0.self_attn.v_proj"]
+    assert lora_modules(add_lora(copy.deepcopy(base), r=2, target_modules="q_proj")) == [
+        "lm_head", "model.layers.0.self_attn.q_proj"]
+    assert lora_modules(add_lora(copy.deepcopy(base), r=2, target_modules=[])) == ["lm_head"]
+    for targets in (r".*\.no_such_proj", ["no_such_proj"]):
+        with pytest.raises(ValueError, match="target_modules"):
+            add_lora(copy.deepcopy(base), r=2, target_modules=targets)
+    with pytest.raises(ValueError, match="dropout"):
+        add_lora(copy.deepcopy(base), r=2, dropout="0.1")
+
+
 @pytest.mark.slow
 def test_lora_example_runs():
     import os
@@ -223,4 +246,5 @@ def test_lora_example_runs():
     out = subprocess.run([sys.executable, str(repo / "examples" / "lora_head.py")],
                          capture_output=True, text=True, cwd=repo, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip() == "", out.stderr[-3000:]  # only the example's own lines
     assert "done:" in out.stdout and "lm_head.lora_B moved" in out.stdout
