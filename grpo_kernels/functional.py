@@ -47,6 +47,7 @@ from .ops.backends import backend_for
 from .ops.custom_ops import OPS, direct
 from .params import GRPOParams, signature_with_params
 from .validation import (
+    check_flags,
     check_grad_filter,
     check_linear_head,
     check_logit_transform,
@@ -110,6 +111,7 @@ def selective_logprobs(
         logp [...] float32, and entropy [...] float32 if return_entropy.
     """
     def check(hidden, weight, bias):
+        check_flags(return_entropy=return_entropy)
         check_linear_head(hidden, weight, bias)
         ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1],
                               hidden.device, check_values=False)  # the op checks the range
@@ -159,6 +161,7 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
     Returns:
         logp [...] float32 (and entropy [...] float32); differentiable w.r.t. logits.
     """
+    check_flags(return_entropy=return_entropy, inplace=inplace)
     check_logits(logits)
     temperature = check_temperature(temperature)
     transform = check_logit_transform(softcap, logit_scale)
@@ -250,6 +253,7 @@ def fused_linear_grpo_loss(
     def check(hidden, weight, bias):
         if bad is not None:
             raise bad
+        check_flags(return_terms=return_terms, return_token_values=return_token_values)
         return linear_call(hidden, weight, completion_ids, advantages, completion_mask,
                            old_logps, ref_logps, bias, num_items_in_batch,
                            importance_sampling_ratio, cu_seqlens, grad_filter, params,
@@ -310,6 +314,8 @@ def grpo_loss(
         (loss: 0-dim float32, metrics: dict of detached 0-dim float32 tensors); with
         return_token_values, (loss, metrics, GRPOTerms detached); with return_terms, GRPOTerms
     """
+    check_flags(inplace=inplace, return_terms=return_terms,
+                return_token_values=return_token_values)
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = logits_call(logits, completion_ids, advantages, completion_mask, old_logps,
                                 ref_logps, num_items_in_batch, importance_sampling_ratio,

@@ -96,6 +96,13 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
         _same_device("bias", bias, hidden.device, hidden_name)
 
 
+def check_flags(**flags) -> None:
+    """Each keyword a Python bool ("False" reads as true: inplace="False" overwrote logits)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def check_logits(logits, ndim: int | None = None) -> None:
     """Floating-point logits [..., V] (exactly `ndim` dimensions if given), V >= 1."""
     _tensor("logits", logits, ndim=ndim)

@@ -39,11 +39,10 @@ def check_token_id_values(name: str, ids: torch.Tensor, vocab_size: int,
         lo, hi = int(lo), int(hi)  # one host sync
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"{name} has token id {bad} outside [0, {vocab_size}) (vocabulary size = "
-                f"{vocab_from}); padded positions need a valid id such as the pad token, "
-                "not -100"
-            )
+            hint = ("; padded positions need a valid id such as the pad token, not -100"
+                    if bad < 0 else "")
+            raise ValueError(f"{name} has token id {bad} outside [0, {vocab_size}) (vocabulary "
+                             f"size = {vocab_from}){hint}")
 
 
 def check_finite_advantages(advantages: torch.Tensor) -> None:

@@ -288,3 +288,32 @@ def test_num_items_in_batch_tensor_is_checked_in_graph_under_torch_compile():
                 fn(torch.tensor(bad))
     finally:
         torch._dynamo.reset()
+
+
+FLAGS = [  # (call, flag): every flag of the public functions must be a Python bool
+    (lambda h, w, ids, adv, **f: gk.fused_linear_grpo_loss(h, w, ids, adv, **f), "return_terms"),
+    (lambda h, w, ids, adv, **f: gk.fused_linear_grpo_loss(h, w, ids, adv, **f),
+     "return_token_values"),
+    (lambda h, w, ids, adv, **f: gk.grpo_loss(h @ w.T, ids, adv, **f), "inplace"),
+    (lambda h, w, ids, adv, **f: gk.grpo_loss(h @ w.T, ids, adv, **f), "return_terms"),
+    (lambda h, w, ids, adv, **f: gk.selective_logprobs(h, w, ids, **f), "return_entropy"),
+    (lambda h, w, ids, adv, **f: gk.logprobs_from_logits(h @ w.T, ids, **f), "inplace"),
+    (lambda h, w, ids, adv, **f: gk.logprobs_from_logits(h @ w.T, ids, **f), "return_entropy"),
+]
+
+
+@pytest.mark.parametrize("call, flag", FLAGS, ids=[f"{i}-{f}" for i, (_, f) in enumerate(FLAGS)])
+def test_a_flag_given_as_a_string_is_refused(call, flag, inputs):
+    """inplace="False" reads as true (the backward overwrote the caller's logits): a TypeError
+    naming the flag."""
+    hidden, weight, ids, adv = inputs
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'False'"):
+        call(hidden, weight, ids, adv, **{flag: "False"})
+
+
+def test_a_too_large_token_id_is_not_blamed_on_minus_100(inputs):
+    """The -100 hint is for negative ids (a label mask); an id >= V gets the range alone."""
+    hidden, weight, ids, adv = inputs
+    with pytest.raises(ValueError, match=r"token id \d+ outside") as info:
+        gk.fused_linear_grpo_loss(hidden, weight, ids + V, adv)
+    assert "-100" not in str(info.value)
