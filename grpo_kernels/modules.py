@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .functional import fused_linear_grpo_loss, grpo_loss
+from .parallel import check_vocab_group
 from .params import FIELD_NAMES, GRPOParams, signature_with_params
 from .validation import check_grad_filter, check_logit_transform
 
@@ -65,6 +66,7 @@ class FusedLinearGRPOLoss(_GRPOModule):
                  logit_scale: float | None = None, vocab_group=None,
                  params: GRPOParams | None = None, **hyperparameters):
         check_grad_filter(grad_filter, torch.bfloat16)  # fail here, not at the first step
+        check_vocab_group(vocab_group)
         softcap, logit_scale = check_logit_transform(softcap, logit_scale)
         super().__init__(params, hyperparameters, grad_filter=grad_filter, softcap=softcap,
                          logit_scale=logit_scale, vocab_group=vocab_group)

@@ -17,8 +17,15 @@ user's view.
 
 from .agreement import CallInputs, agreed
 from .logprobs import linear_logprobs
-from .shard import VocabParallelError, VocabShard, is_vocab_parallel, local_head
+from .shard import (
+    VocabParallelError,
+    VocabShard,
+    check_vocab_group,
+    is_vocab_parallel,
+    local_head,
+)
 from .three_pass import linear_grpo_loss
 
-__all__ = ["CallInputs", "VocabParallelError", "VocabShard", "agreed", "is_vocab_parallel",
+__all__ = ["CallInputs", "VocabParallelError", "VocabShard", "agreed", "check_vocab_group",
+           "is_vocab_parallel",
            "linear_grpo_loss", "linear_logprobs", "local_head"]

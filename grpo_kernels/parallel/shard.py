@@ -88,12 +88,23 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def check_vocab_group(vocab_group) -> None:
+    """vocab_group: None or a torch.distributed ProcessGroup (TypeError naming it otherwise)."""
+    if vocab_group is None:
+        return
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if group_type is None or not isinstance(vocab_group, group_type):
+        raise TypeError("vocab_group must be None or a torch.distributed ProcessGroup (the "
+                        f"ranks that share the vocabulary), got {type(vocab_group).__name__}")
+
+
 def local_head(weight, bias, vocab_group=None, hidden=None):
     """(VocabShard, local weight [V_r, D], local bias [V_r] | None, hidden) of a
     vocabulary-parallel head, the tensors differentiable into the caller's (a DTensor's
     gradient comes back as a DTensor with its placements). A replicated DTensor `hidden` is
     taken as its local tensor. Raises for a DTensor sharded otherwise than Shard(0) on one mesh
     dimension, and for a `vocab_group` that is not that dimension's group."""
+    check_vocab_group(vocab_group)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("a vocabulary-parallel head needs torch.distributed to be initialized "
                            "(torch.distributed.init_process_group)")

@@ -317,3 +317,15 @@ def test_a_too_large_token_id_is_not_blamed_on_minus_100(inputs):
     with pytest.raises(ValueError, match=r"token id \d+ outside") as info:
         gk.fused_linear_grpo_loss(hidden, weight, ids + V, adv)
     assert "-100" not in str(info.value)
+
+
+@pytest.mark.parametrize("make", [
+    lambda h, w, ids, adv: gk.fused_linear_grpo_loss(h, w, ids, adv, vocab_group=3),
+    lambda h, w, ids, adv: gk.selective_logprobs(h, w, ids, vocab_group="tp"),
+    lambda h, w, ids, adv: gk.FusedLinearGRPOLoss(vocab_group=3),
+], ids=["function", "logprobs", "module"])
+def test_a_vocab_group_that_is_not_a_process_group_is_refused(make, inputs):
+    """At the call, and at a module's construction rather than its first forward."""
+    with pytest.raises(TypeError, match="vocab_group must be None or a torch.distributed "
+                                        "ProcessGroup"):
+        make(*inputs)
