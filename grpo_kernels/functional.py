@@ -130,6 +130,7 @@ def selective_logprobs(
         call = check(hidden, weight, bias)
     temperature, transform, ids, eps, head = call
     if shard is not None:
+        route.vocab_parallel_logprobs_route(shard)
         logp, ent = parallel.linear_logprobs(shard, *head, ids, temperature, eps,
                                              backend_for(hidden), *transform)
     elif route.logprobs_route(*head, backend_for(hidden), direct(*head)).forward_only:

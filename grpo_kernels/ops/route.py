@@ -115,6 +115,15 @@ def logprobs_route(hidden, weight, bias, backend: str, direct: bool) -> Route:
     return route
 
 
+def vocab_parallel_logprobs_route(shard) -> Route:
+    """The route of a vocabulary-parallel head's selective log-probs (`parallel.logprobs`):
+    always four passes, with or without a gradient. Logged once per (route, reason)."""
+    route = Route(FOUR_PASS, f"vocabulary-parallel head ({shard.form}, {shard.world} shards): "
+                             "this rank's fused forward, the statistics combined over the group")
+    _log_route(LOGPROBS, route.path, route.reason)
+    return route
+
+
 def _logprobs(hidden, weight, bias, backend, direct) -> Route:
     why = _no_gradient(hidden, weight, bias)
     if why is None:

@@ -91,6 +91,8 @@ def test_routes_are_logged_with_the_shards(exact2):
                in line for line in lines), lines
     assert any("four-pass route: vocabulary-parallel head" in line and "sequence-level" in line
                for line in lines), lines
+    assert any("selective log-probs on the four-pass route: vocabulary-parallel head" in line
+               for line in lines), lines
 
 
 @pytest.mark.parametrize("tp", [2, 4])

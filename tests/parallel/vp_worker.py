@@ -111,8 +111,12 @@ def exact(rank, tp):
         whole = vc.run_logprobs(opts)
         batch = vc.make_inputs(dict(opts, bias=True))
         w, b, kw = shard_head(batch["weight"], batch["bias"], opts["form"], rank, tp, mesh)
-        out["logprobs/" + name] = vc.differences(whole, vc.run_logprobs(opts, (w, b), **kw),
-                                                 rank, tp)
+        routes = Routes()
+        log.addHandler(routes)
+        mine = vc.run_logprobs(opts, (w, b), **kw)
+        log.removeHandler(routes)
+        out["logprobs/" + name] = vc.differences(whole, mine, rank, tp)
+        out["logprobs/" + name]["_routes"] = routes.lines
     return out
 
 
