@@ -1,0 +1,35 @@
+"""`run_as_forward` with two FSDP2 processes (gloo): roots that reshard after forward (accelerate's
+FSDP2, TRL's reference model) give the unsharded model's loss, log-probs and gradients, tied
+head, LoRA-wrapped root and gradient accumulation included (fsdp2_worker.py runs the cases)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "parallel"))
+from mp_launch import REPO, free_port  # noqa: E402
+
+
+@pytest.mark.slow
+def test_fsdp2_roots_that_reshard_after_forward_match_the_unsharded_model(tmp_path):
+    pytest.importorskip("peft")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", OUT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)  # the chunked backend: force_backend in the worker
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), str(HERE / "fsdp2_worker.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["reference"]["logps"] < 1e-5, (rank, got)
+        for case in ("tied", "untied_lora"):
+            assert got[case]["loss"] < 1e-5, (rank, case, got[case])
+            assert got[case]["grad"] < 1e-5, (rank, case, got[case])
+            # the registered forward's end resharded the root
+            assert got[case]["head_resharded"], (rank, case, got[case])
