@@ -9,9 +9,12 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[2]
 
 DRIVER = """
 import json, os, sys
@@ -19,6 +22,10 @@ import torch
 from grpo_train import sharding
 from grpo_train.cli import parse_config
 from grpo_train import train
+import grpo_train
+
+# the code under test, not an installed copy of another checkout
+assert grpo_train.__file__.startswith(os.environ["GRPO_TEST_REPO"]), grpo_train.__file__
 
 result = train(parse_config(sys.argv[1:]))  # what `python -m grpo_train` runs
 out, rank = os.environ["GRPO_TEST_DIR"], os.environ["RANK"]
@@ -58,7 +65,9 @@ def _launch(tmp_path, out, *extra) -> list[dict]:
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(driver),
            "--output_dir", str(out), *ARGS, *extra]
-    env = dict(os.environ, GRPO_TEST_DIR=str(test_dir), OMP_NUM_THREADS="1")
+    env = dict(os.environ, GRPO_TEST_DIR=str(test_dir), OMP_NUM_THREADS="1",
+               GRPO_TEST_REPO=str(REPO),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
