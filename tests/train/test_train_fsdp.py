@@ -142,3 +142,23 @@ def test_fsdp_without_a_process_group_is_a_clear_error():
         model.state_dict().keys()
     with sharding.full_parameters(model):
         pass
+
+
+def test_fsdp_refuses_a_unit_of_mixed_dtypes_by_flag():
+    """--fp32_lm_head on a bf16 model puts a float32 head beside bf16 embeddings in the root
+    unit; FSDP2 would fail inside its first forward. The refusal names the flags, before any
+    collective (so no process group is needed to see it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_train import sharding
+    from grpo_train.flags import UsageError
+    from grpo_train.models import use_fp32_head
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, tie_word_embeddings=False))
+    use_fp32_head(model.to(torch.bfloat16))
+    with pytest.raises(UsageError, match=r"mix bfloat16 \(model\.embed_tokens\.weight\), "
+                                         r"float32 \(lm_head\.weight\).*--fp32_lm_head"):
+        sharding.shard_model(model, torch.device("cpu"))
+    assert not sharding.is_sharded(model)
