@@ -119,7 +119,8 @@ def _broadcast_from_main(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _no_sync(self):
-    """Accumulate unsharded gradients locally; the next synchronized backward reduce-scatters."""
+    """Accumulate unsharded gradients locally; the next synchronized backward reduce-scatters.
+    FSDP2 reads the setting while the backward runs, so the backward goes inside the block."""
     self.set_requires_gradient_sync(False)
     try:
         yield

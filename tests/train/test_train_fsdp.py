@@ -162,3 +162,49 @@ def test_fsdp_refuses_a_unit_of_mixed_dtypes_by_flag():
                                          r"float32 \(lm_head\.weight\).*--fp32_lm_head"):
         sharding.shard_model(model, torch.device("cpu"))
     assert not sharding.is_sharded(model)
+
+
+def test_fsdp_accumulates_unsynchronized_micro_batches_locally(tmp_path):
+    """The trainer's micro-batch backward under --fsdp (one process, gloo): a micro-batch
+    without gradient sync reduce-scatters nothing (FSDP2 reads its sync setting during the
+    backward, so the backward must run inside `no_sync`); the synchronized one after it gives
+    the plain model's accumulated gradients."""
+    import contextlib
+    import copy
+    import types
+
+    import torch.distributed as dist
+
+    from grpo_kernels import FusedLinearGRPOLoss, force_backend
+    from grpo_train import sharding, trainer
+    from grpo_train.batching import micro_batches
+    from grpo_train.tiny import build_tiny_model, build_tokenizer
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        base = build_tiny_model(build_tokenizer(), hidden_size=16, num_layers=1, seed=1)
+        model = sharding.shard_model(copy.deepcopy(base), torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(8, 100, (4, 7), generator=g)  # 4 sequences, completions of 3
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "completion_mask": torch.ones(4, 3, dtype=torch.long), "T": 3}
+        first, second = micro_batches(batch, "padded", 2, 0)
+        adv = torch.randn(4, generator=g)
+        runs = [types.SimpleNamespace(cfg=types.SimpleNamespace(loss="fused", num_iterations=1),
+                                      ddp_model=m, autocast=contextlib.nullcontext(),
+                                      loss_fn=FusedLinearGRPOLoss(), head={}, B=4)
+                for m in (base, model)]
+        with force_backend("chunked"):
+            for run, sync in zip(runs, (True, False)):  # the plain model has nothing to sync
+                trainer._backward(run, first, sync, adv[first.seqs], None, None, None, {})
+            assert all(p.grad is None for p in model.parameters())  # nothing reduced yet
+            for run in runs:
+                trainer._backward(run, second, True, adv[second.seqs], None, None, None, {})
+        for (name, p), q in zip(base.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name: f"grad of {n}: {m}")
+    finally:
+        dist.destroy_process_group()
