@@ -2,10 +2,12 @@
 log-probs of FSDP2-sharded copies of a tiny model through `run_as_forward`, each rank on its own
 batch, against the unsharded model on both ranks' batches (the gradients FSDP's reduce-scatter
 averages). Roots built with reshard_after_forward=True, as accelerate's FSDP2 builds them and as
-TRL shards its reference model. Writes {case: result} to $OUT/rank{RANK}.json."""
+TRL shards its reference model. The route lines of the grpo_kernels logger go with the results.
+Writes {case: result} to $OUT/rank{RANK}.json."""
 
 import copy
 import json
+import logging
 import os
 import sys
 
@@ -100,11 +102,23 @@ def reference_case() -> dict:
     return {"logps": (got - want).abs().max().item()}
 
 
+class Routes(logging.Handler):
+    """The route lines of the grpo_kernels logger (one per route and reason, per process)."""
+
+    lines: list = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+logging.getLogger("grpo_kernels").addHandler(Routes())
+logging.getLogger("grpo_kernels").setLevel(logging.INFO)
 results = {}
 with force_backend("chunked"):
     results["reference"] = reference_case()
     results["tied"] = train_case(tied=True, lora=False)
     results["untied_lora"] = train_case(tied=False, lora=True)
+results["routes"] = [line for line in Routes.lines if " route: " in line]
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as fh:
     json.dump(results, fh)
 leave_after_barrier()

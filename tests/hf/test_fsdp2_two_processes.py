@@ -1,6 +1,7 @@
 """`run_as_forward` with two FSDP2 processes (gloo): roots that reshard after forward (accelerate's
 FSDP2, TRL's reference model) give the unsharded model's loss, log-probs and gradients, tied
-head, LoRA-wrapped root and gradient accumulation included (fsdp2_worker.py runs the cases)."""
+head, LoRA-wrapped root and gradient accumulation included, on the whole head's three-pass
+route (fsdp2_worker.py runs the cases)."""
 
 import json
 import os
@@ -33,3 +34,9 @@ def test_fsdp2_roots_that_reshard_after_forward_match_the_unsharded_model(tmp_pa
             assert got[case]["grad"] < 1e-5, (rank, case, got[case])
             # the registered forward's end resharded the root
             assert got[case]["head_resharded"], (rank, case, got[case])
+        # the registered forward hands the fused loss the whole [V, D] head: the whole head's
+        # route (three passes for a token-level loss with a gradient), not a vocabulary-parallel
+        # one (which a DTensor shard would take)
+        loss_routes = [line for line in got["routes"] if "linear-head loss on" in line]
+        assert loss_routes and all("three-pass route" in line and "vocabulary-parallel" not in
+                                   line for line in loss_routes), got["routes"]
