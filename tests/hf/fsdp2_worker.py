@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
 from mp_launch import leave_after_barrier  # noqa: E402
@@ -91,6 +91,35 @@ def train_case(tied: bool, lora: bool) -> dict:
             "head_resharded": type(head).__name__ == "DTensor"}
 
 
+def mixed_precision_case() -> dict:
+    """bf16 parameters in the forward and backward, float32 gradient reduction; the error
+    against the float32 model is compared with a plain bf16 copy's."""
+    base = model(tied=True)
+    sharded, plain = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in sharded.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(sharded, mp_policy=policy, reshard_after_forward=True)
+    for r in range(world):
+        (loss_of(r)(base) / world).backward()
+        (loss_of(r)(plain) / world).backward()
+    seen = []
+
+    def loss(m):
+        seen.append(str(m.get_output_embeddings().weight.dtype))
+        return loss_of(rank)(m)
+
+    run_as_forward(sharded, loss).backward()
+    errors = {}
+    for name, p, q, b in zip(dict(base.named_parameters()), base.parameters(),
+                             sharded.parameters(), plain.parameters()):
+        scale = p.grad.abs().max().item()
+        errors[name] = ((q.grad.full_tensor() - p.grad).abs().max().item() / scale,
+                        (b.grad.float() - p.grad).abs().max().item() / scale)
+    return {"head_dtype": seen, "grad_dtype": str(sharded.lm_head.weight.grad.dtype),
+            "errors": errors}
+
+
 def reference_case() -> dict:
     """TRL's reference model under FSDP2: the root alone, resharded after each forward."""
     base = model(tied=True)
@@ -118,6 +147,7 @@ with force_backend("chunked"):
     results["reference"] = reference_case()
     results["tied"] = train_case(tied=True, lora=False)
     results["untied_lora"] = train_case(tied=False, lora=True)
+    results["mixed_precision"] = mixed_precision_case()
 results["routes"] = [line for line in Routes.lines if " route: " in line]
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as fh:
     json.dump(results, fh)

@@ -1,7 +1,7 @@
 """`run_as_forward` with two FSDP2 processes (gloo): roots that reshard after forward (accelerate's
 FSDP2, TRL's reference model) give the unsharded model's loss, log-probs and gradients, tied
-head, LoRA-wrapped root and gradient accumulation included, on the whole head's three-pass
-route (fsdp2_worker.py runs the cases)."""
+head, LoRA-wrapped root, gradient accumulation and a bf16 mixed-precision policy included, on
+the whole head's three-pass route (fsdp2_worker.py runs the cases)."""
 
 import json
 import os
@@ -34,6 +34,13 @@ def test_fsdp2_roots_that_reshard_after_forward_match_the_unsharded_model(tmp_pa
             assert got[case]["grad"] < 1e-5, (rank, case, got[case])
             # the registered forward's end resharded the root
             assert got[case]["head_resharded"], (rank, case, got[case])
+        # MixedPrecisionPolicy(bf16 parameters, float32 reduction): the fused loss sees the
+        # bf16 head, and every gradient is as close to the float32 model's as a plain bf16
+        # copy's is (relative to the largest gradient of each parameter)
+        mixed = got["mixed_precision"]
+        assert mixed["head_dtype"] == ["torch.bfloat16"] and mixed["grad_dtype"] == "torch.float32"
+        for name, (err, plain_err) in mixed["errors"].items():
+            assert err < 2 * plain_err + 1e-3 and err < 3e-2, (rank, name, err, plain_err)
         # the registered forward hands the fused loss the whole [V, D] head: the whole head's
         # route (three passes for a token-level loss with a gradient), not a vocabulary-parallel
         # one (which a DTensor shard would take)
