@@ -57,7 +57,7 @@ def _root_kept_unsharded(root: nn.Module):
     `set_reshard_after_forward` sets but cannot read back."""
     state = root._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.10: one group or none
+    if groups is None:  # older torch: one group per state, or none
         groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
     saved = [g.post_forward_mesh_info for g in groups]
     for g in groups:
