@@ -67,6 +67,12 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
     """hidden [..., D], weight [V, D], bias [V] | None on one device; hidden and weight of one
     dtype, or 16-bit hidden with a float32 weight; bias in weight's dtype."""
     _tensor(hidden_name, hidden)
+    if hasattr(weight, "ds_id") and weight.dim() != 2:  # DeepSpeed's mark (hf/zero3.py)
+        raise ValueError(
+            f"weight is a parameter partitioned by DeepSpeed ZeRO-3 (here {tuple(weight.shape)}, "
+            f"whole {tuple(getattr(weight, 'ds_shape', ()))}): gather it first "
+            "(deepspeed.zero.GatheredParameters), or pass the model to grpo_kernels.hf "
+            "(causal_lm_grpo_loss, head_for), which gathers it")
     _tensor("weight", weight, ndim=2)
     _float(hidden_name, hidden)
     _float("weight", weight)

@@ -66,9 +66,12 @@ def shard_model(model: nn.Module, device: torch.device, frozen: bool = False) ->
     become DTensor shards). Every process must call it with the same architecture; the main
     process' values are broadcast first, as DDP does. `frozen` (a reference model, never
     differentiated): the root is resharded after every forward too, as nothing follows."""
-    require_process_group()
     if is_sharded(model):
         raise ValueError(f"{type(model).__name__} is already sharded")
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names and m is not model]
+    _check_unit_dtypes(model, blocks)
+    require_process_group()
     # the hidden-state path checks the head once with a nested forward of the model; do it
     # before sharding (cached per model), never inside FSDP's forward hooks
     hf.check_output_head(model)
@@ -76,16 +79,36 @@ def shard_model(model: nn.Module, device: torch.device, frozen: bool = False) ->
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    block_names = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in block_names and module is not model:
-            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
     # the policy's root is needed again at once by the backward: FSDP's default keeps it
     model._grpo_root_reshard = frozen
     fully_shard(model, mesh=mesh, reshard_after_forward=frozen)
     # DDP's gradient-accumulation interface, so the trainer treats both wrappers alike
     model.no_sync = types.MethodType(_no_sync, model)
     return model
+
+
+def _check_unit_dtypes(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """FSDP2 all-gathers a unit's parameters as one buffer, so a unit holds one dtype (torch
+    otherwise fails at the first forward, inside FSDP). The root unit holds what the blocks do
+    not: a float32 head beside 16-bit embeddings (--fp32_lm_head) mixes two."""
+    from .flags import UsageError
+
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
+    for unit, params in [(type(b).__name__, list(b.named_parameters())) for b in blocks] + [
+            (type(model).__name__, root)]:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for _, p in params})
+        if len(dtypes) > 1:
+            first = {}
+            for n, p in params:
+                first.setdefault(str(p.dtype).removeprefix("torch."), n)
+            raise UsageError(
+                f"--fsdp shards the parameters of {unit} as one unit, which needs one dtype, "
+                f"but they mix {', '.join(f'{d} ({first[d]})' for d in dtypes)}; "
+                "--fp32_lm_head on a 16-bit model does this: use --model_dtype float32 with "
+                "--bf16 instead (a float32 head under bf16 autocast)")
 
 
 def _broadcast_from_main(model: nn.Module) -> None:
@@ -96,7 +119,8 @@ def _broadcast_from_main(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _no_sync(self):
-    """Accumulate unsharded gradients locally; the next synchronized backward reduce-scatters."""
+    """Accumulate unsharded gradients locally; the next synchronized backward reduce-scatters.
+    FSDP2 reads the setting while the backward runs, so the backward goes inside the block."""
     self.set_requires_gradient_sync(False)
     try:
         yield

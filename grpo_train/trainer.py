@@ -227,13 +227,15 @@ def _backward(run: RunState, mb, sync: bool, adv, old, ref, num_items, sums: dic
     """Forward + backward of one micro-batch, gradients synchronized across processes only if
     `sync` (the last one); adds its metrics x its loss tokens into `sums`; returns its loss /
     num_iterations. adv: [b] of its sequences; old/ref: from `_logprobs` or None."""
+    # the backward inside no_sync too: FSDP2 reads its sync setting when the backward runs
     no_sync = contextlib.nullcontext() if sync else run.ddp_model.no_sync()
-    with no_sync, run.autocast:
-        loss, metrics = _loss(run.ddp_model, run.loss_fn, mb, adv, old, ref, num_items,
-                              run.cfg.loss, run.head)
-        if num_items is None:  # per-sequence means: weight by share
-            loss = loss * (mb.num_seqs / run.B)  # (1/n_micro if equal)
-    loss.backward()
+    with no_sync:
+        with run.autocast:
+            loss, metrics = _loss(run.ddp_model, run.loss_fn, mb, adv, old, ref, num_items,
+                                  run.cfg.loss, run.head)
+            if num_items is None:  # per-sequence means: weight by share
+                loss = loss * (mb.num_seqs / run.B)  # (1/n_micro if equal)
+        loss.backward()
     value = loss.item() / run.cfg.num_iterations
     n_tok = mb.num_loss_tokens
     for k, v in metrics.items():

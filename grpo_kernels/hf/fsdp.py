@@ -9,11 +9,20 @@ head: a full [V, D] weight) before it and reshards after, the decoder layers uns
 forwards, and the backward through its outputs unshards the head again and reduce-scatters its
 gradient like any other parameter's.
 
+A function of the model may run a forward of the root itself, nested in that one: the head's
+once-per-model check (`check_output_head`, a short forward of the model) and the hidden states
+of a wrapped root (a PEFT model: `completion_hidden_states` calls the wrapper). A root built with
+`reshard_after_forward=True` (accelerate's FSDP2 default, and how TRL shards its reference model)
+would reshard after that nested forward, and the rest of the function would read DTensor shards:
+the body's embedding fails, and the head looks like a vocabulary-parallel one. So the root stays
+unsharded until the registered forward ends (`_root_kept_unsharded`) and reshards then.
+
 Used by grpo_kernels.trl's GRPOTrainer (under accelerate's FSDP2) and by grpo_train --fsdp.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -40,10 +49,32 @@ def fsdp2_root(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _call_forward(_root, call, target):
-    """The registered method: call(target), views among its outputs copied (FSDP2 hooks the
-    outputs for its backward; a view would make that hook fragile and FSDP warns about it)."""
-    out = call(target)
+@contextlib.contextmanager
+def _root_kept_unsharded(root: nn.Module):
+    """Within the block, a nested forward of `root` leaves its parameters unsharded (see the
+    module docstring); the setting is restored after. FSDP2 keeps it per parameter group of the
+    root's state (`post_forward_mesh_info`: None keeps them unsharded), which
+    `set_reshard_after_forward` sets but cannot read back."""
+    state = root._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state, or none
+        groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+    saved = [g.post_forward_mesh_info for g in groups]
+    for g in groups:
+        g.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for g, info in zip(groups, saved):
+            g.post_forward_mesh_info = info
+
+
+def _call_forward(root, call, target):
+    """The registered method: call(target) with the root unsharded throughout, views among its
+    outputs copied (FSDP2 hooks the outputs for its backward; a view would make that hook
+    fragile and FSDP warns about it)."""
+    with _root_kept_unsharded(root):
+        out = call(target)
     fresh = lambda x: x.clone() if isinstance(x, torch.Tensor) and x._is_view() else x  # noqa: E731
     if not isinstance(out, tuple):
         return fresh(out)

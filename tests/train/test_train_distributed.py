@@ -6,9 +6,12 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[2]
 
 RECORDER = """
 import os
@@ -26,6 +29,10 @@ import os, sys
 import torch
 from grpo_train.cli import parse_config
 from grpo_train import train
+import grpo_train
+
+# the code under test, not an installed copy of another checkout
+assert grpo_train.__file__.startswith(os.environ["GRPO_TEST_REPO"]), grpo_train.__file__
 
 result = train(parse_config(sys.argv[1:]))  # what `python -m grpo_train` runs
 state = {k: v.detach().cpu() for k, v in result["model"].state_dict().items()}
@@ -63,7 +70,9 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, batching):
            "--save_every", "3", "--backend", "chunked", "--no-progress", "--no-plot",
            "--num_threads", "1", "--device", "cpu", *(batching or ["--no_padding_free"]),
            "--reward", "accuracy", f"{tmp_path / 'recorder.py'}:record:0.1"]
-    env = dict(os.environ, GRPO_TEST_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env = dict(os.environ, GRPO_TEST_DIR=str(tmp_path), OMP_NUM_THREADS="1",
+               GRPO_TEST_REPO=str(REPO),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,9 +9,12 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[2]
 
 DRIVER = """
 import json, os, sys
@@ -19,6 +22,10 @@ import torch
 from grpo_train import sharding
 from grpo_train.cli import parse_config
 from grpo_train import train
+import grpo_train
+
+# the code under test, not an installed copy of another checkout
+assert grpo_train.__file__.startswith(os.environ["GRPO_TEST_REPO"]), grpo_train.__file__
 
 result = train(parse_config(sys.argv[1:]))  # what `python -m grpo_train` runs
 out, rank = os.environ["GRPO_TEST_DIR"], os.environ["RANK"]
@@ -58,7 +65,9 @@ def _launch(tmp_path, out, *extra) -> list[dict]:
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(driver),
            "--output_dir", str(out), *ARGS, *extra]
-    env = dict(os.environ, GRPO_TEST_DIR=str(test_dir), OMP_NUM_THREADS="1")
+    env = dict(os.environ, GRPO_TEST_DIR=str(test_dir), OMP_NUM_THREADS="1",
+               GRPO_TEST_REPO=str(REPO),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -133,3 +142,69 @@ def test_fsdp_without_a_process_group_is_a_clear_error():
         model.state_dict().keys()
     with sharding.full_parameters(model):
         pass
+
+
+def test_fsdp_refuses_a_unit_of_mixed_dtypes_by_flag():
+    """--fp32_lm_head on a bf16 model puts a float32 head beside bf16 embeddings in the root
+    unit; FSDP2 would fail inside its first forward. The refusal names the flags, before any
+    collective (so no process group is needed to see it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_train import sharding
+    from grpo_train.flags import UsageError
+    from grpo_train.models import use_fp32_head
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, tie_word_embeddings=False))
+    use_fp32_head(model.to(torch.bfloat16))
+    with pytest.raises(UsageError, match=r"mix bfloat16 \(model\.embed_tokens\.weight\), "
+                                         r"float32 \(lm_head\.weight\).*--fp32_lm_head"):
+        sharding.shard_model(model, torch.device("cpu"))
+    assert not sharding.is_sharded(model)
+
+
+def test_fsdp_accumulates_unsynchronized_micro_batches_locally(tmp_path):
+    """The trainer's micro-batch backward under --fsdp (one process, gloo): a micro-batch
+    without gradient sync reduce-scatters nothing (FSDP2 reads its sync setting during the
+    backward, so the backward must run inside `no_sync`); the synchronized one after it gives
+    the plain model's accumulated gradients."""
+    import contextlib
+    import copy
+    import types
+
+    import torch.distributed as dist
+
+    from grpo_kernels import FusedLinearGRPOLoss, force_backend
+    from grpo_train import sharding, trainer
+    from grpo_train.batching import micro_batches
+    from grpo_train.tiny import build_tiny_model, build_tokenizer
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        base = build_tiny_model(build_tokenizer(), hidden_size=16, num_layers=1, seed=1)
+        model = sharding.shard_model(copy.deepcopy(base), torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(8, 100, (4, 7), generator=g)  # 4 sequences, completions of 3
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "completion_mask": torch.ones(4, 3, dtype=torch.long), "T": 3}
+        first, second = micro_batches(batch, "padded", 2, 0)
+        adv = torch.randn(4, generator=g)
+        runs = [types.SimpleNamespace(cfg=types.SimpleNamespace(loss="fused", num_iterations=1),
+                                      ddp_model=m, autocast=contextlib.nullcontext(),
+                                      loss_fn=FusedLinearGRPOLoss(), head={}, B=4)
+                for m in (base, model)]
+        with force_backend("chunked"):
+            for run, sync in zip(runs, (True, False)):  # the plain model has nothing to sync
+                trainer._backward(run, first, sync, adv[first.seqs], None, None, None, {})
+            assert all(p.grad is None for p in model.parameters())  # nothing reduced yet
+            for run in runs:
+                trainer._backward(run, second, True, adv[second.seqs], None, None, None, {})
+        for (name, p), q in zip(base.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name: f"grad of {n}: {m}")
+    finally:
+        dist.destroy_process_group()
