@@ -167,43 +167,6 @@ def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
     return float(grad_filter)
 
 
-def check_normalizer(name: str, value, device) -> torch.Tensor | None:
-    """A count or normalizer that the caller passes (num_items_in_batch): None, a Python number
-    or a one-element tensor on any device, finite and > 0. Returns None or the value as a 0-dim
-    float32 tensor on `device` (one form for the formulas downstream).
-
-    A CPU tensor's value is read to the host (free). A CUDA tensor's is checked on the device
-    (`value_checks.defer`: reading it would wait for the device's queue; the error comes at the
-    next loss call or backward). Under torch.compile the check is an in-graph assertion, as for
-    the other value checks (no host read, no graph break)."""
-    if value is None:
-        return None
-    expected = f"{name} must be a positive finite number"
-    if not isinstance(value, torch.Tensor):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
-        if not (is_finite(value) and value > 0):  # a symbolic int under torch.compile
-            raise ValueError(f"{expected}, got {value!r}")
-        return torch.tensor(value, device=device, dtype=torch.float32)
-    if value.numel() != 1:
-        raise ValueError(f"{name} must be a number or a one-element tensor, "
-                         f"got shape {tuple(value.shape)}")
-    if value.dtype == torch.bool or value.dtype.is_complex:
-        raise TypeError(f"{name} must be a real-valued tensor, got {value.dtype}")
-    if torch.compiler.is_compiling():
-        out = value.reshape(()).to(device=device, dtype=torch.float32)
-        torch._assert_async((out > 0) & torch.isfinite(out), f"{expected} (> 0, not NaN or inf)")
-        return out
-    if value.device.type == "cuda":  # a device check: reading it would wait for the queue
-        out = value.reshape(()).to(device=device, dtype=torch.float32)
-        value_checks.defer(~((out > 0) & torch.isfinite(out)), f"{expected} (> 0, not NaN or inf)")
-        return out
-    number = float(value)  # a CPU tensor: a free host read
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{expected}, got {number!r} (a tensor on {value.device})")
-    return value.reshape(()).to(device=device, dtype=torch.float32)
-
-
 @dataclass
 class LossInputs:
     """Validated per-token GRPO inputs, float32 on the device of hidden (or logits). A packed
@@ -351,7 +314,8 @@ def check_loss_inputs(
     isr = None
     if importance_sampling_ratio is not None:
         isr = per_token("importance_sampling_ratio", importance_sampling_ratio, True)
-    num_items_in_batch = check_normalizer("num_items_in_batch", num_items_in_batch, device)
+    num_items_in_batch = value_checks.check_normalizer("num_items_in_batch", num_items_in_batch,
+                                                       device)
     sampling = None
     if sampling_logps is not None:  # NaN allowed: a token the sampler could not score
         sampling = per_token("sampling_logps", sampling_logps, False)

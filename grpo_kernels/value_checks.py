@@ -17,9 +17,12 @@ to check:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
+
+from .params import is_finite
 
 # device checks in flight: (pinned flag, event behind its copy, the error's message)
 _PENDING: deque = deque()
@@ -109,3 +112,40 @@ def check_ids_and_advantages(ids: torch.Tensor, vocab_size: int, advantages: tor
     defer(bad_advantages, "advantages contain NaN or inf; use 0 for completions that could not "
                           "be scored (docs/semantics.md: nan_to_num)")
     return bad_ids | bad_advantages
+
+
+def check_normalizer(name: str, value, device) -> torch.Tensor | None:
+    """A count or normalizer that the caller passes (num_items_in_batch): None, a Python number
+    or a one-element tensor on any device, finite and > 0. Returns None or the value as a 0-dim
+    float32 tensor on `device` (one form for the formulas downstream).
+
+    A CPU tensor's value is read to the host (free). A CUDA tensor's is checked on the device
+    (`value_checks.defer`: reading it would wait for the device's queue; the error comes at the
+    next loss call or backward). Under torch.compile the check is an in-graph assertion, as for
+    the other value checks (no host read, no graph break)."""
+    if value is None:
+        return None
+    expected = f"{name} must be a positive finite number"
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+        if not (is_finite(value) and value > 0):  # a symbolic int under torch.compile
+            raise ValueError(f"{expected}, got {value!r}")
+        return torch.tensor(value, device=device, dtype=torch.float32)
+    if value.numel() != 1:
+        raise ValueError(f"{name} must be a number or a one-element tensor, "
+                         f"got shape {tuple(value.shape)}")
+    if value.dtype == torch.bool or value.dtype.is_complex:
+        raise TypeError(f"{name} must be a real-valued tensor, got {value.dtype}")
+    if torch.compiler.is_compiling():
+        out = value.reshape(()).to(device=device, dtype=torch.float32)
+        torch._assert_async((out > 0) & torch.isfinite(out), f"{expected} (> 0, not NaN or inf)")
+        return out
+    if value.device.type == "cuda":  # a device check: reading it would wait for the queue
+        out = value.reshape(()).to(device=device, dtype=torch.float32)
+        defer(~((out > 0) & torch.isfinite(out)), f"{expected} (> 0, not NaN or inf)")
+        return out
+    number = float(value)  # a CPU tensor: a free host read
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{expected}, got {number!r} (a tensor on {value.device})")
+    return value.reshape(()).to(device=device, dtype=torch.float32)
