@@ -233,8 +233,25 @@ def agree(shard: VocabShard, error: Exception | None, *, rows: int, hidden_size:
     return dataclasses.replace(shard, sizes=sizes)
 
 
+# A DTensor weight sharded Shard(0) is read as a vocabulary-parallel head, and FSDP2's
+# fully_shard shards a parameter the same way, on a data-parallel group whose ranks hold other
+# batches: the likely cause of inputs that differ across the group.
+_FSDP_HINT = ("; if the weight is a parameter of a model sharded by FSDP2 (fully_shard), it is "
+              "not a vocabulary-parallel head: compute the loss inside the model's forward, "
+              "where FSDP2 unshards it (grpo_kernels.hf.causal_lm_grpo_loss, run_as_forward)")
+
+
 def _raise_disagreement(shard: VocabShard, error, table: list, names: list) -> None:
     """The checks on the gathered table, identical on every rank (each reads the same table)."""
+    try:
+        _compare(shard, error, table, names)
+    except VocabParallelError as exc:
+        if shard.form.startswith("DTensor") and "differ" in str(exc):
+            raise VocabParallelError(f"{exc}{_FSDP_HINT}") from None
+        raise
+
+
+def _compare(shard: VocabShard, error, table: list, names: list) -> None:
     failed = [r for r, row in enumerate(table) if row[0]]
     if error is not None:  # this rank's own message, on this rank
         raise error

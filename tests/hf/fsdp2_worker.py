@@ -131,6 +131,27 @@ def reference_case() -> dict:
     return {"logps": (got - want).abs().max().item()}
 
 
+def outside_forward_case() -> dict:
+    """The head of an FSDP2-sharded model passed to the loss outside the model's forward: a
+    DTensor Shard(0) on the data-parallel group, whose ranks hold other batches. Refused on
+    both ranks, the error naming FSDP2 and where the loss belongs."""
+    from grpo_kernels import fused_linear_grpo_loss
+    from grpo_kernels.parallel import VocabParallelError
+
+    sharded = model(tied=False)
+    fully_shard(sharded)
+    weight = sharded.lm_head.weight  # [V / 2, D] on each rank
+    D, V = weight.shape[1], weight.shape[0] * world
+    g = torch.Generator().manual_seed(rank)  # another batch on each rank
+    hidden = torch.randn(B, T, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    try:
+        fused_linear_grpo_loss(hidden, weight, ids, torch.randn(B, generator=g))
+    except VocabParallelError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 class Routes(logging.Handler):
     """The route lines of the grpo_kernels logger (one per route and reason, per process)."""
 
@@ -148,6 +169,7 @@ with force_backend("chunked"):
     results["tied"] = train_case(tied=True, lora=False)
     results["untied_lora"] = train_case(tied=False, lora=True)
     results["mixed_precision"] = mixed_precision_case()
+    results["outside_forward"] = outside_forward_case()
 results["routes"] = [line for line in Routes.lines if " route: " in line]
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as fh:
     json.dump(results, fh)

@@ -47,3 +47,6 @@ def test_fsdp2_roots_that_reshard_after_forward_match_the_unsharded_model(tmp_pa
         loss_routes = [line for line in got["routes"] if "linear-head loss on" in line]
         assert loss_routes and all("three-pass route" in line and "vocabulary-parallel" not in
                                    line for line in loss_routes), got["routes"]
+        # the head passed outside the model's forward: refused, naming FSDP2
+        error = got["outside_forward"]["error"]
+        assert error and "differ" in error and "FSDP2 (fully_shard)" in error, (rank, error)
