@@ -1,9 +1,11 @@
 """Reward functions, their loading from `--reward` specs, scoring, and group-normalized advantages.
 
-A reward function has TRL's signature `f(prompts, completions, **columns) -> list[float | None]`:
-`prompts` and `completions` are lists of strings of equal length (P·G, grouped contiguously),
-`columns` holds every dataset column as a list aligned with them (`answer` among them) plus
-`completion_ids` (lists of token ids). None means "cannot score this one".
+A reward function has TRL's signature `f(prompts, completions, **columns) -> list[float | None]`
+and is called with keywords, as TRL calls it (so `f(completions, **kwargs)` works too):
+`completions` is a list of strings (P·G, grouped contiguously), `prompts` the dataset's prompts
+aligned with them (strings, or lists of chat messages), `columns` every other dataset column as
+a list aligned with them (`answer` among them) plus `completion_ids` (lists of token ids). None
+means "cannot score this one".
 """
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
     failures: dict[str, int] = {}
     for j, spec in enumerate(specs):
         try:
-            values = list(spec.fn(prompts, completions, **columns))
+            # by keyword, as TRL calls them: `f(completions, **kwargs)` is a common form
+            values = list(spec.fn(prompts=prompts, completions=completions, **columns))
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} rewards for {n} completions")
         except Exception as err:  # noqa: BLE001 - a reward bug must not kill a long run

@@ -134,6 +134,21 @@ def test_score_survives_failing_and_partial_functions():
     assert any(k.startswith("short") for k in failures)
 
 
+def test_trl_style_functions_get_keyword_arguments():
+    """TRL calls reward functions with keywords, so its documented `f(completions, **kwargs)`
+    form is common; called positionally, such a function raised TypeError and scored nothing."""
+    def digits(completions, **kwargs):
+        return [float(c.isdigit()) for c in completions]
+
+    def by_answer(completions, answer, prompts, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    specs = [RewardSpec("digits", digits), RewardSpec("by_answer", by_answer)]
+    rewards, failures = score(specs, ["p", "q"], ["1", "x"], {"answer": ["1", "1"]})
+    assert failures == {}
+    assert rewards.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+
+
 def test_infinite_and_nan_rewards_leave_completions_unscored():
     """An inf reward used to be kept: its group's advantages became NaN, then 0 (the group
     trained on nothing) and the step's reward read inf, with no failure counted."""
