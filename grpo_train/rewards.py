@@ -26,7 +26,15 @@ from .flags import UsageError
 
 # ---- answer extraction and comparison -----------------------------------------------------------
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# A number as written: thousands separators only in groups of three ("1,234", never "1,2" or
+# "3, 4"), a decimal part, an exponent of at most three digits ("1e3"; a longer one would build
+# a huge integer) and a "/denominator". Its sign only where no digit, letter or bracket stands
+# before the minus: "3-4" is 3 and 4, "x = -4" is -4.
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,3}(?!\d))?"
+_NUMBER = re.compile(rf"(?<![\d.])(?:(?<![A-Za-z0-9_)\]}}])-)?(?:{_DIGITS}|\.\d+)(?:/\d+)?")
+_SIGNED = r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?"
+_RATIO = re.compile(rf"({_SIGNED})(?:/({_SIGNED}))?")
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 
 
 def _boxed(text: str) -> str | None:
@@ -47,7 +55,9 @@ def _boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion: the last \\boxed{}, else the last <answer>...</answer>,
-    else what follows the last "####", else the last number in the text; None if none."""
+    else what follows the last "####", else the last number in the text; None if none. Unicode
+    minus signs read as "-"."""
+    text = text.translate(_MINUS_SIGNS)
     boxed = _boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -61,21 +71,24 @@ def extract_answer(text: str) -> str | None:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """"1,234" / "-0.5" / "1/2" / "$42" / "42." / "\\frac{1}{2}" -> Fraction; None otherwise."""
-    s = text.strip().strip("$").strip()
-    s = re.sub(r"\\[d]?frac\{([^{}]+)\}\{([^{}]+)\}", r"\1/\2", s)
-    s = s.replace(",", "").replace(" ", "").rstrip(".")
-    if not re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)(/[-+]?\d+(\.\d*)?)?", s):
+    """"1,234" / "-0.5" / "1/2" / "$42" / "42." / "1e3" / "\\frac{1}{2}" -> Fraction; None for
+    anything else ("3, 4", "1,2", "1 2", "1e999")."""
+    s = text.translate(_MINUS_SIGNS).strip().strip("$").strip()
+    s = re.sub(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}", r"\1/\2", s)
+    s = re.sub(r"^([-+])\s+", r"\1", re.sub(r"\s*/\s*", "/", s)).rstrip(".")
+    match = _RATIO.fullmatch(s)
+    if match is None:
         return None
     try:
-        return Fraction(s) if "/" not in s else Fraction(*map(Fraction, s.split("/")))
-    except (ValueError, ZeroDivisionError):
+        num, den = (Fraction(g.replace(",", "")) if g else None for g in match.groups())
+        return num if den is None else num / den
+    except (ValueError, ZeroDivisionError):  # 1/0; digits beyond Python's int parsing limit
         return None
 
 
 def answers_match(predicted: str | None, truth: str) -> bool:
-    """Numbers compare exactly as fractions ("0.5" == "1/2" == "1,0/20"); other strings compare
-    after stripping whitespace and case."""
+    """Numbers compare exactly as fractions ("0.5" == "1/2" == "1,000/2000"); other strings
+    compare after stripping whitespace and case."""
     if predicted is None:
         return False
     p, t = parse_number(predicted), parse_number(truth)

@@ -1,0 +1,49 @@
+"""grpo_train.rewards' answer reading on realistic model outputs: what counts as the same number,
+and the look-alikes that must not."""
+
+import pytest
+
+from grpo_train.rewards import accuracy, answers_match, extract_answer, parse_number
+
+
+@pytest.mark.parametrize("predicted, truth", [
+    ("1,2", "12"), ("3,4", "34"), ("3, 4", "34"), ("1 2", "12"), ("10,00", "1000"),
+    ("1,0/20", "0.5"), ("1,2345", "12345"), ("(3, 4)", "34"),
+])
+def test_commas_and_spaces_do_not_join_numbers(predicted, truth):
+    """Commas were dropped wherever they stood and spaces too, so the pair "3, 4" or a European
+    decimal "1,2" read as 34 or 12: a false positive. Thousands separators come in threes."""
+    assert not answers_match(predicted, truth)
+
+
+@pytest.mark.parametrize("predicted, truth", [
+    ("1,000", "1000"), ("12,345,678", "12345678"), ("-1,234.5", "-1234.5"), ("- 3", "-3"),
+    ("1 / 2", "0.5"), ("1e3", "1000"), ("2.5E-1", "1/4"), ("\u22125", "-5"),
+])
+def test_numbers_that_are_the_same(predicted, truth):
+    assert answers_match(predicted, truth)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is \u22125", "-5"),  # a Unicode minus sign (U+2212)
+    ("pages 3-4", "4"),  # a hyphen between numbers is no sign
+    ("so x = -4", "-4"),
+    ("It is 1e3", "1e3"), ("about 1.5E-3", "1.5E-3"),
+    ("we get 1,2345", "2345"), ("the list 1,2,3", "3"), ("total: 1,234,567.", "1,234,567"),
+    ("\\boxed{\u22127}", "-7"),
+])
+def test_the_last_number_is_read_whole(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_look_alike_last_numbers_are_not_rewarded():
+    """"−5" read as 5, "3-4" as -4 and "1e3" as 3: each scored right against the wrong truth."""
+    texts = ["The answer is \u22125", "pages 3-4", "It is 1e3", "the list 1,2,3"]
+    assert accuracy(None, texts, answer=["5", "-4", "3", "123"]) == [0.0] * 4
+    assert accuracy(None, texts, answer=["-5", "4", "1000", "3"]) == [1.0] * 4
+
+
+def test_huge_exponents_and_digit_strings_are_not_numbers():
+    assert parse_number("1e999999999") is None  # would build a billion-digit integer
+    assert parse_number("9" * 5000) is None  # beyond Python's int parsing limit
+    assert extract_answer("x" * 100_000 + " 7") == "7"  # long outputs read fine
