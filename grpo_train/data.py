@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import random
-import re
 
 import numpy as np
 
@@ -60,15 +59,12 @@ def random_answer_texts(examples: list[dict], rng: random.Random) -> list[str]:
 
 # ---- answers ------------------------------------------------------------------------------------
 
-_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
-
-
 def parse_gsm8k_answer(text: str) -> str:
-    """GSM8K-style ground truth "reasoning ... #### 1,234" -> "1234"; other text unchanged."""
-    match = _GSM8K_FINAL.search(text)
-    if match is None:
+    """GSM8K-style ground truth "reasoning ... #### 1,234" -> "1234" (after the last "####");
+    other text stripped."""
+    if "####" not in text:
         return text.strip()
-    return match.group(1).strip().replace(",", "")
+    return text.rsplit("####", 1)[1].strip().replace(",", "")
 
 
 # ---- datasets -----------------------------------------------------------------------------------
@@ -162,7 +158,8 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
         ex = dict(row)
         ex["prompt"] = prompt
         answer = row.get(answer_column) if answer_column else None
-        ex["answer"] = None if answer is None else parse_gsm8k_answer(str(answer))
+        answer = None if answer is None else parse_gsm8k_answer(str(answer))
+        ex["answer"] = answer or None  # blank (an empty CSV cell): no truth, never scored
         examples.append(ex)
     return examples
 

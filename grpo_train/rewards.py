@@ -89,7 +89,7 @@ def parse_number(text: str) -> Fraction | None:
 def answers_match(predicted: str | None, truth: str) -> bool:
     """Numbers compare exactly as fractions ("0.5" == "1/2" == "1,000/2000"); other strings
     compare after stripping whitespace and case."""
-    if predicted is None:
+    if predicted is None or not truth.strip():  # a blank truth is none: "" is no answer
         return False
     p, t = parse_number(predicted), parse_number(truth)
     if p is not None and t is not None:
@@ -101,10 +101,12 @@ def answers_match(predicted: str | None, truth: str) -> bool:
 
 
 def accuracy(prompts, completions, answer=None, **columns) -> list[float | None]:
-    """1.0 if the completion's final answer equals the ground truth, else 0.0 (None: no truth)."""
+    """1.0 if the completion's final answer equals the ground truth, else 0.0 (None: no truth,
+    a missing or blank one)."""
     if answer is None:
         return [None] * len(completions)
-    return [None if truth is None else float(answers_match(extract_answer(c), str(truth)))
+    return [None if truth is None or not str(truth).strip()
+            else float(answers_match(extract_answer(c), str(truth)))
             for c, truth in zip(completions, answer)]
 
 

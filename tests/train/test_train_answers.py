@@ -47,3 +47,11 @@ def test_huge_exponents_and_digit_strings_are_not_numbers():
     assert parse_number("1e999999999") is None  # would build a billion-digit integer
     assert parse_number("9" * 5000) is None  # beyond Python's int parsing limit
     assert extract_answer("x" * 100_000 + " 7") == "7"  # long outputs read fine
+
+
+def test_a_blank_truth_is_no_truth():
+    """An empty answer cell (a CSV row without it) equalled an empty \\boxed{} or <answer></answer>:
+    completions were rewarded for answering nothing."""
+    texts = ["\\boxed{}", "<answer> </answer>", "7"]
+    assert accuracy(None, texts, answer=["", " ", ""]) == [None, None, None]
+    assert not answers_match("", "")
