@@ -167,12 +167,28 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
 DEFAULT_EVAL_ROWS = 200  # --eval_size auto with a dataset: at most this many held-out rows
 
 
+def _check_local_splits(cfg) -> None:
+    """A local file is one split: naming another would read the same rows again (held-out rows
+    that are the training rows)."""
+    if not os.path.isfile(cfg.dataset):
+        return
+    for flag, value, default in (("--split", cfg.split, "train"),
+                                 ("--eval_split", cfg.eval_split, None)):
+        if value != default:
+            raise UsageError(
+                f"{flag} {value!r}: --dataset {cfg.dataset!r} is a local file, which has no "
+                "splits (its rows would be read for every split, the held-out rows being the "
+                "training rows). Leave out --split and --eval_split; --eval_size N holds out N "
+                "of its rows")
+
+
 def load_examples(cfg) -> tuple[list[dict], list[dict]]:
     """(train, held_out) examples for the configuration: the embedded task or a dataset."""
     if not cfg.dataset:  # held-out problems stay out of training whatever --eval_size says
         train, held_out = arithmetic_task(cfg.task_max_operand, cfg.task_eval_fraction, cfg.seed,
                                           cfg.task_terms)
         return train, held_out if cfg.eval_size is None else held_out[: cfg.eval_size]
+    _check_local_splits(cfg)
     rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.split)
     train = to_examples(rows, cfg.prompt_column, cfg.answer_column, f"--dataset {cfg.dataset!r}")
     if cfg.eval_split:

@@ -3,7 +3,12 @@ prompts, and how the held-out rows are chosen."""
 
 import json
 
-from grpo_train.data import parse_gsm8k_answer, read_rows, to_examples
+import pytest
+
+from grpo_train import data
+from grpo_train.config import TrainConfig
+from grpo_train.data import load_examples, parse_gsm8k_answer, read_rows, to_examples
+from grpo_train.flags import UsageError
 
 
 def _jsonl(tmp_path, rows, name="d.jsonl"):
@@ -24,3 +29,28 @@ def test_blank_answers_are_no_answers(tmp_path):
 def test_gsm8k_answer_is_after_the_last_marker():
     assert parse_gsm8k_answer("a #### 10\nb #### 2,000") == "2000"
     assert parse_gsm8k_answer("#### ") == ""
+
+
+@pytest.mark.parametrize("flag, split", [("eval_split", "test"), ("split", "validation")])
+def test_a_local_file_has_no_splits(tmp_path, flag, split):
+    """A local file's rows were returned for any split: --eval_split test held out the training
+    rows themselves, so "held-out" accuracy was measured on the training prompts."""
+    path = _jsonl(tmp_path, [{"q": f"p{i}", "a": str(i)} for i in range(20)])
+    cfg = TrainConfig(dataset=path, prompt_column="q", answer_column="a", **{flag: split})
+    with pytest.raises(UsageError, match=f"--{flag} '{split}': --dataset .* is a local file"):
+        load_examples(cfg)
+
+
+def test_eval_split_rows_of_a_hub_dataset(monkeypatch):
+    """--eval_split reads that split; auto keeps its first 200 rows, a number N its first N."""
+    def read_hub(name, config, split):
+        n = {"train": 50, "test": 300}[split]
+        return [{"q": f"{split}{i}", "a": str(i)} for i in range(n)]
+
+    monkeypatch.setattr(data, "_read_hub", read_hub)
+    for eval_size, held in [(None, 200), (7, 7), (0, 0)]:
+        cfg = TrainConfig(dataset="org/set", eval_split="test", prompt_column="q",
+                          answer_column="a", eval_size=eval_size)
+        train, held_out = load_examples(cfg)
+        assert (len(train), len(held_out)) == (50, held), eval_size
+        assert all(ex["q"].startswith("test") for ex in held_out)

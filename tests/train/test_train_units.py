@@ -159,7 +159,7 @@ def test_held_out_rows_come_out_of_training(tmp_path):
 
 def test_eval_size_auto_follows_the_data(tmp_path):
     """--eval_size auto: the embedded task's held-out problems; 10% of a dataset's rows, at most
-    200, none below 10 rows; the first 200 rows of an --eval_split. A number caps or holds out."""
+    200, none below 10 rows (an --eval_split: test_train_data.py). A number caps or holds out."""
     assert parse_config([]).eval_size is None and parse_config(["--eval_size", "auto"]) == \
         parse_config([])
     yaml_file = tmp_path / "run.yaml"
@@ -180,13 +180,6 @@ def test_eval_size_auto_follows_the_data(tmp_path):
         cfg = TrainConfig(dataset=rows(n, f"d{n}.jsonl"), prompt_column="q", answer_column="a")
         train, held_out = load_examples(cfg)
         assert (len(train), len(held_out)) == (n - held, held), n
-    # an --eval_split (a local file's rows are its every split): the first 200 rows, or N
-    path = rows(300, "d300.jsonl")
-    for eval_size, held in [(None, 200), (7, 7), (0, 0)]:
-        cfg = TrainConfig(dataset=path, eval_split="test", prompt_column="q", answer_column="a",
-                          eval_size=eval_size)
-        train, held_out = load_examples(cfg)
-        assert (len(train), len(held_out)) == (300, held), eval_size
 
 
 def test_sampler_resumes_exactly():
