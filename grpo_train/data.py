@@ -72,28 +72,39 @@ def parse_gsm8k_answer(text: str) -> str:
 _LOCAL_FORMATS = LOCAL_DATASET_FORMATS
 
 
+def _json_rows(data) -> list:
+    """A JSON document's rows: a list of rows, {"data": [rows]}, {"column": [values], ...} or
+    one row {"column": value, ...}."""
+    if not isinstance(data, dict):
+        return list(data)
+    if "data" in data and isinstance(data["data"], list):
+        return data["data"]
+    lengths = {k: len(v) if isinstance(v, list) else type(v).__name__ for k, v in data.items()}
+    if not any(isinstance(v, list) for v in data.values()):
+        return [data]
+    if len(set(lengths.values())) > 1:  # zip would drop the longer columns' tails
+        raise ValueError("expected a list of rows, or columns of equal length; got columns of "
+                         f"different lengths {lengths}")
+    return [dict(zip(data, vals)) for vals in zip(*data.values())]
+
+
 def _read_local(path: str) -> list[dict]:
-    """Rows of a local json/jsonl/csv (stdlib) or parquet (via `datasets`) file."""
+    """Rows of a local json/jsonl/csv (stdlib) or parquet (via `datasets`) file. Text is read as
+    UTF-8 with or without a byte order mark (which spreadsheet programs write)."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
-        with open(path, newline="") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
             return list(csv.DictReader(fh))
-    if ext == ".jsonl":
-        with open(path) as fh:
-            return [json.loads(line) for line in fh if line.strip()]
-    if ext == ".json":
-        with open(path) as fh:
+    if ext in (".json", ".jsonl"):
+        with open(path, encoding="utf-8-sig") as fh:
             text = fh.read()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:  # JSON lines saved with a .json extension
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        if isinstance(data, dict):  # {"col": [...], ...} or {"data": [...]}
-            if "data" in data and isinstance(data["data"], list):
-                return data["data"]
-            keys = list(data)
-            return [dict(zip(keys, vals)) for vals in zip(*(data[k] for k in keys))]
-        return list(data)
+        if ext == ".json":
+            try:
+                return _json_rows(json.loads(text))
+            except json.JSONDecodeError:  # JSON lines saved with a .json extension
+                pass
+        # "\n" only: str.splitlines would also cut at U+2028 and others inside JSON strings
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
     import datasets  # parquet; imported only here (the GPU image may not have it)
 
     return list(datasets.load_dataset("parquet", data_files=path, split="train"))

@@ -54,3 +54,41 @@ def test_eval_split_rows_of_a_hub_dataset(monkeypatch):
         train, held_out = load_examples(cfg)
         assert (len(train), len(held_out)) == (50, held), eval_size
         assert all(ex["q"].startswith("test") for ex in held_out)
+
+
+def test_columns_of_unequal_length_are_an_error(tmp_path):
+    """{"question": [3 items], "answer": [2 items]} silently dropped the third question."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"question": ["a", "b", "c"], "answer": ["1", "2"]}))
+    with pytest.raises(UsageError, match="columns of different lengths.*'question': 3.*"
+                                         "'answer': 2"):
+        read_rows(str(path), None, "train")
+
+
+@pytest.mark.parametrize("ext", ["csv", "json", "jsonl"])
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, ext):
+    """Files saved by spreadsheet programs start with a UTF-8 byte order mark: the CSV's first
+    column read as '\\ufeffquestion' (no column 'question'), and JSON did not parse."""
+    path = tmp_path / f"d.{ext}"
+    text = {"csv": "question,answer\nq1,1\n",
+            "json": json.dumps([{"question": "q1", "answer": "1"}]),
+            "jsonl": json.dumps({"question": "q1", "answer": "1"}) + "\n"}[ext]
+    path.write_text(text, encoding="utf-8-sig")
+    examples = to_examples(read_rows(str(path), None, "train"), "question", "answer", "x")
+    assert examples[0]["prompt"] == "q1" and examples[0]["answer"] == "1"
+
+
+def test_a_json_object_of_scalars_is_one_row(tmp_path):
+    """{"question": "abc", "answer": "12"} was read as columns of characters: one row "a", "1"."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"question": "abc", "answer": "12"}))
+    assert read_rows(str(path), None, "train") == [{"question": "abc", "answer": "12"}]
+
+
+def test_json_lines_split_at_newlines_only(tmp_path):
+    """A prompt holding U+2028 (JSON allows it raw) in JSON lines saved as .json was cut in two
+    by str.splitlines."""
+    path = tmp_path / "d.json"
+    row = {"question": "line one\u2028line two", "answer": "1"}
+    path.write_text(2 * (json.dumps(row, ensure_ascii=False) + "\n"), encoding="utf-8")
+    assert read_rows(str(path), None, "train") == [row, row]
