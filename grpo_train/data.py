@@ -147,12 +147,29 @@ def read_rows(name: str, config: str | None, split: str) -> list[dict]:
     return _read_hub(name, config, split)
 
 
+def _prompt_problem(prompt, present: bool) -> str | None:
+    """What is wrong with a row's prompt (None: text, or a non-empty list of chat messages)."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list):  # a row without the column, null, a number
+        return f"{prompt!r}" if present else "no such column"
+    if not prompt:
+        return "an empty list"
+    for i, message in enumerate(prompt, 1):
+        if not isinstance(message, dict):
+            return f"item {i} is {message!r}"[:200]
+        for key in ("role", "content"):
+            if key not in message:
+                return f"item {i} has no {key!r} (a message is {{'role': ..., 'content': ...}})"
+    return None
+
+
 def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
                 where: str) -> list[dict]:
     """Rows -> examples; a clear error when the named columns are missing."""
     if not rows:
         raise UsageError(f"{where} has no rows")
-    columns = list(rows[0])
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # JSON rows may differ
     missing = [(flag, col) for flag, col in (("--prompt_column", prompt_column),
                                              ("--answer_column", answer_column))
                if col and col not in columns]
@@ -162,8 +179,8 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
     examples = []
     for number, row in enumerate(rows, 1):
         prompt = row.get(prompt_column)
-        if not isinstance(prompt, (str, list)):  # a row without the column, null, a number
-            got = "no such column" if prompt_column not in row else f"{prompt!r}"
+        got = _prompt_problem(prompt, prompt_column in row)
+        if got:
             raise UsageError(f"{where} row {number}: --prompt_column {prompt_column!r} must be "
                              f"text or a list of chat messages, got {got}")
         ex = dict(row)

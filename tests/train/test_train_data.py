@@ -2,6 +2,7 @@
 prompts, and how the held-out rows are chosen."""
 
 import json
+import re
 
 import pytest
 
@@ -92,3 +93,27 @@ def test_json_lines_split_at_newlines_only(tmp_path):
     row = {"question": "line one\u2028line two", "answer": "1"}
     path.write_text(2 * (json.dumps(row, ensure_ascii=False) + "\n"), encoding="utf-8")
     assert read_rows(str(path), None, "train") == [row, row]
+
+
+@pytest.mark.parametrize("prompt, got", [
+    ([], "an empty list"),
+    (["1+1"], "item 1 is '1+1'"),
+    ([{"role": "user", "content": "1+1"}, {"content": "2+2"}], "item 2 has no 'role'"),
+])
+def test_chat_prompts_are_lists_of_messages(tmp_path, prompt, got):
+    """A list prompt that is not chat messages passed the load; the step then rendered it as
+    nothing or failed (an IndexError or AttributeError, after the model had loaded)."""
+    path = _jsonl(tmp_path, [{"question": [{"role": "user", "content": "3+4"}]},
+                             {"question": prompt}])
+    with pytest.raises(UsageError, match=f"--dataset x row 2: --prompt_column 'question' must "
+                                         f"be .*messages.*{re.escape(got)}"):
+        to_examples(read_rows(path, None, "train"), "question", "", "--dataset x")
+    good = to_examples(read_rows(path, None, "train")[:1], "question", "", "--dataset x")
+    assert good[0]["prompt"] == [{"role": "user", "content": "3+4"}]
+
+
+def test_columns_are_those_of_every_row(tmp_path):
+    """JSON lines whose first row lacked the answer were refused: "no column 'answer'"."""
+    path = _jsonl(tmp_path, [{"question": "a"}, {"question": "b", "answer": "#### 2"}])
+    examples = to_examples(read_rows(path, None, "train"), "question", "answer", "x")
+    assert [e["answer"] for e in examples] == [None, "2"]
