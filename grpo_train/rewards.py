@@ -70,11 +70,26 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def parse_number(text: str) -> Fraction | None:
-    """"1,234" / "-0.5" / "1/2" / "$42" / "42." / "1e3" / "\\frac{1}{2}" -> Fraction; None for
-    anything else ("3, 4", "1,2", "1 2", "1e999")."""
-    s = text.translate(_MINUS_SIGNS).strip().strip("$").strip()
+def _plain(text: str) -> str:
+    """An answer as models write it, less its LaTeX dressing: "\\$1{,}000" -> "$1,000",
+    "42 \\text{ dollars}" -> "42 dollars", "\\frac12" -> "1/2", "90^\\circ" -> "90"."""
+    s = re.sub(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{([^{}]*)\}", r" \1", text)
     s = re.sub(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}", r"\1/\2", s)
+    s = re.sub(r"\\[dt]?frac(\d)(\d)", r"\1/\2", s)
+    s = s.replace("{,}", ",").replace("\\,", ",").replace("\\$", "$").replace("\\%", "%")
+    return re.sub(r"\^\s*\{?\\circ\}?|\u00b0", "", s.replace("\\!", "")).strip()
+
+
+def parse_number(text: str) -> Fraction | None:
+    """"1,234" / "-0.5" / "1/2" / "$42" / "42%" / "42." / "1e3" / "\\frac{1}{2}" / "x = 5" /
+    "5 apples" -> Fraction; None for anything else ("3, 4", "1,2", "1 2", "5x", "1e999").
+
+    A percent sign is dropped, not divided by: "50%" is 50, as GSM8K writes its answers. Unit
+    words after a space go ("42 dollars"), and so does a one-letter variable ("x = 5")."""
+    s = _plain(text.translate(_MINUS_SIGNS)).rstrip(".").strip().strip("$%").strip()
+    s = re.sub(r"^[A-Za-z]\s*=\s*", "", s)  # "x = 5"
+    s = re.sub(r"(?<=\d)\s+[A-Za-z][A-Za-z .]*$", "", s)  # "5 apples", "12 km."
+    s = s.strip().strip("$%").strip()
     s = re.sub(r"^([-+])\s+", r"\1", re.sub(r"\s*/\s*", "/", s)).rstrip(".")
     match = _RATIO.fullmatch(s)
     if match is None:

@@ -55,3 +55,24 @@ def test_a_blank_truth_is_no_truth():
     texts = ["\\boxed{}", "<answer> </answer>", "7"]
     assert accuracy(None, texts, answer=["", " ", ""]) == [None, None, None]
     assert not answers_match("", "")
+
+
+@pytest.mark.parametrize("boxed, truth", [
+    ("\\$42", "42"), ("\\$1{,}000", "1000"), ("1\\,000", "1000"), ("42\\%", "42"),
+    ("50%", "50"), ("42 \\text{ dollars}", "42"), ("42\\text{ dollars}", "42"), ("\\text{5}", "5"),
+    ("\\textbf{18}", "18"), ("5 apples", "5"), ("12 km.", "12"), ("x = 5", "5"),
+    ("\\frac12", "0.5"), ("\\tfrac{1}{4}", "0.25"), ("-\\dfrac{3}{4}", "-0.75"),
+    ("90^\\circ", "90"), ("5 red apples", "5"),
+])
+def test_boxed_answers_with_units_and_latex(boxed, truth):
+    """Answers models write inside \\boxed{} with a currency, percent or unit, or wrapped in
+    \\text{}, scored 0 against the plain ground truth."""
+    assert accuracy(None, [f"so \\boxed{{{boxed}}}."], answer=[truth]) == [1.0]
+
+
+@pytest.mark.parametrize("boxed, truth", [
+    ("5 or 6", "6"), ("5 or 6", "5 or 7"), ("x = 5", "6"), ("2 \\text{ and } 3", "3"), ("5x", "5"),
+    ("\\frac{1}{2} + 1", "0.5"), ("50\\%", "0.5"), ("y = 2x", "2"),
+])
+def test_units_and_latex_do_not_hide_other_answers(boxed, truth):
+    assert accuracy(None, [f"\\boxed{{{boxed}}}"], answer=[truth]) == [0.0]

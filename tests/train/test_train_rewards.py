@@ -57,7 +57,7 @@ def test_numbers_differ(a, b):
 def test_parse_number_rejects_text_and_zero_division():
     assert parse_number("abc") is None
     assert parse_number("1/0") is None
-    assert parse_number("3 apples") is None
+    assert parse_number("3 apples and 2 pears") is None  # words after a number, not a second
 
 
 def test_non_numeric_answers_compare_as_strings():
