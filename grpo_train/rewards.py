@@ -125,11 +125,14 @@ def accuracy(prompts, completions, answer=None, **columns) -> list[float | None]
             for c, truth in zip(completions, answer)]
 
 
-_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+_UNTAGGED = r"(?:(?!</?think>|</?answer>).)*"  # text holding none of the four tags
+_FORMAT = re.compile(rf"^\s*<think>{_UNTAGGED}</think>\s*<answer>{_UNTAGGED}</answer>\s*$",
+                     re.DOTALL)
 
 
 def format_reward(prompts, completions, **columns) -> list[float]:
-    """1.0 if the completion is "<think>...</think><answer>...</answer>", else 0.0."""
+    """1.0 if the completion is one "<think>...</think>" then one "<answer>...</answer>" (white
+    space around them allowed, no other tag inside), else 0.0."""
     return [float(bool(_FORMAT.match(c))) for c in completions]
 
 

@@ -3,7 +3,13 @@ and the look-alikes that must not."""
 
 import pytest
 
-from grpo_train.rewards import accuracy, answers_match, extract_answer, parse_number
+from grpo_train.rewards import (
+    accuracy,
+    answers_match,
+    extract_answer,
+    format_reward,
+    parse_number,
+)
 
 
 @pytest.mark.parametrize("predicted, truth", [
@@ -76,3 +82,14 @@ def test_boxed_answers_with_units_and_latex(boxed, truth):
 ])
 def test_units_and_latex_do_not_hide_other_answers(boxed, truth):
     assert accuracy(None, [f"\\boxed{{{boxed}}}"], answer=[truth]) == [0.0]
+
+
+def test_format_wants_one_think_block_then_one_answer_block():
+    """The lazy ".*?" spanned tags: two answer blocks, or two think blocks, passed as the
+    format."""
+    ok = ["<think>add</think><answer>7</answer>", " <think>\na\n</think>\n<answer>\n7\n</answer>\n"]
+    bad = ["<think>a</think><answer>3</answer><answer>4</answer>",
+           "<think>a</think><think>b</think><answer>7</answer>",
+           "<think>a<answer>3</answer></think><answer>7</answer>",
+           "<think>a</think>7", "a</think><answer>7</answer>", "<answer>7</answer>"]
+    assert format_reward(None, ok + bad) == [1.0] * len(ok) + [0.0] * len(bad)
