@@ -194,6 +194,19 @@ def parse_reward_spec(spec: str) -> RewardSpec:
     return RewardSpec(target.rpartition(":")[2], _import_function(target, spec), weight)
 
 
+def _as_list(returned, n: int) -> list:
+    """A reward function's result as a list: a list, tuple, tensor, array or other iterable of
+    rewards; a scalar, None, string or dict is the function's error."""
+    if isinstance(returned, torch.Tensor):
+        return returned.detach().float().cpu().tolist()
+    if hasattr(returned, "tolist") and getattr(returned, "ndim", 0) > 0:  # numpy
+        return returned.tolist()
+    if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__iter__"):
+        raise ValueError(f"returned a {type(returned).__name__}; expected a list of {n} "
+                         "rewards, one per completion")
+    return list(returned)
+
+
 def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
           columns: dict[str, list]) -> tuple[torch.Tensor, dict[str, int]]:
     """Rewards [N, F] float32 (NaN = unscored) and, per function, how many it could not score.
@@ -209,7 +222,7 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
     for j, spec in enumerate(specs):
         try:
             # by keyword, as TRL calls them: `f(completions, **kwargs)` is a common form
-            values = list(spec.fn(prompts=prompts, completions=completions, **columns))
+            values = _as_list(spec.fn(prompts=prompts, completions=completions, **columns), n)
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} rewards for {n} completions")
         except Exception as err:  # noqa: BLE001 - a reward bug must not kill a long run

@@ -3,6 +3,7 @@
 import math
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -147,6 +148,31 @@ def test_trl_style_functions_get_keyword_arguments():
     rewards, failures = score(specs, ["p", "q"], ["1", "x"], {"answer": ["1", "1"]})
     assert failures == {}
     assert rewards.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("returned, what", [
+    (1.0, "float"), (None, "NoneType"), ("1010", "str"), ({"a": 1.0}, "dict"),
+])
+def test_a_function_that_returns_no_list_is_named_with_what_it_returned(returned, what):
+    """A scalar or None read "TypeError: 'float' object is not iterable", as if the function
+    itself had raised; a 4-character string was taken as 4 rewards."""
+    rewards, failures = score([RewardSpec("odd", lambda **kw: returned)], ["p"] * 4, ["a"] * 4,
+                              {})
+    assert torch.isnan(rewards).all()
+    assert list(failures) == [f"odd: ValueError: returned a {what}; expected a list of 4 "
+                              "rewards, one per completion"]
+
+
+def test_tensors_and_arrays_are_lists_of_rewards():
+    """A tensor that requires grad warned once per reward (float() of a grad-tracking tensor)."""
+    import numpy as np
+
+    for returned in (torch.tensor([1.0, 0.0], requires_grad=True), np.array([1, 0])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rewards, failures = score([RewardSpec("t", lambda r=returned, **kw: r)], ["p"] * 2,
+                                      ["a"] * 2, {})
+        assert rewards[:, 0].tolist() == [1.0, 0.0] and failures == {}
 
 
 def test_infinite_and_nan_rewards_leave_completions_unscored():
