@@ -88,7 +88,8 @@ class TrainConfig:
 
     reward: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
         "help": 'Built-in "accuracy" / "format", or "module:function" / "path/file.py:function" '
-                "with TRL's signature f(prompts, completions, **columns) -> list[float | None]; "
+                "with TRL's signature f(prompts, completions, **columns) -> list[float | None], "
+                "called with keywords as TRL calls it; "
                 "\":weight\" appended scales it (default 1). The step's reward is the weighted "
                 "sum."})
     max_unscored_steps: int = option(3,
