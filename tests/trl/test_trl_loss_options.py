@@ -8,6 +8,7 @@ tests/api/test_loss_options.py."""
 from __future__ import annotations
 
 import math
+import types
 import warnings
 
 import pytest
@@ -198,8 +199,12 @@ def test_fsdp_forward_method_keeps_the_terms_named():
     from grpo_kernels import GRPOTerms
     from grpo_kernels.hf.fsdp import _call_forward
 
+    class Root:  # an FSDP2 root's state, without parameter groups to keep unsharded
+        def _get_fsdp_state(self):
+            return types.SimpleNamespace()
+
     x = torch.arange(6.0).reshape(2, 3)
     terms = GRPOTerms(x.sum(), x[:, 1:], x, x[:, :1], None)
-    out = _call_forward(None, lambda _: terms, None)
+    out = _call_forward(Root(), lambda _: terms, None)
     assert type(out) is GRPOTerms and out.kl is None and out.vespo_phi is None
     assert not out.logp._is_view() and torch.equal(out.logp, x[:, 1:])
