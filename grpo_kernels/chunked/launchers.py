@@ -64,6 +64,7 @@ from .tiles import (
     log2_head,
     logits_tile,
     neg_dz_tile,
+    row_offset,
     tile_buffer,
     tile_update,
     view,
@@ -77,8 +78,10 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     -> float32 (logp, entropy, lse), each [N].
 
     keep: None, or a dict that receives, when the [N, V] logits fit one tile of at most
-    KEEP_ELEMENTS, "tile" = z - m (log2 units, [N, V], compute dtype) and "max" = m [N], for
-    `linear_logprob_backward(kept=...)`; it stays empty otherwise (and with a soft cap).
+    KEEP_ELEMENTS, "tile" = z - m (log2 units, [N, V], compute dtype) and "log_sum" =
+    log2 Σ 2^(z - m) [N], for `linear_logprob_backward(kept=...)`: log2 p = tile - log_sum
+    without the lse (nats, rounded at its magnitude); it stays empty otherwise (and with a soft
+    cap).
     softcap / logit_scale: z = cap(s·y) / τ of the raw logits y (`softcap.py`)."""
     N, V = hidden.shape[0], weight.shape[0]
     out = empty_stats(N, hidden.device)
@@ -106,7 +109,8 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
                 s, t = exp_sums(z, view(e_buf, r, V))
                 finish_stats(m, s, t, picked, [part(o) for o in out])
                 if keep is not None and r == N and N * V <= KEEP_ELEMENTS:
-                    keep.update(tile=z, max=m)  # z - m: finish_stats left m as it was
+                    # z - m, and log2 s (finish_stats left s as it was)
+                    keep.update(tile=z, log_sum=torch.xlogy(LOG2E, s))
             return out
         m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
         for v0 in range(0, V, cols):
@@ -145,7 +149,8 @@ def linear_logprob_backward(
     taken out of the dict (a dict filled by one forward serves one backward; an empty one means
     recompute).
 
-    Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes:
+    Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes
+    made with each token's `tiles.row_offset` (log2 p - the tile, from lse or the kept tile):
     `fast_mode` (no bias, no entropy gradient) or `general_mode`; `kept_mode` starts either
     of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles.
     A logit scale alone is a temperature here (`tiles.head_transform`); a soft cap runs
@@ -172,16 +177,17 @@ def linear_logprob_backward(
     pick = functools.partial(_pick, idx=idx, dtype=dtype)  # [N, ...] -> active rows [Na, ...]
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
-        g, gh, lse_a = pick(g_logp), pick(g_ent), pick(lse)
+        g, gh, from_tile = pick(g_logp), pick(g_ent), bool(kept)
+        offset = row_offset(lse, kept, pick)  # [Na], log2 units
         if b is None and gh is None:
-            mode = fast_mode(h, g, lse_a, inv_t, alpha, want_dw)
+            mode = fast_mode(h, g, offset, inv_t, alpha, want_dw)
         else:
             ent_a = None if gh is None else pick(ent)
-            mode = general_mode(h, g, gh, lse_a, ent_a, inv_t, alpha)
+            mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha)
         rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=mode.buffers)
         z_buf = None
-        if kept:  # the forward's z - m [N, V]: the active rows, in one tile
-            mode, z_buf = kept_mode(mode, kept, idx, pick)
+        if from_tile:  # the forward's z - m [N, V]: the active rows, in one tile
+            mode, z_buf = kept_mode(mode, kept, idx)
             rows, cols = h.shape[0], V
         # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]; the first
         # vocabulary tile writes it, so nothing is zeroed
