@@ -4,7 +4,8 @@ hidden and weight against a float64 truth stay within twice PyTorch's own float3
 tiny floor), on the three-pass route and on the four-pass route (GRPO_KERNELS_THREE_PASS=0,
 whose eager backward starts from the forward's kept logits tile: N·V within
 `chunked.blocks.KEEP_ELEMENTS`), for the GRPO loss and for selective log-probs with and without
-an entropy term.
+an entropy term; and d logits of the logits path (grpo_loss, logprobs_from_logits), whose eager
+op keeps the forward's per-token statistics for its backward.
 
 Such a row's d logits of the dominant token is g·(1 - p), a cancellation: p must come out of the
 backward as the forward's statistics define it (2^(z - m) / s), not through the lse in nats,
@@ -99,3 +100,66 @@ def test_selective_logprobs_at_dominated_rows(temperature, V, entropy):
 
     check(errors(loss(gk.selective_logprobs), loss(reference.selective_logprobs),
                  hidden, weight))
+
+
+def dominated_logits(V, temperature, B=2, T=6):
+    """logits [B, T, V], ids [B, T]: each token's target at z/τ = 40, the others at 40 - margin
+    (MARGINS, per token) ± N(0, 1)."""
+    g = torch.Generator().manual_seed(V + 1)
+    margin = torch.tensor(MARGINS * B)[:B * T].view(B, T, 1)
+    x = (torch.randn(B, T, V, generator=g) + 40.0 - margin) * temperature
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return x.scatter_(-1, ids[..., None], 40.0 * temperature), ids
+
+
+def check_logits(ours_fn, ref_fn, logits, g_scale, temperature):
+    """d logits within twice PyTorch's float32 error, plus one float32 ulp of p = 1 at the
+    largest per-token gradient coefficient (g_scale / τ): both round s = Σ 2^(z - m) ≈ 1 + ε of
+    a dominated row at float32's resolution, PyTorch's rounding chain a little more luckily."""
+    def grad(fn, x):
+        x = x.detach().clone().requires_grad_(True)
+        fn(x).backward()
+        return x.grad
+
+    truth = grad(ref_fn, logits.double())
+    torch32 = (grad(ref_fn, logits).double() - truth).abs().max().item()
+    with gk.force_backend("chunked"):
+        ours = (grad(ours_fn, logits).double() - truth).abs().max().item()
+    floor = torch.finfo(torch.float32).eps * g_scale / temperature
+    assert ours <= 2.0 * torch32 + floor, (ours, torch32, floor)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.01])
+@pytest.mark.parametrize("V", [64, 4096])
+def test_logits_grpo_loss_at_dominated_rows(temperature, V):
+    """grpo_loss on logits (dapo, beta = 0.04): the eager op keeps the forward's statistics."""
+    x, ids = dominated_logits(V, temperature)
+    adv = torch.tensor([1.0, -0.7])
+    with torch.no_grad():
+        ref_logps = reference.logprobs_from_logits(x.double(), ids,
+                                                   temperature=temperature).float() + 0.1
+    kw = dict(loss_type="dapo", beta=0.04, temperature=temperature, ref_logps=ref_logps)
+    g_scale = adv.abs().max().item() / ids.numel()  # dapo: d loss / d logp ≈ A / tokens
+    check_logits(lambda lg: gk.grpo_loss(lg, ids, adv, **kw)[0],
+                 lambda lg: reference.grpo_loss(lg, ids, adv, **kw)[0], x, g_scale, temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.01])
+@pytest.mark.parametrize("V,entropy", [(64, False), (4096, False), (64, True), (4096, True)])
+def test_logprobs_from_logits_at_dominated_rows(temperature, V, entropy):
+    """logprobs_from_logits' backward, with and without an entropy gradient."""
+    x, ids = dominated_logits(V, temperature)
+    g = torch.Generator().manual_seed(5)
+    g_logp, g_ent = torch.randn(ids.shape, generator=g), torch.randn(ids.shape, generator=g)
+
+    def loss(fn):
+        def call(lg):
+            out = fn(lg, ids, temperature=temperature, return_entropy=entropy)
+            if not entropy:
+                return (out * g_logp).sum()
+            return (out[0] * g_logp).sum() + (out[1] * g_ent).sum()
+        return call
+
+    g_scale = max(g_logp.abs().max().item(), g_ent.abs().max().item() if entropy else 0.0)
+    check_logits(loss(gk.logprobs_from_logits), loss(reference.logprobs_from_logits), x,
+                 g_scale, temperature)

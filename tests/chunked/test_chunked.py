@@ -216,7 +216,8 @@ def test_linear_head_never_holds_logits():
 @pytest.mark.parametrize("inplace", [False, True])
 def test_logits_path_matches_truth(dtype, inplace):
     """Logits input [B, T, V] (a sliced, non-contiguous view), temperature, entropy gradient and
-    a fully masked sequence; the gradient in the logits' dtype, optionally over the logits."""
+    a fully masked sequence; the gradient in the logits' dtype, optionally over the logits,
+    from the lse or from the forward's kept statistics."""
     g = torch.Generator().manual_seed(9)
     full = (torch.randn(3, 9, 70, generator=g) * 3).to(dtype)
     logits = full[:, 1:8]  # [3, 7, 70], non-contiguous
@@ -229,12 +230,18 @@ def test_logits_path_matches_truth(dtype, inplace):
     t_ent = -(log_p.exp() * log_p).sum(-1)
     ((g_logp.double() * t_logp).sum() + (g_ent.double() * t_ent).sum()).backward()
     # chunk_elements small enough for pieces of one sequence and for whole sequences
-    for ce in (None, 3 * 70, 20 * 70):
-        lp, en, lse = chunked.logits_logprob_forward(logits, ids, 0.7, chunk_elements=ce)
+    # the backward reads p through the lse, or from the forward's kept statistics (taken out)
+    for ce, keep in [(None, False), (3 * 70, False), (20 * 70, False), (None, True),
+                     (3 * 70, True)]:
+        kept = {} if keep else None
+        lp, en, lse = chunked.logits_logprob_forward(logits, ids, 0.7, chunk_elements=ce,
+                                                     keep=kept)
         assert scaled_err(lp, t_logp) < 1e-6 and scaled_err(en, t_ent) < 1e-6
+        assert kept is None or sorted(kept) == ["max", "sum"]
         target = logits.clone() if inplace else None
         dx = chunked.logits_logprob_backward(logits, ids, lse, en, g_logp, g_ent, 0.7,
-                                             out=target, chunk_elements=ce)
+                                             out=target, chunk_elements=ce, kept=kept)
+        assert not kept
         assert dx.dtype == dtype and (target is None or dx is target)
         assert scaled_err(dx, x.grad) <= torch.finfo(dtype).eps + 1e-5
         assert not dx[1].any()
