@@ -119,8 +119,9 @@ def one_thread():
 @pytest.fixture
 def recompute_tiles(monkeypatch):
     """Eager calls on the chunked backend recompute the linear head's logits in the backward,
-    as the operator that a compiled graph calls does, so that compiled and eager gradients can
-    be compared bitwise (from a tile kept by the forward they differ by float32 rounding; see
+    and read the logits path's p through the lse, as the operator that a compiled graph calls
+    does, so that compiled and eager gradients can be compared bitwise (from a tile or the
+    statistics kept by the forward they differ by float32 rounding; see
     tests/ops/test_torch_compile.py). The linear-head loss takes the four-pass route there too
     (GRPO_KERNELS_THREE_PASS=0), for the same reason: the three-pass route's gradients come
     from the forward's chunks, equal to the four-pass route's to float32 rounding."""
@@ -128,4 +129,7 @@ def recompute_tiles(monkeypatch):
     from grpo_kernels.ops import route
 
     monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)
+    logits_forward = chunked.logits_logprob_forward  # called without `keep`: nothing kept
+    monkeypatch.setattr(chunked, "logits_logprob_forward",
+                        lambda *args, keep=None, **kw: logits_forward(*args, **kw))
     monkeypatch.setenv(route.ENV, "0")

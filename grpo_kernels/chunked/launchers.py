@@ -64,6 +64,7 @@ from .tiles import (
     log2_head,
     logits_tile,
     neg_dz_tile,
+    row_offset,
     tile_buffer,
     tile_update,
     view,
@@ -77,8 +78,10 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     -> float32 (logp, entropy, lse), each [N].
 
     keep: None, or a dict that receives, when the [N, V] logits fit one tile of at most
-    KEEP_ELEMENTS, "tile" = z - m (log2 units, [N, V], compute dtype) and "max" = m [N], for
-    `linear_logprob_backward(kept=...)`; it stays empty otherwise (and with a soft cap).
+    KEEP_ELEMENTS, "tile" = z - m (log2 units, [N, V], compute dtype) and "log_sum" =
+    log2 Σ 2^(z - m) [N], for `linear_logprob_backward(kept=...)`: log2 p = tile - log_sum
+    without the lse (nats, rounded at its magnitude); it stays empty otherwise (and with a soft
+    cap).
     softcap / logit_scale: z = cap(s·y) / τ of the raw logits y (`softcap.py`)."""
     N, V = hidden.shape[0], weight.shape[0]
     out = empty_stats(N, hidden.device)
@@ -106,7 +109,8 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
                 s, t = exp_sums(z, view(e_buf, r, V))
                 finish_stats(m, s, t, picked, [part(o) for o in out])
                 if keep is not None and r == N and N * V <= KEEP_ELEMENTS:
-                    keep.update(tile=z, max=m)  # z - m: finish_stats left m as it was
+                    # z - m, and log2 s (finish_stats left s as it was)
+                    keep.update(tile=z, log_sum=torch.xlogy(LOG2E, s))
             return out
         m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
         for v0 in range(0, V, cols):
@@ -145,7 +149,8 @@ def linear_logprob_backward(
     taken out of the dict (a dict filled by one forward serves one backward; an empty one means
     recompute).
 
-    Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes:
+    Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes
+    made with each token's `tiles.row_offset` (log2 p - the tile, from lse or the kept tile):
     `fast_mode` (no bias, no entropy gradient) or `general_mode`; `kept_mode` starts either
     of them from the forward's kept tile instead of a GEMM. `_tile_pass` runs the tiles.
     A logit scale alone is a temperature here (`tiles.head_transform`); a soft cap runs
@@ -172,16 +177,17 @@ def linear_logprob_backward(
     pick = functools.partial(_pick, idx=idx, dtype=dtype)  # [N, ...] -> active rows [Na, ...]
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
-        g, gh, lse_a = pick(g_logp), pick(g_ent), pick(lse)
+        g, gh, from_tile = pick(g_logp), pick(g_ent), bool(kept)
+        offset = row_offset(lse, kept, pick)  # [Na], log2 units
         if b is None and gh is None:
-            mode = fast_mode(h, g, lse_a, inv_t, alpha, want_dw)
+            mode = fast_mode(h, g, offset, inv_t, alpha, want_dw)
         else:
             ent_a = None if gh is None else pick(ent)
-            mode = general_mode(h, g, gh, lse_a, ent_a, inv_t, alpha)
+            mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha)
         rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=mode.buffers)
         z_buf = None
-        if kept:  # the forward's z - m [N, V]: the active rows, in one tile
-            mode, z_buf = kept_mode(mode, kept, idx, pick)
+        if from_tile:  # the forward's z - m [N, V]: the active rows, in one tile
+            mode, z_buf = kept_mode(mode, kept, idx)
             rows, cols = h.shape[0], V
         # d hidden accumulates over vocabulary tiles in the compute dtype: [Na, D]; the first
         # vocabulary tile writes it, so nothing is zeroed
@@ -252,9 +258,13 @@ def _hidden_grad(dh_acc, dh_scale, hidden, idx):
 
 
 def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, softcap=None,
-                           logit_scale=None):
+                           logit_scale=None, keep=None):
     """logits [B, T, V], targets [B·T] -> float32 (logp, entropy, lse), each [B·T].
-    softcap / logit_scale: the logits are raw, z = cap(s·logits) / τ (`softcap.py`)."""
+    softcap / logit_scale: the logits are raw, z = cap(s·logits) / τ (`softcap.py`).
+    keep: None, or a dict that receives each token's "max" = m (log2 units) and "sum" =
+    s = Σ 2^(z - m) ([B·T] each, compute dtype) for `logits_logprob_backward(kept=...)`, which
+    then reads p as 2^(z - m) / s and not through the lse in nats (rounded at its magnitude);
+    it stays empty with a transform."""
     if softcap is not None or logit_scale is not None:
         from .softcap import logits_forward
 
@@ -263,6 +273,10 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, so
     out = empty_stats(B * T, logits.device)
     dtype, scale = compute_dtype(logits), LOG2E / temperature
     C = _chunk_rows(V, chunk_elements)
+    stats = None
+    if keep is not None:
+        stats = [torch.empty(B * T, dtype=dtype, device=logits.device) for _ in range(2)]
+        keep.update(max=stats[0], sum=stats[1])
     with torch.no_grad():
         z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
                         for _ in range(2))
@@ -274,17 +288,25 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, so
             picked = z.gather(-1, tokens(targets).view(*x.shape[:2], 1)).view(-1)  # z_target - m
             s, t = exp_sums(z, _block(e_buf, x.shape))
             finish_stats(m.view(-1), s.view(-1), t.view(-1), picked, [tokens(o) for o in out])
+            if stats is not None:  # m and s (finish_stats left both as they were)
+                tokens(stats[0]).copy_(m.view(-1))
+                tokens(stats[1]).copy_(s.view(-1))
     return out
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
                             chunk_elements=None, softcap=None, logit_scale=None,
-                            shard_targets=False, skipped_rows=False):
+                            shard_targets=False, skipped_rows=False, kept=None):
     """d logits [B, T, V] in logits' dtype, written into `out` (may be `logits` itself; its
     dtype may differ). shard_targets: an id outside [0, V) is another vocabulary shard's
     (grpo_kernels/parallel) and adds no one-hot term (no soft cap or scale then).
     skipped_rows: lse may mark rows a Triton forward skipped (NaN); they are recomputed first
-    (this backend runs such a backward only when the Triton one failed to build)."""
+    (this backend runs such a backward only when the Triton one failed to build).
+    kept: None or the forward's `keep` dict (taken out of it): the statistics p is read from.
+
+    Per token, p = 2^(z - ref) / s: ref = m and s from `kept`, else ref = lse·log2(e) and
+    s = 1. The tile holds 2^(z - ref) = s·p, so s goes with the one-hot term and 1/s with the
+    per-token factor of d x: no pass over the tile for it."""
     if skipped_rows:
         lse, ent = _with_skipped_rows(logits, targets, lse, ent, temperature, chunk_elements,
                                       softcap, logit_scale)
@@ -298,6 +320,7 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     dtype, inv_t = compute_dtype(logits), 1.0 / temperature
     scale = LOG2E * inv_t  # z = x·log2(e)/τ: logits in log2 units
     C = _chunk_rows(V, chunk_elements)
+    ref, sums = _logits_reference(lse, kept, dtype)  # [B·T] each (ref in log2 units)
     with torch.no_grad():
         z_buf = torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
         e_buf = None if g_ent is None else torch.empty_like(z_buf)
@@ -309,24 +332,37 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
                 dx.zero_()
                 continue
             z = _block(z_buf, x.shape)
-            neg_lse = tokens(lse).to(dtype) * -LOG2E  # [n], log2 units
+            neg_ref = per_token(-tokens(ref))
             ids = per_token(tokens(targets))
-            one = z.new_full(ids.shape, -1.0)  # the one-hot's sign in units of the tile
+            s = None if sums is None else per_token(tokens(sums))  # [b, t, 1]
+            one = z.new_full(ids.shape, -1.0) if s is None else -s  # the one-hot's term, s·-1
             if shard_targets:  # another shard's target: no term (the column is a dummy)
                 one, ids = one * (ids >= 0), ids.clamp(min=0)
             if gh is None:
-                # d x = -g/τ · (p - onehot): one pass from x to the tile (p = 2^(z - lse)),
-                # one exp2_, one small scatter, one pass from the tile into d x
-                torch.add(per_token(neg_lse), x, alpha=scale, out=z).exp2_()
+                # d x = -g/τ · (p - onehot) = -g/(τ·s) · (2^(z - ref) - s·onehot): one pass from
+                # x to the tile, one exp2_, one small scatter, one pass from the tile into d x
+                torch.add(neg_ref, x, alpha=scale, out=z).exp2_()
                 z.scatter_add_(-1, ids, one)
-                torch.mul(z, per_token(g * -inv_t), out=dx)
+                factor = per_token(g * -inv_t)
+                torch.mul(z, factor if s is None else factor / s, out=dx)
             else:
-                torch.add(per_token(neg_lse), x, alpha=scale, out=z)  # log2 p
-                neg_dz_tile(z, _block(e_buf, x.shape), per_token(tokens(ent).to(dtype) * LOG2E),
+                torch.add(neg_ref, x, alpha=scale, out=z)  # log2 p + log2 s
+                ent2 = per_token(tokens(ent).to(dtype) * LOG2E)  # H·log2(e)
+                # s·(-d z without the one-hot): log2 p + H·log2(e) = z - ref + (H·log2(e) - log2 s)
+                neg_dz_tile(z, _block(e_buf, x.shape),
+                            ent2 if s is None else ent2 - torch.xlogy(LOG2E, s),
                             per_token(g), per_token(gh.to(dtype) * LN2))
-                z.scatter_add_(-1, ids, one * per_token(g))  # -d z
-                torch.mul(z, -inv_t, out=dx)
+                z.scatter_add_(-1, ids, one * per_token(g))  # -s·d z
+                torch.mul(z, -inv_t if s is None else -inv_t / s, out=dx)
     return dx3
+
+
+def _logits_reference(lse, kept, dtype):
+    """(ref, s) [B·T] with p = 2^(z - ref) / s (ref in log2 units): the forward's m and s taken
+    out of `kept` when it holds them, else (lse·log2(e), None: s = 1)."""
+    if kept:
+        return kept.pop("max"), kept.pop("sum")
+    return lse.to(dtype) * LOG2E, None
 
 
 def _with_skipped_rows(logits, targets, lse, ent, temperature, chunk_elements, softcap,

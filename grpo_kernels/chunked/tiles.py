@@ -162,7 +162,7 @@ class BackwardMode(NamedTuple):
 
     buffers: int  # [rows, cols] buffers per tile, for its shape: 1, or 2 (p's scratch)
     scratch: bool  # whether `finish` needs that second buffer (an entropy gradient)
-    shift: torch.Tensor  # [Na, 1], added to log2-unit logits z: gives log2 p (+ log2|g|, fast)
+    shift: torch.Tensor  # [Na, 1], added to a tile (z, or the kept z - m): gives log2 p
     finish: Callable  # (shifted tile [r, c], scratch [r, c] | None, part) -> x, in place
     tile: Callable  # (buffer [r, c], part, w [c, D], bias tile [c] | None, scratch) -> x
     one_hot: torch.Tensor  # [Na]: the target's term of x (scattered after `tile`)
@@ -172,18 +172,17 @@ class BackwardMode(NamedTuple):
     dh_scale: torch.Tensor | None  # [Na, 1]: applied to d hidden once, after the tiles
 
 
-def fast_mode(h, g, lse, inv_t, alpha, want_dw) -> BackwardMode:
-    """No bias, no entropy gradient:
-    x = 2^(α·h W^T - lse·log2(e) + log2|g|) - |g|·onehot, α = log2(e)/τ, and σ = -sign(g); the
-    per-token constants ride in the GEMM's bias, so a tile is one addmm, one exp2_, one small
-    scatter and the two gradient GEMMs, in one buffer; σ/τ goes onto hidden (for d W) and onto
-    d hidden at the end. h [Na, D]; g, lse [Na]."""
-    g_abs = g.abs()  # > 0 on active rows
-    # log2|g| - lse·log2(e), [Na, 1] (xlogy: torch.log2 forks threads, see finish_stats)
-    row_shift = torch.xlogy(LOG2E, g_abs).sub_(lse, alpha=LOG2E)[:, None]
-    dh_scale = g.sign().mul_(-inv_t)[:, None]  # σ/τ
+def fast_mode(h, g, offset, inv_t, alpha, want_dw) -> BackwardMode:
+    """No bias, no entropy gradient: x = 2^(z + offset) - onehot = p - onehot, σ = -g/τ, with
+    z = α·h W^T in log2 units (α = log2(e)/τ) and offset = log2 p - z per token (`row_offset`).
+    The offset rides in the GEMM's bias, so a tile is one addmm, one exp2_, one small scatter and
+    the two gradient GEMMs, in one buffer; σ goes onto hidden (for d W) and onto d hidden at the
+    end, not into the exponent: log2|g| there would round p at ulp(log2|g|), which the one-hot's
+    cancellation (1 - p of a dominant token) would show. h [Na, D]; g, offset [Na]."""
+    row_shift = offset[:, None]  # [Na, 1]
+    dh_scale = (g * -inv_t)[:, None]  # σ
     h_dw = h * dh_scale if want_dw else None
-    one_hot = g_abs.neg_()  # g·onehot in units of the tile (|d z| = -sign(g)·d z)
+    one_hot = torch.full_like(g, -1.0)  # the one-hot's term of x
 
     def finish(x, scratch, part):
         return x.exp2_()
@@ -196,11 +195,11 @@ def fast_mode(h, g, lse, inv_t, alpha, want_dw) -> BackwardMode:
                         dh_scale=dh_scale)
 
 
-def general_mode(h, g, gh, lse, ent, inv_t, alpha) -> BackwardMode:
+def general_mode(h, g, gh, offset, ent, inv_t, alpha) -> BackwardMode:
     """A bias or an entropy gradient: x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which
-    goes with 1/τ into the GEMMs' alpha. h [Na, D]; g, lse [Na]; gh, ent [Na] or None."""
-    lse2 = lse * LOG2E  # [Na], log2 units
-    neg_lse = (-lse2)[:, None]  # without a bias: log2 p straight from addmm
+    goes with 1/τ into the GEMMs' alpha. h [Na, D]; g, offset [Na] (log2 p - z, `row_offset`);
+    gh, ent [Na] or None."""
+    row_shift = offset[:, None]  # without a bias: log2 p straight from addmm
     g_c = g[:, None]
     gh_c = None if gh is None else (gh * LN2)[:, None]
     ent_c = None if gh is None else (ent * LOG2E)[:, None]
@@ -211,26 +210,36 @@ def general_mode(h, g, gh, lse, ent, inv_t, alpha) -> BackwardMode:
 
     def tile(z, part, w, bt, scratch):
         if bt is None:
-            x = torch.addmm(part(neg_lse), part(h), w.T, alpha=alpha, out=z)
+            x = torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z)
         else:
             x = torch.addmm(bt, part(h), w.T, alpha=alpha, out=z)
-            x.sub_(part(lse2)[:, None])
+            x.add_(part(row_shift))
         return finish(x, scratch, part)
 
-    return BackwardMode(buffers=2, scratch=gh is not None, shift=neg_lse, finish=finish,
+    return BackwardMode(buffers=2, scratch=gh is not None, shift=row_shift, finish=finish,
                         tile=tile, one_hot=-g, h_dw=h, alpha_dh=-inv_t, alpha_dw=-inv_t,
                         dh_scale=None)
 
 
-def kept_mode(mode: BackwardMode, kept: dict, idx, pick) -> tuple[BackwardMode, torch.Tensor]:
-    """`mode` started from the forward's kept tile z - m [N, V] (log2 units, bias included),
-    taken out of `kept`: its active rows [Na, V] are the one tile and its buffer, shifted as
-    z - m + (m - lse) = log2 p (+ log2|g| when fast) and finished as `mode` does; no GEMM.
-    Returns (the mode, the tile)."""
-    kept_z, kept_m = kept.pop("tile"), pick(kept.pop("max"))[:, None]
+def row_offset(lse, kept, pick):
+    """offset [Na] = log2 p - (what a backward tile holds), per active token, log2 units. A tile
+    recomputed from the head holds z: offset = -lse·log2(e), from the nats lse [N] (rounded at
+    |lse|: 2e-6 at |lse| ≈ 40). The forward's kept tile holds z - m: offset = -log2 s, the
+    forward's own [N] value, which no round trip through lse rounds (kept["log_sum"])."""
+    if kept:
+        return -pick(kept.pop("log_sum"))
+    return pick(lse) * -LOG2E
+
+
+def kept_mode(mode: BackwardMode, kept: dict, idx) -> tuple[BackwardMode, torch.Tensor]:
+    """`mode` (made with the kept tile's `row_offset`) started from the forward's kept tile
+    z - m [N, V] (log2 units, bias included), taken out of `kept`: its active rows [Na, V] are
+    the one tile and its buffer, shifted by `mode.shift` to log2 p and finished as `mode` does;
+    no GEMM. Returns (the mode, the tile)."""
+    kept_z = kept.pop("tile")
     kept_z = kept_z if idx is None else kept_z.index_select(0, idx)
 
     def tile(z, part, w, bt, scratch):  # z: kept_z itself (one tile, one block of all rows)
-        return mode.finish(z.add_(kept_m + mode.shift), scratch, part)
+        return mode.finish(z.add_(mode.shift), scratch, part)
 
     return mode._replace(tile=tile), kept_z

@@ -119,11 +119,12 @@ torch.library.define("grpo_kernels::logits_logprobs_backward_",
 
 
 def _logits_logprobs(logits, targets, temperature, backend, ids_name, inplace, softcap=None,
-                     logit_scale=None):
-    """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse)."""
+                     logit_scale=None, keep=None):
+    """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse).
+    keep: see `_LogitsLogprobs`."""
     check_token_id_values(ids_name, targets, logits.shape[-1], "logits.shape[-1]")
     op = LogitsOp(IMPLS[backend], temperature, softcap=softcap, logit_scale=logit_scale)
-    return op.forward(targets, None, logits)
+    return op.forward(targets, None, logits, keep=keep)
 
 
 torch.library.impl("grpo_kernels::logits_logprobs", "default", _logits_logprobs)
@@ -135,17 +136,17 @@ def _logits_logprobs_fake(logits, targets, *args):
 
 
 def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, backend,
-                     softcap=None, logit_scale=None, *, inplace):
+                     softcap=None, logit_scale=None, *, inplace, kept=None):
     op = LogitsOp(IMPLS[backend], temperature, inplace, softcap, logit_scale)
-    return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,))[0]
+    return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,), kept=kept)[0]
 
 
-def _logits_logprobs_backward(logits, *args):
-    return _logits_backward(logits, *args, inplace=False)
+def _logits_logprobs_backward(logits, *args, kept=None):
+    return _logits_backward(logits, *args, inplace=False, kept=kept)
 
 
-def _logits_logprobs_backward_inplace(logits, *args):
-    _logits_backward(logits, *args, inplace=True)
+def _logits_logprobs_backward_inplace(logits, *args, kept=None):
+    _logits_backward(logits, *args, inplace=True, kept=kept)
 
 
 torch.library.impl("grpo_kernels::logits_logprobs_backward", "default", _logits_logprobs_backward)
@@ -300,24 +301,34 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 class _LogitsLogprobs(torch.autograd.Function):
-    """grpo_kernels::logits_logprobs in eager mode (see `_LinearLogprobs`; nothing kept)."""
+    """grpo_kernels::logits_logprobs in eager mode (see `_LinearLogprobs`): when a gradient will
+    be needed, the forward keeps each token's softmax statistics in the chunked path's own
+    units on ctx ([B·T] twice, `chunked.launchers.logits_logprob_forward`), so that its backward
+    reads p without the lse in nats, whose float32 rounding at a large |lse| the one-hot's
+    cancellation (1 - p of a dominant token) would show. A second backward reads the lse."""
 
     @staticmethod
     def call(*inputs):
-        return _LogitsLogprobs.apply(*inputs)
+        grad = torch.is_grad_enabled() and inputs[0].requires_grad
+        return _LogitsLogprobs.apply(*inputs, grad)
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _logits_logprobs(*inputs)
+    def forward(ctx, *args):
+        *inputs, keep = args  # the flag last: needs_input_grad[0] stays the operator's
+        ctx.kept = {} if keep else None
+        output = _logits_logprobs(*inputs, keep=ctx.kept)
         autograd.setup_logits(ctx, inputs, output)
         return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_ent, g_lse):
-        return autograd.logits_backward(
+        kept, ctx.kept = ctx.kept, None
+        grads = autograd.logits_backward(
             ctx, g_logp, g_ent, g_lse,
-            backward=(_logits_logprobs_backward, _logits_logprobs_backward_inplace))
+            backward=(functools.partial(_logits_logprobs_backward, kept=kept),
+                      functools.partial(_logits_logprobs_backward_inplace, kept=kept)))
+        return *grads, None
 
 
 class _EagerFirst:

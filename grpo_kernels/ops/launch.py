@@ -142,24 +142,27 @@ class LogitsOp(BoundOp):
         super().__init__(impl, temperature, softcap, logit_scale)
         self.inplace = inplace
 
-    def forward(self, targets, epilogue, logits):
+    def forward(self, targets, epilogue, logits, keep=None):
+        """keep: a dict for the chunked launcher's per-token statistics (chunked backend only)."""
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
             # padding (weight 0) is not read: its log-prob and entropy are 0, its lse NaN,
             # which the backward resolves (`skipped_rows`) should such a row get a gradient
             return self.impl.logits_logprob_forward(logits, targets, self.temperature,
                                                     epilogue=epilogue, skip_zero_weight=True,
                                                     **self.transform)
+        extra = {} if keep is None or self.on_triton else {"keep": keep}
         return self._launch((logits,), "forward", (), "logits_logprob_forward", logits,
-                            targets, self.temperature, **self.transform)
+                            targets, self.temperature, **extra, **self.transform)
 
-    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs):
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
         (logits,) = inputs
         if not needs[0]:
             return (None,)
         options = ("" if g_ent is None else "g_entropy", "inplace" if self.inplace else "")
+        extra = {} if not kept or self.on_triton else {"kept": kept}
         dx = self._launch(inputs, "backward", options, "logits_logprob_backward", logits,
                           targets, lse, ent, g_logp, g_ent, self.temperature,
-                          out=logits if self.inplace else None, skipped_rows=True,
+                          out=logits if self.inplace else None, skipped_rows=True, **extra,
                           **self.transform)
         if self.inplace:
             # the kernel wrote through a raw pointer: bump the version so that any other

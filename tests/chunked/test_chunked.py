@@ -149,15 +149,17 @@ def test_mixed_head_precision(dtype):
 
 
 def test_forward_keeps_its_tile_only_when_the_logits_fit_one(monkeypatch):
-    """keep: filled with z - m [N, V] (log2 units) and m [N] when the logits fit one tile within
-    KEEP_ELEMENTS; left empty when the forward needs several tiles or N·V exceeds the budget.
-    A backward given the tile gives the recomputing backward's gradients to float32 rounding
-    and takes the tile (overwritten) out of the dict."""
+    """keep: filled with z - m [N, V] and log2 Σ 2^(z - m) [N] (log2 units) when the logits fit
+    one tile within KEEP_ELEMENTS; left empty when the forward needs several tiles or N·V exceeds
+    the budget.
+    A backward given the tile is at least as close to the float64 truth as the recomputing
+    backward (which reads p through the lse in nats) and takes the tile (overwritten) out of
+    the dict."""
     hidden, weight, b, ids = _head(torch.float32, bias=True, N=40, D=16, V=64, seed=9)
     kept = {}
     logp, ent, lse = chunked.linear_logprob_forward(hidden, weight, b, ids, 0.7, keep=kept)
-    assert kept["tile"].shape == (40, 64) and kept["max"].shape == (40,)
-    log2_p = kept["tile"] + (kept["max"] - lse * chunked.LOG2E)[:, None]
+    assert kept["tile"].shape == (40, 64) and kept["log_sum"].shape == (40,)
+    log2_p = kept["tile"] - kept["log_sum"][:, None]
     truth = torch.log_softmax((hidden.double() @ weight.double().T + b.double()) / 0.7, -1)
     assert scaled_err(log2_p * chunked.LN2, truth) < 1e-6
     g_logp, g_ent = _coefficients(40, 10)
@@ -165,8 +167,10 @@ def test_forward_keeps_its_tile_only_when_the_logits_fit_one(monkeypatch):
     from_tile = chunked.linear_logprob_backward(*args, kept=kept)
     assert not kept
     recomputed = chunked.linear_logprob_backward(*args)
-    for a, r in zip(from_tile, recomputed):
-        assert scaled_err(a, r) < 1e-6
+    exact = _truth(hidden, weight, b, ids, 0.7, g_logp, g_ent)[2:]
+    for a, r, t in zip(from_tile, recomputed, exact):
+        assert scaled_err(r, t) < 2e-5
+        assert scaled_err(a, t) <= scaled_err(r, t) + 1e-7
     for chunk_elements in (40 * 16, None):
         if chunk_elements is None:  # one tile, but above the keep budget
             monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 40 * 64 - 1)
@@ -212,7 +216,8 @@ def test_linear_head_never_holds_logits():
 @pytest.mark.parametrize("inplace", [False, True])
 def test_logits_path_matches_truth(dtype, inplace):
     """Logits input [B, T, V] (a sliced, non-contiguous view), temperature, entropy gradient and
-    a fully masked sequence; the gradient in the logits' dtype, optionally over the logits."""
+    a fully masked sequence; the gradient in the logits' dtype, optionally over the logits,
+    from the lse or from the forward's kept statistics."""
     g = torch.Generator().manual_seed(9)
     full = (torch.randn(3, 9, 70, generator=g) * 3).to(dtype)
     logits = full[:, 1:8]  # [3, 7, 70], non-contiguous
@@ -225,12 +230,18 @@ def test_logits_path_matches_truth(dtype, inplace):
     t_ent = -(log_p.exp() * log_p).sum(-1)
     ((g_logp.double() * t_logp).sum() + (g_ent.double() * t_ent).sum()).backward()
     # chunk_elements small enough for pieces of one sequence and for whole sequences
-    for ce in (None, 3 * 70, 20 * 70):
-        lp, en, lse = chunked.logits_logprob_forward(logits, ids, 0.7, chunk_elements=ce)
+    # the backward reads p through the lse, or from the forward's kept statistics (taken out)
+    for ce, keep in [(None, False), (3 * 70, False), (20 * 70, False), (None, True),
+                     (3 * 70, True)]:
+        kept = {} if keep else None
+        lp, en, lse = chunked.logits_logprob_forward(logits, ids, 0.7, chunk_elements=ce,
+                                                     keep=kept)
         assert scaled_err(lp, t_logp) < 1e-6 and scaled_err(en, t_ent) < 1e-6
+        assert kept is None or sorted(kept) == ["max", "sum"]
         target = logits.clone() if inplace else None
         dx = chunked.logits_logprob_backward(logits, ids, lse, en, g_logp, g_ent, 0.7,
-                                             out=target, chunk_elements=ce)
+                                             out=target, chunk_elements=ce, kept=kept)
+        assert not kept
         assert dx.dtype == dtype and (target is None or dx is target)
         assert scaled_err(dx, x.grad) <= torch.finfo(dtype).eps + 1e-5
         assert not dx[1].any()

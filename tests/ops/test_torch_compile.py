@@ -189,23 +189,27 @@ def _logits_call(call, head, inplace):
 def test_eager_selective_ops_match_the_operators(inplace, monkeypatch):
     """On the chunked backend a plain eager call of OPS.linear_logprobs / logits_logprobs runs
     the operators' eager bodies as an autograd.Function: bitwise the operators' outputs and
-    gradients (in place too); the linear head's backward from the kept logits tile matches
-    them to float32 rounding; under a dispatch mode the operator itself runs."""
+    gradients (in place too); their backwards from what the forward kept (the linear head's
+    logits tile, the logits path's per-token statistics) match them to float32 rounding; under
+    a dispatch mode the operator itself runs."""
     head, _ = problem(seed=5)
     ops = torch.ops.grpo_kernels
     calls = {"linear_logprobs": _linear_call,
              "logits_logprobs": functools.partial(_logits_call, inplace=inplace)}
-    kept, _ = _linear_call(custom_ops.OPS.linear_logprobs, head)
-    monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)  # bitwise: the backward recomputes too
+    kept = {name: call(getattr(custom_ops.OPS, name), head)[0] for name, call in calls.items()}
+    # bitwise: the backwards recompute (the tile) and read the lse (the statistics) too
+    monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)
+    logits_forward = chunked.logits_logprob_forward
+    monkeypatch.setattr(chunked, "logits_logprob_forward",
+                        lambda *args, keep=None, **kw: logits_forward(*args, **kw))
     for name, call in calls.items():
         fast, fast_node = call(getattr(custom_ops.OPS, name), head)
         want, op_node = call(getattr(ops, name), head)
         assert "GeneratedBackwardFor" in op_node and "GeneratedBackwardFor" not in fast_node
         for a, b in zip(fast, want):
             assert torch.equal(a, b)
-        if name == "linear_logprobs":
-            for i, (a, b) in enumerate(zip(kept, want)):
-                assert torch.equal(a, b) if i < 3 else scaled_err(a, b) < 1e-6
+        for i, (a, b) in enumerate(zip(kept[name], want)):
+            assert torch.equal(a, b) if i < 3 else scaled_err(a, b) < 1e-6
     with LiveStorageTracker() as tracker:  # a dispatch mode: it must see the operator
         _linear_call(custom_ops.OPS.linear_logprobs, head)
     assert tracker.opaque
@@ -230,7 +234,7 @@ def test_eager_linear_op_keeps_its_tile_for_one_backward(monkeypatch):
         custom_ops.OPS.linear_logprobs(*args)
     custom_ops.OPS.linear_logprobs(h.detach(), w.detach(), *args[2:])
     logp, ent, _ = custom_ops.OPS.linear_logprobs(*args)
-    assert seen == [None, None, ["max", "tile"]]
+    assert seen == [None, None, ["log_sum", "tile"]]
     loss = (logp * 0.3 + ent).sum()
     first = torch.autograd.grad(loss, (h, w), retain_graph=True)
     second = torch.autograd.grad(loss, (h, w))
