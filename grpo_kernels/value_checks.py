@@ -120,7 +120,7 @@ def check_normalizer(name: str, value, device) -> torch.Tensor | None:
     float32 tensor on `device` (one form for the formulas downstream).
 
     A CPU tensor's value is read to the host (free). A CUDA tensor's is checked on the device
-    (`value_checks.defer`: reading it would wait for the device's queue; the error comes at the
+    (`defer`: reading it would wait for the device's queue; the error comes at the
     next loss call or backward). Under torch.compile the check is an in-graph assertion, as for
     the other value checks (no host read, no graph break)."""
     if value is None:
