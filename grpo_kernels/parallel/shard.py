@@ -243,15 +243,6 @@ _FSDP_HINT = ("; if the weight is a parameter of a model sharded by FSDP2 (fully
 
 def _raise_disagreement(shard: VocabShard, error, table: list, names: list) -> None:
     """The checks on the gathered table, identical on every rank (each reads the same table)."""
-    try:
-        _compare(shard, error, table, names)
-    except VocabParallelError as exc:
-        if shard.form.startswith("DTensor") and "differ" in str(exc):
-            raise VocabParallelError(f"{exc}{_FSDP_HINT}") from None
-        raise
-
-
-def _compare(shard: VocabShard, error, table: list, names: list) -> None:
     failed = [r for r, row in enumerate(table) if row[0]]
     if error is not None:  # this rank's own message, on this rank
         raise error
@@ -260,13 +251,14 @@ def _compare(shard: VocabShard, error, table: list, names: list) -> None:
             f"rank {failed[0]} of the vocabulary group rejected its inputs (its own error says "
             "why); every rank of the group raises, so that none waits in a collective")
     columns = {name: [row[i] for row in table] for i, name in enumerate(_FIELDS)}
+    hint = _FSDP_HINT if shard.form.startswith("DTensor") else ""  # for inputs that differ
     for field, text in (("hidden_size", "the hidden size D (weight.shape[1])"),
                         ("tokens", "the number of tokens N"),
                         ("grads", "which tensors require grad (and grad mode)")):
         if len(set(columns[field])) > 1:
             raise VocabParallelError(
                 f"{text} differs across the ranks of the vocabulary group: {columns[field]} "
-                f"(ranks 0..{shard.world - 1}); every rank must hold the same inputs")
+                f"(ranks 0..{shard.world - 1}); every rank must hold the same inputs{hint}")
     _raise_dtypes(shard, columns["dtype"])
     settings, base = columns["settings"], len(_FIELDS)
     same_call = "every rank of the group must make the same call, each on its own shard"
@@ -280,7 +272,7 @@ def _compare(shard: VocabShard, error, table: list, names: list) -> None:
         if len(set(values)) > 1:
             other = next(r for r, v in enumerate(values) if v != values[0])
             raise VocabParallelError(
-                f"{name} differ between ranks 0 and {other} of the vocabulary group: {why}")
+                f"{name} differ between ranks 0 and {other} of the vocabulary group: {why}{hint}")
 
 
 def _crc31(text: str) -> int:
