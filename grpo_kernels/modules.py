@@ -12,7 +12,7 @@ from torch import nn
 from .functional import fused_linear_grpo_loss, grpo_loss
 from .parallel import check_vocab_group
 from .params import FIELD_NAMES, GRPOParams, signature_with_params
-from .validation import check_grad_filter, check_logit_transform
+from .validation import check_flags, check_grad_filter, check_logit_transform
 
 
 class _GRPOModule(nn.Module):
@@ -95,8 +95,7 @@ class GRPOLoss(_GRPOModule):
     def __init__(self, *, inplace: bool = False, softcap: float | None = None,
                  logit_scale: float | None = None, params: GRPOParams | None = None,
                  **hyperparameters):
-        if not isinstance(inplace, bool):  # "False" would read as true: logits overwritten
-            raise TypeError(f"inplace must be a bool, got {inplace!r}")
+        check_flags(inplace=inplace)  # "False" would read as true: logits overwritten
         softcap, logit_scale = check_logit_transform(softcap, logit_scale)
         super().__init__(params, hyperparameters, inplace=inplace, softcap=softcap,
                          logit_scale=logit_scale)
