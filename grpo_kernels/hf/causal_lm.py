@@ -52,6 +52,7 @@ from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for
     _HEAD_CHECKED,
     _check_head_input,
     _last_hidden,
+    _probe_ids,
     check_output_head,
     head_for,
     logit_transform,
@@ -119,8 +120,8 @@ def completion_hidden_states(
     _check_batch(input_ids, attention_mask, logits_to_keep)
     inner = unwrap_model(model)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
-        # masks need not slice to one row (a BlockMask cannot): a text dummy for the check
-        body = _check_head_input(inner, input_ids.new_zeros(1, 2), None)
+        # masks need not slice to one row (a BlockMask cannot): ordinary text for the check
+        body = _check_head_input(inner, _probe_ids(inner).to(input_ids.device), None)
     else:
         body = _check_head_input(inner, input_ids, attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
