@@ -47,16 +47,17 @@ def resolved_head(model: nn.Module) -> ResolvedHead:
 def logit_transform(model: nn.Module) -> dict:
     """{"softcap": c | None, "logit_scale": s | None}: what `model`'s forward does to its output
     embedding's output y before returning logits, z = c·tanh(s·y / c), in the keywords of the
-    fused functions. From the (text) config: final_logit_softcapping (Gemma 2 and 3) or
-    logits_soft_cap (RecurrentGemma); a scale logit_scale (Cohere), output_multiplier,
-    lm_head_multiplier (Falcon-H1), or a divisor logits_scaling (Granite divides the logits by
-    it, MiniCPM3 the head's input; HyperCLOVA X multiplies) or logits_mup_width_multiplier
-    (Inkling divides the head's input). A scale on the head's input is one on its output for a
-    head without bias (`_check_head_input` refuses one with a bias). `check_output_head` checks
-    the result against the model's own logits once per model."""
+    fused functions. From the (text) config: final_logit_softcapping (Gemma 2 and 3),
+    logits_soft_cap (RecurrentGemma) or output_logit_soft_cap (xLSTM); a scale logit_scale
+    (Cohere), output_multiplier, lm_head_multiplier (Falcon-H1), or a divisor logits_scaling
+    (Granite divides the logits by it, MiniCPM3 the head's input; HyperCLOVA X multiplies) or
+    logits_mup_width_multiplier (Inkling divides the head's input). A scale on the head's input
+    is one on its output for a head without bias (`_check_head_input` refuses one with a bias).
+    `check_output_head` checks the result against the model's own logits once per model."""
     config = getattr(unwrap_model(model), "config", None)
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = _first_set(cfg, ("final_logit_softcapping", "logits_soft_cap"))
+    softcap = _first_set(cfg, ("final_logit_softcapping", "logits_soft_cap",
+                                "output_logit_soft_cap"))
     scale = _first_set(cfg, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
     divisor = _first_set(cfg, ("logits_scaling", "logits_mup_width_multiplier"))
     if scale is None and divisor is not None:
@@ -156,7 +157,11 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     ran = next((i for i in range(len(bodies)) if i in seen), 0)
     body = bodies[ran]
     body_out = _last_hidden(seen[ran])[:, -1:] if ran in seen else None
-    input_scale = _head_input_scale(inner, seen.get("head"), body_out)
+    head_in = seen.get("head")
+    if isinstance(head_in, torch.Tensor) and head_in.dim() == 3:
+        # the last position: a forward without logits_to_keep (xLSTM) runs the head on all
+        head_in = head_in[:, -1:]
+    input_scale = _head_input_scale(inner, head_in, body_out)
     if input_scale is None:
         raise NotImplementedError(
             f"{type(inner).__name__} does not apply its output embedding "

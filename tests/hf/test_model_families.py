@@ -6,9 +6,10 @@ them (and say why not where it does not).
 
 The families cover the unusual heads: tied embeddings (Qwen2, GPT-2), a biased head (Phi), a head
 not called lm_head (GPT-NeoX's embed_out), a body run through its sub-model (OPT), final-logit
-soft-capping (Gemma 2; RecurrentGemma's logits_soft_cap), a scale after the head (Cohere's
-logit_scale, Granite's logits_scaling) and before it (MiniCPM3 divides the hidden states by
-logits_scaling), a Mixture-of-Experts body (Qwen3-MoE) and transformers' Conv1D layers (GPT-2).
+soft-capping (Gemma 2; RecurrentGemma's logits_soft_cap; xLSTM's output_logit_soft_cap, on a
+head that runs on every position), a scale after the head (Cohere's logit_scale, Granite's
+logits_scaling) and before it (MiniCPM3 divides the hidden states by logits_scaling), a
+Mixture-of-Experts body (Qwen3-MoE) and transformers' Conv1D layers (GPT-2).
 """
 
 import pytest
@@ -59,6 +60,11 @@ FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0)),
     "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _COMMON),
+    # no logits_to_keep (the head runs on every position), output_logit_soft_cap
+    "xlstm-softcap": ("xLSTMConfig", "xLSTMForCausalLM",
+                      dict(vocab_size=V, hidden_size=32, embedding_dim=32, num_hidden_layers=2,
+                           num_blocks=2, num_heads=4, qk_dim_factor=0.5, v_dim_factor=1.0,
+                           chunk_size=1, output_logit_soft_cap=0.5, pad_token_id=0)),
     "opt": ("OPTConfig", "OPTForCausalLM",
             dict(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
@@ -173,14 +179,16 @@ def test_rows_match_padded_batch_or_say_why_not(family, layout):
 
 
 def test_logit_transforms_read_from_the_config():
-    """RecurrentGemma's logits_soft_cap is a soft cap; MiniCPM3's logits_scaling (on the head's
-    input) a scale of 1 / logits_scaling, as Granite's (on its output)."""
+    """RecurrentGemma's logits_soft_cap and xLSTM's output_logit_soft_cap are soft caps;
+    MiniCPM3's logits_scaling (on the head's input) a scale of 1 / logits_scaling, as Granite's
+    (on its output)."""
     assert logit_transform(build("recurrent-gemma-softcap")) == {"softcap": 0.5,
                                                                  "logit_scale": None}
     assert logit_transform(build("minicpm3-prescaled")) == {"softcap": None,
                                                             "logit_scale": 1 / 2.5}
     assert logit_transform(build("granite-logits-scaling")) == {"softcap": None,
                                                                 "logit_scale": 0.25}
+    assert logit_transform(build("xlstm-softcap")) == {"softcap": 0.5, "logit_scale": None}
 
 
 def test_prescaled_hidden_states_before_a_biased_head_are_refused():
