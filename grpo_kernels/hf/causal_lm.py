@@ -172,16 +172,20 @@ def causal_lm_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     head_dtype: torch.dtype | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     **model_kwargs,
 ):
     """GRPO loss of a causal LM on prompt+completion `input_ids` [B, L]; the completion is the
     last `logits_to_keep` tokens. `loss_fn` holds the hyperparameters (default: TRL's).
     `completion_mask`, `old_logps`, `ref_logps`: [B, T]; `advantages`: [B], [B, 1] or [B, T].
+    `sampling_logps` [B, T]: the rollout engine's log-probs, for the off-policy mask
+    (`off_policy_mask_threshold`; without them it reads old_logps). Other keywords go to the
+    model's body (`completion_hidden_states`).
 
     Packed rows (see the module docstring; `pack_sequences` builds them): input_ids [R, W],
     attention_mask None, `position_ids=` [R, W], logits_to_keep = positions [N], `cu_seqlens`
-    [S + 1] over the N completion tokens; then old/ref log-probs are [N], advantages [S] or [N],
-    and there is no completion mask (every kept token counts).
+    [S + 1] over the N completion tokens; then old/ref/sampling log-probs are [N], advantages
+    [S] or [N], and there is no completion mask (every kept token counts).
     Returns (loss: 0-dim float32, metrics: dict of detached 0-dim tensors)."""
     loss_fn = loss_fn if loss_fn is not None else FusedLinearGRPOLoss()
     if not isinstance(loss_fn, FusedLinearGRPOLoss):
@@ -204,7 +208,7 @@ def causal_lm_grpo_loss(
     with _no_autocast(hidden):  # inputs are already in the head dtype; keep it
         return loss_fn(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                        ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
 
 
 def _with_model_transform(loss_fn: FusedLinearGRPOLoss, model: nn.Module):

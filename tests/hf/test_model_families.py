@@ -252,3 +252,37 @@ def test_check_is_not_vacuous_when_the_first_call_passes_model_inputs(layout):
     with force_backend("chunked"), pytest.raises(NotImplementedError,
                                                  match="logits are not those"):
         causal_lm_logprobs(model, *args, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_sampling_logps_reach_the_off_policy_mask(layout):
+    """causal_lm_grpo_loss takes the rollout engine's log-probs for the off-policy mask (as the
+    fused loss does) instead of handing them to the model body, which ignores them."""
+    model, b = build("llama"), make_batch()
+    T, ids, am, cm = b["T"], b["ids"], b["am"], b["cm"]
+    hp = dict(HP, off_policy_mask_threshold=0.5)
+    adv = -b["adv"].abs()  # the mask drops negative-advantage sequences that drifted
+    with torch.no_grad():  # old = the current policy: no drift unless the sampler's differ
+        b["old"] = reference.logprobs_from_logits(own(model, b), ids[:, -T:], temperature=0.7)
+    sampling = b["old"] + torch.tensor([[0.0], [2.0], [0.0], [2.0]])  # two sequences drifted
+    with torch.no_grad():
+        want, _ = reference.grpo_loss(own(model, b), ids[:, -T:], adv, cm, b["old"], b["ref"],
+                                      sampling_logps=sampling, **hp)
+        unmasked, _ = reference.grpo_loss(own(model, b), ids[:, -T:], adv, cm, b["old"],
+                                          b["ref"], **hp)
+    assert (want - unmasked).abs() > 1e-3  # the mask drops the drifted sequences
+    if layout == "padded":
+        args, kw = (ids, am, T, adv, cm, b["old"], b["ref"]), dict(sampling_logps=sampling)
+    else:
+        rows = pack_sequences(ids, am, T, cm, model_config=model.config)
+        args = (rows.input_ids, None, rows.logits_to_keep, adv, None, rows.pack(b["old"]),
+                rows.pack(b["ref"]))
+        kw = dict(sampling_logps=rows.pack(sampling), cu_seqlens=rows.cu_seqlens,
+                  position_ids=rows.position_ids)
+        with torch.no_grad():  # packed rows equal the padded batch given its positions
+            positions = (am.cumsum(1) - 1).clamp(min=0)
+            want, _ = reference.grpo_loss(own(model, b, positions), ids[:, -T:], adv, cm,
+                                          b["old"], b["ref"], sampling_logps=sampling, **hp)
+    with force_backend("chunked"), torch.no_grad():
+        loss, _ = causal_lm_grpo_loss(model, *args, loss_fn=FusedLinearGRPOLoss(**hp), **kw)
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-6)
