@@ -48,6 +48,7 @@ from torch import nn
 
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
+from ..params import FIELD_NAMES
 from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
     _HEAD_CHECKED,
     _check_head_input,
@@ -90,6 +91,25 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
         )
 
 
+# Keywords of the loss (GRPO hyperparameters, kernel options, per-token inputs): never inputs of
+# a model body, whose **kwargs would take and ignore them
+_LOSS_KEYWORDS = frozenset(FIELD_NAMES) | {
+    "params", "grad_filter", "softcap", "logit_scale", "vocab_group", "advantages",
+    "completion_mask", "old_logps", "ref_logps", "sampling_logps", "return_terms",
+    "return_token_values", "return_entropy"}
+
+
+def _check_model_kwargs(model_kwargs: dict) -> None:
+    """Refuse loss keywords among the keywords that go to the model's body."""
+    misplaced = sorted(set(model_kwargs) & _LOSS_KEYWORDS)
+    if misplaced:
+        raise TypeError(
+            f"{', '.join(misplaced)}: not a keyword here, and the model's body (which takes "
+            "the other keywords) would ignore it; GRPO hyperparameters and kernel options are "
+            "set on loss_fn=FusedLinearGRPOLoss(...), temperature also by completion_logprobs("
+            "temperature=...)")
+
+
 def _is_4d(attention_mask) -> bool:
     return len(getattr(attention_mask, "shape", ())) == 4
 
@@ -118,6 +138,7 @@ def completion_hidden_states(
     `load_balancing_loss` computes the auxiliary loss.
     """
     _check_batch(input_ids, attention_mask, logits_to_keep)
+    _check_model_kwargs(model_kwargs)
     inner = unwrap_model(model)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
         # masks need not slice to one row (a BlockMask cannot): ordinary text for the check

@@ -145,7 +145,8 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
             am = None if attention_mask is None else attention_mask[:1]
             out = inner(input_ids=input_ids[:1], attention_mask=am, logits_to_keep=1,
                         use_cache=False)
-            seen["logits"] = getattr(out, "logits", None)
+            # a tuple (config.return_dict=False) holds the logits first (no labels, no loss)
+            seen["logits"] = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
     except Exception:
         # the head itself may fail on its own (e.g. a float32 head on a bf16 body, which we cast
         # and the model does not); its input was captured before it ran, which is all we need

@@ -286,3 +286,29 @@ def test_sampling_logps_reach_the_off_policy_mask(layout):
     with force_backend("chunked"), torch.no_grad():
         loss, _ = causal_lm_grpo_loss(model, *args, loss_fn=FusedLinearGRPOLoss(**hp), **kw)
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_keywords_are_not_handed_to_the_model_body():
+    """Keywords the helpers do not take go to the model's body, whose **kwargs ignore unknown
+    ones: a GRPO hyperparameter there (beta, temperature) would change nothing, silently."""
+    from grpo_kernels.hf import causal_lm_logprobs
+
+    model, b = build("llama"), make_batch()
+    T, ids, am = b["T"], b["ids"], b["am"]
+    with pytest.raises(TypeError, match="beta, temperature: not a keyword here"):
+        causal_lm_grpo_loss(model, ids, am, T, b["adv"], beta=0.5, temperature=0.3)
+    with pytest.raises(TypeError, match="softcap: not a keyword here"):
+        causal_lm_logprobs(model, ids, am, T, softcap=30.0)
+    causal_lm_logprobs(model, ids, am, T, position_ids=(am.cumsum(1) - 1).clamp(min=0))
+
+
+def test_check_reads_the_logits_of_a_tuple_output():
+    """A model whose config has return_dict=False (Falcon keeps honouring it) returns a tuple;
+    the check reads the logits from it instead of skipping the comparison with them, so a
+    transform the config names and the model does not apply is still refused."""
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        return_dict=False))
+    model.config.logits_scaling = 4.0  # read by logit_transform, not applied by the model
+    with pytest.raises(NotImplementedError, match="logits are not those"):
+        check_output_head(model)
