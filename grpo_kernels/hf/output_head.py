@@ -97,10 +97,19 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _body(inner: nn.Module) -> nn.Module:
+    """model.base_model; where that is the model itself (its base_model_prefix names no
+    attribute: Llama4ForCausalLM's says "language_model" and it holds `model`), its one
+    PreTrainedModel child. `_check_head_input` then checks that the head reads its output."""
+    from transformers import PreTrainedModel
+
     body = getattr(inner, "base_model", None)
     if body is None or body is inner:
-        raise ValueError(f"cannot find the transformer body of {type(inner).__name__} "
-                         "(model.base_model)")
+        children = [c for c in inner.children() if isinstance(c, PreTrainedModel)]
+        body = children[0] if len(children) == 1 else None
+    if body is None:
+        raise ValueError(f"cannot find the transformer body of {type(inner).__name__}: "
+                         "model.base_model is the model itself, and it has not exactly one "
+                         "PreTrainedModel child")
     return body
 
 

@@ -9,7 +9,8 @@ not called lm_head (GPT-NeoX's embed_out), a body run through its sub-model (OPT
 soft-capping (Gemma 2; RecurrentGemma's logits_soft_cap; xLSTM's output_logit_soft_cap, on a
 head that runs on every position), a scale after the head (Cohere's logit_scale, Granite's
 logits_scaling) and before it (MiniCPM3 divides the hidden states by logits_scaling), a
-Mixture-of-Experts body (Qwen3-MoE) and transformers' Conv1D layers (GPT-2).
+Mixture-of-Experts body (Qwen3-MoE, Llama 4, whose base_model is not its body) and
+transformers' Conv1D layers (GPT-2).
 """
 
 import pytest
@@ -56,6 +57,11 @@ FAMILIES = {
                            dict(_COMMON, hidden_size=40, num_key_value_heads=4,
                                 dim_model_base=16, q_lora_rank=16, kv_lora_rank=16,
                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
+    # base_model_prefix "language_model" names no attribute: the body is its child `model`
+    "llama4-text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(_COMMON, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                         intermediate_size_mlp=64, interleave_moe_layer_step=1,
+                         no_rope_layers=[1, 1])),
     "phi-bias": ("PhiConfig", "PhiForCausalLM", _COMMON),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0)),
