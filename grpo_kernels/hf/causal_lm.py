@@ -89,6 +89,22 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
             f"logits_to_keep must be in [1, L-1] = [1, {L - 1}] (the completion length; at "
             f"least one prompt token must precede it), got {logits_to_keep}"
         )
+    if attention_mask is not None:
+        _check_prompt_end(attention_mask, logits_to_keep)
+
+
+def _check_prompt_end(attention_mask: torch.Tensor, T: int) -> None:
+    """The hidden state at column L - T - 1 predicts the first completion token (column L - T):
+    where that token is real, it must be too. A right-padded prompt puts a padding position
+    there, whose hidden state predicts nothing (and the log-prob would be silently wrong)."""
+    L = attention_mask.shape[1]
+    bad = (attention_mask[:, L - T - 1] == 0) & (attention_mask[:, L - T] != 0)  # [B]
+    if bool(bad.any()):
+        rows = bad.nonzero().squeeze(1)[:8].tolist()
+        raise ValueError(
+            f"attention_mask: rows {rows} have padding in the prompt's last column (L - T - 1 = "
+            f"{L - T - 1}) before a real completion token, which is predicted from there; pad "
+            "prompts on the left (tokenizer.padding_side = 'left')")
 
 
 # Keywords of the loss (GRPO hyperparameters, kernel options, per-token inputs): never inputs of

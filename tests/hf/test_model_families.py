@@ -318,3 +318,20 @@ def test_check_reads_the_logits_of_a_tuple_output():
     model.config.logits_scaling = 4.0  # read by logit_transform, not applied by the model
     with pytest.raises(NotImplementedError, match="logits are not those"):
         check_output_head(model)
+
+
+def test_right_padded_prompts_are_refused_in_padded_rows():
+    """In padded rows the first completion token is predicted from column L - T - 1: a prompt
+    padded on the right (a tokenizer's default padding side) puts a padding position there,
+    and its log-prob would be that of a padding state. Refused, naming the rows; a completion
+    that is all padding there is fine (no token is predicted from it)."""
+    model, b = build("llama"), make_batch()
+    T, ids, am = b["T"], b["ids"], b["am"].clone()
+    L = ids.shape[1]
+    am[0, L - T - 2:L - T] = 0  # prompt of row 0 padded on the right
+    with pytest.raises(ValueError, match=r"rows \[0\] have padding in the prompt's last column"):
+        causal_lm_grpo_loss(model, ids, am, T, b["adv"])
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        completion_logprobs(model, ids, am, T)
+    am[0, L - T:] = 0  # no completion token: nothing is predicted from the padding
+    completion_logprobs(model, ids, am, T)
