@@ -126,6 +126,18 @@ def _check_model_kwargs(model_kwargs: dict) -> None:
             "temperature=...)")
 
 
+def _check_mask_form(inner: nn.Module, attention_mask) -> None:
+    """A 4-D mask in the form the model's attention reads: eager attention adds the mask to its
+    scores, so a boolean one (True: attend), sdpa's form, would shift them instead of masking."""
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if (impl == "eager" and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 4 and attention_mask.dtype == torch.bool):
+        raise ValueError(
+            f"attention_mask is a boolean 4-D mask, but {type(inner).__name__} runs eager "
+            "attention, which adds its mask to the scores (0 or the dtype's minimum): build "
+            "shared rows with share_prompts(..., model_config=model.config)")
+
+
 def _is_4d(attention_mask) -> bool:
     return len(getattr(attention_mask, "shape", ())) == 4
 
@@ -156,6 +168,7 @@ def completion_hidden_states(
     _check_batch(input_ids, attention_mask, logits_to_keep)
     _check_model_kwargs(model_kwargs)
     inner = unwrap_model(model)
+    _check_mask_form(inner, attention_mask)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
         # masks need not slice to one row (a BlockMask cannot): ordinary text for the check
         body = _check_head_input(inner, _probe_ids(inner).to(input_ids.device), None)

@@ -335,3 +335,25 @@ def test_right_padded_prompts_are_refused_in_padded_rows():
         completion_logprobs(model, ids, am, T)
     am[0, L - T:] = 0  # no completion token: nothing is predicted from the padding
     completion_logprobs(model, ids, am, T)
+
+
+def test_boolean_shared_mask_on_an_eager_model_is_refused():
+    """share_prompts without model_config builds sdpa's boolean mask; eager attention adds its
+    mask to the scores, so that mask would shift them (log-probs 0.29 off on this model)
+    instead of masking: refused, and the mask built for the model's config matches."""
+    model, b = build("llama"), make_batch()
+    model.config._attn_implementation = "eager"
+    T, ids, am = b["T"], b["ids"], b["am"]
+    for config, ok in ((None, False), (model.config, True)):
+        rows = share_prompts(ids, am, T, b["cm"], model_config=config)
+        args = (model, rows.input_ids, rows.attention_mask, rows.logits_to_keep)
+        if not ok:
+            with pytest.raises(ValueError, match="boolean 4-D mask.*eager"):
+                completion_logprobs(*args, position_ids=rows.position_ids)
+            continue
+        with force_backend("chunked"):
+            got = completion_logprobs(*args, position_ids=rows.position_ids).detach()
+            with torch.no_grad():
+                positions = (am.cumsum(1) - 1).clamp(min=0)
+                want = reference.logprobs_from_logits(own(model, b, positions), ids[:, -T:])
+        torch.testing.assert_close(got, rows.pack(want), rtol=1e-4, atol=1e-4)
