@@ -62,6 +62,11 @@ FAMILIES = {
                     dict(_COMMON, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
                          intermediate_size_mlp=64, interleave_moe_layer_step=1,
                          no_rope_layers=[1, 1])),
+    # divides the hidden states by logits_mup_width_multiplier before its head
+    "inkling-prescaled": ("InklingTextConfig", "InklingForCausalLM",
+                          dict(_COMMON, logits_mup_width_multiplier=4.0, head_dim=8,
+                               swa_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
+                               num_experts_per_tok=2, rel_extent=16)),
     "phi-bias": ("PhiConfig", "PhiForCausalLM", _COMMON),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0)),
