@@ -362,3 +362,30 @@ def test_boolean_shared_mask_on_an_eager_model_is_refused():
                 positions = (am.cumsum(1) - 1).clamp(min=0)
                 want = reference.logprobs_from_logits(own(model, b, positions), ids[:, -T:])
         torch.testing.assert_close(got, rows.pack(want), rtol=1e-4, atol=1e-4)
+
+
+def test_layout_checks_draw_tokens_from_a_multimodal_text_vocabulary():
+    """A multimodal config has no vocab_size of its own (its text config has): the layout
+    checks draw their random tokens from the text vocabulary, not from ids 0 and 1 (padding,
+    with a zero embedding, and a special token), where a leak between sequences shows less."""
+    from grpo_kernels.hf import check_padded_positions
+
+    text = dict(_COMMON, head_dim=8, sliding_window=None,
+                layer_types=["full_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=V - 1,
+        boi_token_index=V - 2, eoi_token_index=V - 3)).eval()
+    assert getattr(model.config, "vocab_size", None) is None
+    seen = []
+    embed = model.get_input_embeddings()
+    handle = embed.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].max())))
+    try:
+        for check in (check_packed_attention, check_shared_prompt, check_padded_positions):
+            seen.clear()
+            check(model)
+            assert seen and max(seen) > 1, check.__name__
+    finally:
+        handle.remove()
