@@ -44,7 +44,7 @@ from . import torch_varlen
 from .packed_rows import check_packed_attention, logits_disagree
 from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt
-from .unwrap import unwrap_model
+from .unwrap import text_vocab_size, unwrap_model
 
 __all__ = ["ATTENTION_RULES", "IMPLEMENTATIONS", "AttentionChoice", "AttentionRule",
            "attention_refusal", "choose_attention", "using_attention"]
@@ -252,7 +252,7 @@ def _model_refusal(model, implementation: str) -> str | None:
 def _forward_refusal(model, implementation: str, layout: RowLayout) -> str | None:
     """Runs the model under `implementation`: the same logits as under its own on a short
     sequence, and the layout's exactness check (None: both pass)."""
-    vocab = getattr(model.config, "vocab_size", None) or 2
+    vocab = text_vocab_size(model.config)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)

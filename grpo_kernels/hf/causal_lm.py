@@ -48,10 +48,12 @@ from torch import nn
 
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
+from ..params import FIELD_NAMES
 from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
     _HEAD_CHECKED,
     _check_head_input,
     _last_hidden,
+    _probe_ids,
     check_output_head,
     head_for,
     logit_transform,
@@ -87,6 +89,53 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
             f"logits_to_keep must be in [1, L-1] = [1, {L - 1}] (the completion length; at "
             f"least one prompt token must precede it), got {logits_to_keep}"
         )
+    if attention_mask is not None:
+        _check_prompt_end(attention_mask, logits_to_keep)
+
+
+def _check_prompt_end(attention_mask: torch.Tensor, T: int) -> None:
+    """The hidden state at column L - T - 1 predicts the first completion token (column L - T):
+    where that token is real, it must be too. A right-padded prompt puts a padding position
+    there, whose hidden state predicts nothing (and the log-prob would be silently wrong)."""
+    L = attention_mask.shape[1]
+    bad = (attention_mask[:, L - T - 1] == 0) & (attention_mask[:, L - T] != 0)  # [B]
+    if bool(bad.any()):
+        rows = bad.nonzero().squeeze(1)[:8].tolist()
+        raise ValueError(
+            f"attention_mask: rows {rows} have padding in the prompt's last column (L - T - 1 = "
+            f"{L - T - 1}) before a real completion token, which is predicted from there; pad "
+            "prompts on the left (tokenizer.padding_side = 'left')")
+
+
+# Keywords of the loss (GRPO hyperparameters, kernel options, per-token inputs): never inputs of
+# a model body, whose **kwargs would take and ignore them
+_LOSS_KEYWORDS = frozenset(FIELD_NAMES) | {
+    "params", "grad_filter", "softcap", "logit_scale", "vocab_group", "advantages",
+    "completion_mask", "old_logps", "ref_logps", "sampling_logps", "return_terms",
+    "return_token_values", "return_entropy"}
+
+
+def _check_model_kwargs(model_kwargs: dict) -> None:
+    """Refuse loss keywords among the keywords that go to the model's body."""
+    misplaced = sorted(set(model_kwargs) & _LOSS_KEYWORDS)
+    if misplaced:
+        raise TypeError(
+            f"{', '.join(misplaced)}: not a keyword here, and the model's body (which takes "
+            "the other keywords) would ignore it; GRPO hyperparameters and kernel options are "
+            "set on loss_fn=FusedLinearGRPOLoss(...), temperature also by completion_logprobs("
+            "temperature=...)")
+
+
+def _check_mask_form(inner: nn.Module, attention_mask) -> None:
+    """A 4-D mask in the form the model's attention reads: eager attention adds the mask to its
+    scores, so a boolean one (True: attend), sdpa's form, would shift them instead of masking."""
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if (impl == "eager" and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 4 and attention_mask.dtype == torch.bool):
+        raise ValueError(
+            f"attention_mask is a boolean 4-D mask, but {type(inner).__name__} runs eager "
+            "attention, which adds its mask to the scores (0 or the dtype's minimum): build "
+            "shared rows with share_prompts(..., model_config=model.config)")
 
 
 def _is_4d(attention_mask) -> bool:
@@ -117,10 +166,12 @@ def completion_hidden_states(
     `load_balancing_loss` computes the auxiliary loss.
     """
     _check_batch(input_ids, attention_mask, logits_to_keep)
+    _check_model_kwargs(model_kwargs)
     inner = unwrap_model(model)
+    _check_mask_form(inner, attention_mask)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
-        # masks need not slice to one row (a BlockMask cannot): a text dummy for the check
-        body = _check_head_input(inner, input_ids.new_zeros(1, 2), None)
+        # masks need not slice to one row (a BlockMask cannot): ordinary text for the check
+        body = _check_head_input(inner, _probe_ids(inner).to(input_ids.device), None)
     else:
         body = _check_head_input(inner, input_ids, attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -171,16 +222,20 @@ def causal_lm_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     head_dtype: torch.dtype | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     **model_kwargs,
 ):
     """GRPO loss of a causal LM on prompt+completion `input_ids` [B, L]; the completion is the
     last `logits_to_keep` tokens. `loss_fn` holds the hyperparameters (default: TRL's).
     `completion_mask`, `old_logps`, `ref_logps`: [B, T]; `advantages`: [B], [B, 1] or [B, T].
+    `sampling_logps` [B, T]: the rollout engine's log-probs, for the off-policy mask
+    (`off_policy_mask_threshold`; without them it reads old_logps). Other keywords go to the
+    model's body (`completion_hidden_states`).
 
     Packed rows (see the module docstring; `pack_sequences` builds them): input_ids [R, W],
     attention_mask None, `position_ids=` [R, W], logits_to_keep = positions [N], `cu_seqlens`
-    [S + 1] over the N completion tokens; then old/ref log-probs are [N], advantages [S] or [N],
-    and there is no completion mask (every kept token counts).
+    [S + 1] over the N completion tokens; then old/ref/sampling log-probs are [N], advantages
+    [S] or [N], and there is no completion mask (every kept token counts).
     Returns (loss: 0-dim float32, metrics: dict of detached 0-dim tensors)."""
     loss_fn = loss_fn if loss_fn is not None else FusedLinearGRPOLoss()
     if not isinstance(loss_fn, FusedLinearGRPOLoss):
@@ -203,7 +258,7 @@ def causal_lm_grpo_loss(
     with _no_autocast(hidden):  # inputs are already in the head dtype; keep it
         return loss_fn(hidden, weight, completion_ids, advantages, completion_mask, old_logps,
                        ref_logps, bias, num_items_in_batch, importance_sampling_ratio,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
 
 
 def _with_model_transform(loss_fn: FusedLinearGRPOLoss, model: nn.Module):

@@ -172,6 +172,15 @@ def fold_lora(resolved: ResolvedHead, body_out: torch.Tensor, hidden: torch.Tens
     return torch.cat(columns, dim=-1), torch.cat(ups, dim=1), bias
 
 
+def _conv1d() -> tuple[type, ...]:
+    """transformers' Conv1D (a linear layer with a transposed weight), if transformers is there."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return ()
+    return (Conv1D,)
+
+
 def _lora_targets(model: nn.Module, out: nn.Module | None, target_modules, head: bool):
     """PEFT's target_modules for add_lora: a list of names, or a str regex that PEFT fullmatches
     against each module's qualified name; with head=True the output embedding joins either."""
@@ -182,8 +191,10 @@ def _lora_targets(model: nn.Module, out: nn.Module | None, target_modules, head:
         return targets
     head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
     if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
+        # layer, as PEFT counts them (GPT-2's are transformers' Conv1D, a transposed linear)
+        linear = (nn.Linear, *_conv1d())
         targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                          if isinstance(m, nn.Linear) and m is not out})
+                          if isinstance(m, linear) and m is not out})
     if isinstance(targets, str):  # a regex: the head as one more alternative
         return f"(?:{targets})|{re.escape(head_name)}"
     return [*targets, head_name]

@@ -47,21 +47,28 @@ def resolved_head(model: nn.Module) -> ResolvedHead:
 def logit_transform(model: nn.Module) -> dict:
     """{"softcap": c | None, "logit_scale": s | None}: what `model`'s forward does to its output
     embedding's output y before returning logits, z = c·tanh(s·y / c), in the keywords of the
-    fused functions. From the (text) config: final_logit_softcapping (Gemma 2 and 3); a scale
-    logit_scale (Cohere), output_multiplier, lm_head_multiplier (Falcon-H1), or logits_scaling
-    (Granite and MiniCPM3 divide by it, HyperCLOVA X multiplies). `check_output_head` checks the
-    result against the model's own logits once per model."""
+    fused functions. From the (text) config: final_logit_softcapping (Gemma 2 and 3),
+    logits_soft_cap (RecurrentGemma) or output_logit_soft_cap (xLSTM); a scale logit_scale
+    (Cohere), output_multiplier, lm_head_multiplier (Falcon-H1), or a divisor logits_scaling
+    (Granite divides the logits by it, MiniCPM3 the head's input; HyperCLOVA X multiplies) or
+    logits_mup_width_multiplier (Inkling divides the head's input). A scale on the head's input
+    is one on its output for a head without bias (`_check_head_input` refuses one with a bias).
+    `check_output_head` checks the result against the model's own logits once per model."""
     config = getattr(unwrap_model(model), "config", None)
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(cfg, "final_logit_softcapping", None)
-    scale = next((v for v in (getattr(cfg, n, None) for n in
-                              ("logit_scale", "output_multiplier", "lm_head_multiplier"))
-                  if v is not None), None)
-    divisor = getattr(cfg, "logits_scaling", None)
+    softcap = _first_set(cfg, ("final_logit_softcapping", "logits_soft_cap",
+                                "output_logit_soft_cap"))
+    scale = _first_set(cfg, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
+    divisor = _first_set(cfg, ("logits_scaling", "logits_mup_width_multiplier"))
     if scale is None and divisor is not None:
         scale = divisor if getattr(cfg, "model_type", None) == "hyperclovax" else 1.0 / divisor
     return {"softcap": float(softcap) if softcap else None,
             "logit_scale": None if scale is None or scale == 1 else float(scale)}
+
+
+def _first_set(cfg, names: tuple[str, ...]):
+    """The first of the config attributes `names` that is set (not None), else None."""
+    return next((v for v in (getattr(cfg, n, None) for n in names) if v is not None), None)
 
 
 _HEAD_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -90,10 +97,19 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _body(inner: nn.Module) -> nn.Module:
+    """model.base_model; where that is the model itself (its base_model_prefix names no
+    attribute: Llama4ForCausalLM's says "language_model" and it holds `model`), its one
+    PreTrainedModel child. `_check_head_input` then checks that the head reads its output."""
+    from transformers import PreTrainedModel
+
     body = getattr(inner, "base_model", None)
     if body is None or body is inner:
-        raise ValueError(f"cannot find the transformer body of {type(inner).__name__} "
-                         "(model.base_model)")
+        children = [c for c in inner.children() if isinstance(c, PreTrainedModel)]
+        body = children[0] if len(children) == 1 else None
+    if body is None:
+        raise ValueError(f"cannot find the transformer body of {type(inner).__name__}: "
+                         "model.base_model is the model itself, and it has not exactly one "
+                         "PreTrainedModel child")
     return body
 
 
@@ -138,7 +154,8 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
             am = None if attention_mask is None else attention_mask[:1]
             out = inner(input_ids=input_ids[:1], attention_mask=am, logits_to_keep=1,
                         use_cache=False)
-            seen["logits"] = getattr(out, "logits", None)
+            # a tuple (config.return_dict=False) holds the logits first (no labels, no loss)
+            seen["logits"] = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
     except Exception:
         # the head itself may fail on its own (e.g. a float32 head on a bf16 body, which we cast
         # and the model does not); its input was captured before it ran, which is all we need
@@ -151,24 +168,55 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     body = bodies[ran]
     body_out = _last_hidden(seen[ran])[:, -1:] if ran in seen else None
     head_in = seen.get("head")
-    if (body_out is None or head_in is None or head_in.shape != body_out.shape
-            or not torch.equal(head_in, body_out.to(head_in.device))):
+    if isinstance(head_in, torch.Tensor) and head_in.dim() == 3:
+        # the last position: a forward without logits_to_keep (xLSTM) runs the head on all
+        head_in = head_in[:, -1:]
+    input_scale = _head_input_scale(inner, head_in, body_out)
+    if input_scale is None:
         raise NotImplementedError(
             f"{type(inner).__name__} does not apply its output embedding "
             f"({type(head).__name__}) directly to the output of its body "
             f"({type(body).__name__}); a head with its own transform is not supported")
-    _check_logit_transform(inner, seen.get("head_out"), seen.get("logits"))
+    _check_logit_transform(inner, seen.get("head_out"), seen.get("logits"), input_scale)
     _HEAD_CHECKED[inner] = body
     return body
 
 
-def _check_logit_transform(inner: nn.Module, head_out, logits) -> None:
+def _head_input_scale(inner: nn.Module, head_in, body_out) -> float | None:
+    """1.0 where the head takes the body's output [1, 1, D] as is; s, the config's logit scale
+    (`logit_transform`), where it takes s·(body output) (MiniCPM3 divides the hidden states by
+    logits_scaling before its head), to a few roundings of the head input's dtype; else None.
+    A scaled input gives the logits of a scaled output only for a head without bias."""
+    if body_out is None or head_in is None or head_in.shape != body_out.shape:
+        return None
+    body_out = body_out.to(head_in.device)
+    if torch.equal(head_in, body_out):
+        return 1.0
+    scale = logit_transform(inner)["logit_scale"]
+    if scale is None or not head_in.is_floating_point():
+        return None
+    eps = torch.finfo(head_in.dtype).eps
+    if not torch.allclose(head_in.float(), body_out.float() * scale, rtol=4 * eps, atol=1e-30):
+        return None
+    resolved = resolved_head(inner)
+    if resolved.bias is not None or any(t.up.bias is not None for t in resolved.lora):
+        raise NotImplementedError(
+            f"{type(inner).__name__} scales the hidden states by {scale:.4g} before an output "
+            "embedding with a bias: its logits are not a scale of the head's output, which the "
+            "fused path applies")
+    return scale
+
+
+def _check_logit_transform(inner: nn.Module, head_out, logits, input_scale: float = 1.0
+                           ) -> None:
     """The model's logits [1, 1, V] against `logit_transform`'s z of its head's output, to a
-    few roundings of the logits' dtype (skipped where either was not seen)."""
+    few roundings of the logits' dtype (skipped where either was not seen). input_scale: the
+    scale the head's input already carried (`_head_input_scale`), taken out of its output
+    first (the head is linear there) so that the transform applies it once."""
     if not isinstance(head_out, torch.Tensor) or not isinstance(logits, torch.Tensor):
         return
     transform = logit_transform(inner)
-    want = transform_logits(head_out[:, -1:], **transform)  # float32
+    want = transform_logits(head_out[:, -1:].float() / input_scale, **transform)  # float32
     got = logits[:, -1:].float().to(want.device)
     eps = torch.finfo(logits.dtype).eps if logits.is_floating_point() else 1e-6
     tol = 8 * eps * max(1.0, want.abs().max().item())
@@ -188,11 +236,18 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -
     runs the same check."""
     inner = unwrap_model(model)
     resolved_head(inner)
-    if input_ids is None:  # two ordinary tokens (id 0 is often padding, whose logits can be 0)
-        device = next(inner.parameters()).device
-        vocab = getattr(getattr(inner, "config", None), "vocab_size", None) or 4
-        input_ids = (torch.arange(1, 3, device=device) % max(vocab, 1)).unsqueeze(0)
-    _check_head_input(inner, input_ids, None)
+    _check_head_input(inner, _probe_ids(inner) if input_ids is None else input_ids, None)
+
+
+def _probe_ids(inner: nn.Module) -> torch.Tensor:
+    """[1, 2] the check's default text: two ordinary tokens, 1 and 2. Not id 0, which is often
+    the padding token: its embedding is zero, and so is a Llama-style body's output on it, the
+    head's output and the logits, which the check would then find equal whatever the head."""
+    device = next(inner.parameters()).device
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None) or 4
+    return (torch.arange(1, 3, device=device) % max(vocab, 1)).unsqueeze(0)
 
 
 def head_for(hidden: torch.Tensor, model: nn.Module, head_dtype: torch.dtype | None = None):

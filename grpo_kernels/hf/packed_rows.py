@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .row_layout import RowLayout
+from .unwrap import text_vocab_size
 
 __all__ = ["PackedBatch", "RowWidthRule", "check_packed_attention", "choose_row_width",
            "pack_sequences", "row_width_rule", "takes_boundaries"]
@@ -331,7 +332,7 @@ def check_packed_attention(model: nn.Module, atol: float | None = None) -> str |
     seen = _PACKING_CHECKED.setdefault(inner, {})
     if impl in seen:
         return seen[impl]
-    vocab = getattr(config, "vocab_size", None) or 2
+    vocab = text_vocab_size(config)
     device = next(inner.parameters()).device
     generator = torch.Generator().manual_seed(0)
     a = torch.randint(0, vocab, (1, 5), generator=generator).to(device)

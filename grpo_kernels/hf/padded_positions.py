@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .packed_rows import logits_disagree
+from .unwrap import text_vocab_size
 
 __all__ = ["PADS", "check_padded_positions"]
 
@@ -56,7 +57,7 @@ def check_padded_positions(model: nn.Module, atol: float | None = None) -> str |
 
 def _compare_padded(model: nn.Module, config, atol: float | None) -> str | None:
     name = type(model).__name__
-    vocab = getattr(config, "vocab_size", None) or 2
+    vocab = text_vocab_size(config)
     pad = getattr(config, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
     device = next(model.parameters()).device

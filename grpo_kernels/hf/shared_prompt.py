@@ -47,6 +47,7 @@ from .packed_rows import (
     choose_row_width,
     logits_disagree,
 )
+from .unwrap import text_vocab_size
 
 __all__ = ["check_shared_prompt", "share_prompts", "shared_prompt_mask"]
 
@@ -234,7 +235,7 @@ def check_shared_prompt(model: nn.Module, atol: float | None = None) -> str | No
 
 
 def _compare_with_separate(model: nn.Module, config, atol: float) -> str | None:
-    vocab = getattr(config, "vocab_size", None) or 2
+    vocab = text_vocab_size(config)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2, 9), generator=gen)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["unwrap_model"]
+__all__ = ["text_vocab_size", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -19,3 +19,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def text_vocab_size(config) -> int:
+    """The vocabulary size of a model's config: a multimodal config's is its text config's (the
+    top level has none); 2 where neither says. The layout checks draw their tokens from it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
