@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import value_checks
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from ..params import FIELD_NAMES
@@ -68,13 +69,15 @@ __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",
            "logit_transform", "output_head", "resolved_head", "unwrap_model"]
 
 
-def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
+def _check_batch(input_ids, attention_mask, logits_to_keep, prompt_end: bool = True):
+    """Shapes and types of a batch; with `prompt_end`, also the prompts' padding side
+    (`_check_prompt_end`). Returns None or, on CUDA, that check's device flag (for `poison`)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(f"input_ids must be a [B, L] tensor, got {shape}")
     if isinstance(logits_to_keep, torch.Tensor):
         check_packed_positions(input_ids, attention_mask, logits_to_keep)
-        return
+        return None
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or attention_mask.shape != input_ids.shape):
         shape = getattr(attention_mask, "shape", type(attention_mask))
@@ -89,22 +92,37 @@ def _check_batch(input_ids, attention_mask, logits_to_keep) -> None:
             f"logits_to_keep must be in [1, L-1] = [1, {L - 1}] (the completion length; at "
             f"least one prompt token must precede it), got {logits_to_keep}"
         )
-    if attention_mask is not None:
-        _check_prompt_end(attention_mask, logits_to_keep)
+    if attention_mask is None or not prompt_end:
+        return None
+    return _check_prompt_end(attention_mask, logits_to_keep)
 
 
-def _check_prompt_end(attention_mask: torch.Tensor, T: int) -> None:
+_RIGHT_PADDED = ("attention_mask: {rows}padding in the prompt's last column (L - T - 1) before a "
+                 "real completion token, which is predicted from there; pad prompts on the left "
+                 "(tokenizer.padding_side = 'left')")
+
+
+def _check_prompt_end(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
     """The hidden state at column L - T - 1 predicts the first completion token (column L - T):
     where that token is real, it must be too. A right-padded prompt puts a padding position
-    there, whose hidden state predicts nothing (and the log-prob would be silently wrong)."""
+    there, whose hidden state predicts nothing (and the log-prob would be silently wrong).
+
+    On the CPU the rows are read and named now. On CUDA a host read would wait for the queue
+    (one sync per call): a device check instead (`value_checks.defer`), whose flag is returned
+    to make the call's hidden states NaN; under torch.compile an in-graph assertion."""
     L = attention_mask.shape[1]
     bad = (attention_mask[:, L - T - 1] == 0) & (attention_mask[:, L - T] != 0)  # [B]
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), _RIGHT_PADDED.format(rows="a row has "))
+        return None
+    if bad.device.type == "cuda":
+        failed = bad.any()
+        value_checks.defer(failed, _RIGHT_PADDED.format(rows="a row has "))
+        return failed
     if bool(bad.any()):
         rows = bad.nonzero().squeeze(1)[:8].tolist()
-        raise ValueError(
-            f"attention_mask: rows {rows} have padding in the prompt's last column (L - T - 1 = "
-            f"{L - T - 1}) before a real completion token, which is predicted from there; pad "
-            "prompts on the left (tokenizer.padding_side = 'left')")
+        raise ValueError(_RIGHT_PADDED.format(rows=f"rows {rows} have "))
+    return None
 
 
 # Keywords of the loss (GRPO hyperparameters, kernel options, per-token inputs): never inputs of
@@ -165,7 +183,7 @@ def completion_hidden_states(
     output_router_logits=True and returns (hidden, the body output's router_logits), from which
     `load_balancing_loss` computes the auxiliary loss.
     """
-    _check_batch(input_ids, attention_mask, logits_to_keep)
+    right_padded = _check_batch(input_ids, attention_mask, logits_to_keep)
     _check_model_kwargs(model_kwargs)
     inner = unwrap_model(model)
     _check_mask_form(inner, attention_mask)
@@ -191,7 +209,7 @@ def completion_hidden_states(
             raise RuntimeError(f"calling {type(model).__name__} never ran its body "
                                f"{type(body).__name__}; cannot capture the hidden states")
         out = captured[-1]
-    hidden = keep_positions(_last_hidden(out), logits_to_keep)
+    hidden = value_checks.poison(keep_positions(_last_hidden(out), logits_to_keep), right_padded)
     if not return_router_logits:
         return hidden
     router_logits = getattr(out, "router_logits", None)
@@ -292,7 +310,7 @@ def completion_logprobs(
     `return_entropy`), in micro-batches of `batch_size` sequences, without logits. Packed rows
     (logits_to_keep = positions [N], see `causal_lm_grpo_loss`) give [N], in one chunk.
     Differentiable; see `causal_lm_logprobs` for the no-grad scoring entry point."""
-    _check_batch(input_ids, attention_mask, logits_to_keep)
+    _check_batch(input_ids, attention_mask, logits_to_keep, prompt_end=False)  # per chunk below
     B = input_ids.shape[0]
     packed = isinstance(logits_to_keep, torch.Tensor)  # positions span all rows: one chunk
     step = max(B, 1) if batch_size is None or packed else batch_size
