@@ -204,6 +204,8 @@ def _config_refusal(config) -> str | None:
     if kinds - {"full_attention"}:
         return (f"layers of kind {sorted(kinds - {'full_attention'})} (a 4-D mask would replace "
                 "their own window or state)")
+    if getattr(text, "alibi", False) or getattr(text, "model_type", None) == "bloom":
+        return "ALiBi position biases (built from a 2-D mask; a 4-D mask gives them no positions)"
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         return "sliding-window attention (a 4-D mask would replace the window)"
     if any(getattr(text, k, None) for k in ("num_experts", "num_local_experts",

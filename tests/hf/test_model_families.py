@@ -405,3 +405,16 @@ def test_right_padded_prompts_on_cuda_are_a_device_check():
     assert torch.isnan(logp).all()
     with pytest.raises(ValueError, match="pad prompts on the left"):
         value_checks.raise_ready(wait=True)
+
+
+def test_alibi_models_are_refused_shared_rows_with_the_reason():
+    """Bloom and Falcon with ALiBi build their position biases from a 2-D mask: shared rows are
+    refused from the config, with that reason (not the model's own unpacking error)."""
+    from grpo_kernels.hf.shared_prompt import check_shared_prompt
+
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(
+        hidden_size=32, n_layer=1, n_head=2, vocab_size=100))
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=100, alibi=True))
+    for model in (bloom, falcon):
+        assert "ALiBi" in check_shared_prompt(model)
