@@ -52,26 +52,31 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
                   padded_position_ids: bool = True) -> LayoutChoice:
     """The richest layout the caller asks for that `model` computes exactly: shared if
     share_prompt and `check_shared_prompt` allows it, else packed if padding_free and
-    `check_packed_attention` allows it, else padded. padded_position_ids: whether the caller's
-    padded forward passes position_ids counting from each sequence's first token (grpo_train's
-    passes cumsum(mask) - 1); where it passes none (TRL's), packed and shared rows also need
-    `check_padded_positions`, which refuses absolute position embeddings (GPT-2). Checks run
-    once per model (cached); pass the model before a DDP/FSDP wrapper (a PEFT wrapper is
-    fine)."""
+    `check_packed_attention` allows it, else padded. Shared rows do not need packed ones: a
+    model whose own mask handling mixes packed sequences (OPT, BioGPT, XGLM) can still take the
+    shared rows' explicit 4-D mask, which `check_shared_prompt` compares with separate
+    forwards. padded_position_ids: whether the caller's padded forward passes position_ids
+    counting from each sequence's first token (grpo_train's passes cumsum(mask) - 1); where it
+    passes none (TRL's), packed and shared rows also need `check_padded_positions`, which
+    refuses absolute position embeddings (GPT-2). Checks run once per model (cached); pass the
+    model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
     if not padding_free:
         return LayoutChoice(RowLayout.PADDED, "padding-free rows turned off")
     inner = unwrap_model(model)
-    reason = check_packed_attention(inner)
-    if reason is None and not padded_position_ids:
-        reason = check_padded_positions(inner)
-    if reason is not None:
-        return LayoutChoice(RowLayout.PADDED, f"not packed: {reason}")
+    positions = None if padded_position_ids else check_padded_positions(inner)
+    packed = check_packed_attention(inner) or positions
+    shared = None
+    if share_prompt:
+        shared = positions or check_shared_prompt(inner)
+        if shared is None:
+            why = "each group's prompt once"
+            return LayoutChoice(RowLayout.SHARED,
+                                why if packed is None else f"{why} (packed rows refused: {packed})")
+    if packed is not None:
+        return LayoutChoice(RowLayout.PADDED, f"not packed: {packed}")
     if not share_prompt:
         return LayoutChoice(RowLayout.PACKED, "shared prompts turned off")
-    reason = check_shared_prompt(inner)
-    if reason is not None:
-        return LayoutChoice(RowLayout.PACKED, f"the prompt not shared: {reason}")
-    return LayoutChoice(RowLayout.SHARED, "each group's prompt once")
+    return LayoutChoice(RowLayout.PACKED, f"the prompt not shared: {shared}")
 
 
 def plan_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,

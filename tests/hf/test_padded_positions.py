@@ -96,3 +96,36 @@ def test_choose_layout_checks_positions_only_without_padded_position_ids():
     assert choose_layout(tiny("qwen2"), padded_position_ids=False).layout is RowLayout.SHARED
     assert choose_layout(tiny("llama"), padded_position_ids=False,
                          share_prompt=False).layout is RowLayout.PACKED
+
+
+def test_shared_rows_do_not_need_packed_rows():
+    """OPT mixes the sequences of a packed row (its positions come from the 2-D mask), so
+    packed rows are refused; shared rows carry their own 4-D mask and position_ids, and their
+    check passes: the layout is shared, the log reason names the refused packed rows. Its
+    shared log-probs equal the padded ones."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from grpo_kernels.hf import completion_logprobs, plan_rows, row_inputs
+
+    torch.manual_seed(0)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32,
+                                   max_position_embeddings=64, dropout=0.0)).eval()
+    choice = choose_layout(opt)
+    assert choice.layout is RowLayout.SHARED
+    assert "packed rows refused" in choice.reason
+    assert choose_layout(opt, share_prompt=False).layout is RowLayout.PADDED
+    T = 3
+    ids = torch.randint(4, 96, (4, 8))
+    ids[1, :5] = ids[0, :5]  # one group: rows 0 and 1 share their 5-token prompt
+    ids[3, :5] = ids[2, :5]
+    am = torch.ones_like(ids)
+    am[2:, :1] = 0  # the second group's prompt is left-padded
+    ids[2:, :1] = 1
+    am[1, -1] = 0  # a completion one token short
+    with torch.no_grad():
+        padded = completion_logprobs(opt, ids, am, T)
+        rows = plan_rows(ids, am, T, am[:, -T:], RowLayout.SHARED, model_config=opt.config)
+        shared = completion_logprobs(opt, rows.input_ids, rows.attention_mask,
+                                     rows.logits_to_keep, **row_inputs(rows, opt.config))
+    torch.testing.assert_close(shared, padded[am[:, -T:].bool()], rtol=1e-5, atol=1e-5)

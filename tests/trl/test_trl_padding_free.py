@@ -240,6 +240,8 @@ def test_model_attending_across_packed_rows_runs_padded(model_dir, monkeypatch, 
 
     why = "ToyModel with attention 'eager' attends across the sequences of a packed row"
     monkeypatch.setattr(row_plan, "check_packed_attention", lambda model: why)
+    # shared rows carry their own 4-D mask and would still be chosen where their check passes
+    monkeypatch.setattr(row_plan, "check_shared_prompt", lambda model: "not exact here")
     with caplog.at_level(logging.WARNING, logger="grpo_kernels.trl.trainer"):
         tr = make_trainer(GRPOTrainer, model_dir)
     assert tr._layout == "padded"
