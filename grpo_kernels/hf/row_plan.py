@@ -48,8 +48,12 @@ class LayoutChoice:
     reason: str
 
 
+_AUX_LOSS_REFUSAL = ("the Mixture-of-Experts auxiliary loss would count each prompt once "
+                     "instead of once per completion")
+
+
 def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True,
-                  padded_position_ids: bool = True) -> LayoutChoice:
+                  padded_position_ids: bool = True, aux_loss: bool = False) -> LayoutChoice:
     """The richest layout the caller asks for that `model` computes exactly: shared if
     share_prompt and `check_shared_prompt` allows it, else packed if padding_free and
     `check_packed_attention` allows it, else padded. Shared rows do not need packed ones: a
@@ -58,8 +62,11 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
     forwards. padded_position_ids: whether the caller's padded forward passes position_ids
     counting from each sequence's first token (grpo_train's passes cumsum(mask) - 1); where it
     passes none (TRL's), packed and shared rows also need `check_padded_positions`, which
-    refuses absolute position embeddings (GPT-2). Checks run once per model (cached); pass the
-    model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
+    refuses absolute position embeddings (GPT-2). aux_loss: whether the caller adds a
+    Mixture-of-Experts auxiliary loss over the rows' tokens (TRL's aux_loss_enabled), which
+    shared rows would change (each prompt counted once, not once per completion); routing
+    itself is per token, so MoE models share prompts otherwise. Checks run once per model
+    (cached); pass the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
     if not padding_free:
         return LayoutChoice(RowLayout.PADDED, "padding-free rows turned off")
     inner = unwrap_model(model)
@@ -67,7 +74,7 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
     packed = check_packed_attention(inner) or positions
     shared = None
     if share_prompt:
-        shared = positions or check_shared_prompt(inner)
+        shared = positions or (_AUX_LOSS_REFUSAL if aux_loss else check_shared_prompt(inner))
         if shared is None:
             why = "each group's prompt once"
             return LayoutChoice(RowLayout.SHARED,

@@ -208,10 +208,6 @@ def _config_refusal(config) -> str | None:
         return "ALiBi position biases (built from a 2-D mask; a 4-D mask gives them no positions)"
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         return "sliding-window attention (a 4-D mask would replace the window)"
-    if any(getattr(text, k, None) for k in ("num_experts", "num_local_experts",
-                                             "n_routed_experts")):
-        return ("Mixture-of-Experts layers: the auxiliary load-balancing loss would count the "
-                "prompt once instead of once per completion")
     return None
 
 

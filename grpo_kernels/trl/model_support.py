@@ -118,7 +118,8 @@ class ModelSupport:
             # positions (absolute position embeddings, e.g. GPT-2's, do not)
             choice = choose_layout(model, padding_free=padding_free,
                                    share_prompt=padding_free and share_prompt,
-                                   padded_position_ids=False)
+                                   padded_position_ids=False,
+                                   aux_loss=self.aux_loss is not None)
             layout, reason = choice.layout, choice.reason
         quiet = layout is not RowLayout.PADDED or not padding_free
         (logger.info if quiet else logger.warning)(

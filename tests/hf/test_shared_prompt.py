@@ -217,14 +217,29 @@ def test_check_shared_prompt_refuses(config_extra, match):
     assert reason is not None and match in reason
 
 
-def test_check_shared_prompt_refuses_moe_and_accepts_dense():
-    from grpo_kernels.hf.shared_prompt import _config_refusal
-
+def test_check_shared_prompt_accepts_dense():
     assert check_shared_prompt(tiny_qwen("sdpa")) is None
     assert check_shared_prompt(tiny_qwen("eager")) is None
-    config = Qwen2Config(attn_implementation="sdpa")
-    config.num_experts = 8
-    assert "Mixture-of-Experts" in _config_refusal(config)
+
+
+def test_moe_shares_prompts_unless_an_aux_loss_is_added():
+    """A Mixture-of-Experts model routes each token alone: its shared-prefix logits equal
+    separate forwards' (the check passes) and it takes shared rows; a caller that adds the
+    auxiliary load-balancing loss over the rows' tokens (TRL's aux_loss_enabled) gets packed
+    rows, since sharing would count each prompt once."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from grpo_kernels.hf import RowLayout, choose_layout
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=None, attn_implementation="sdpa"))
+    assert check_shared_prompt(model) is None
+    assert choose_layout(model).layout is RowLayout.SHARED
+    choice = choose_layout(model, aux_loss=True)
+    assert choice.layout is RowLayout.PACKED and "auxiliary loss" in choice.reason
 
 
 def test_share_prompts_refuses_bad_input():
