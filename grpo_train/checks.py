@@ -59,6 +59,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = getattr(cfg, name)
         if value is not None and (value <= low if strict else value < low):
             raise UsageError(f"--{name} must be {'>' if strict else '>='} {low}, got {value}")
+    if cfg.max_new_tokens is not None and cfg.min_new_tokens > cfg.max_new_tokens:
+        # EOS would be suppressed at every position: each completion runs to the cap unended
+        raise UsageError(f"--min_new_tokens {cfg.min_new_tokens} exceeds --max_new_tokens "
+                         f"{cfg.max_new_tokens}: no completion could end; lower it or raise "
+                         "--max_new_tokens")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise UsageError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_r and cfg.lora_alpha <= 0:
