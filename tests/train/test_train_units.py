@@ -369,4 +369,4 @@ def test_hf_argument_parser_reads_train_config():
                               reward=["accuracy", "format:0.2"])
     text = " ".join(parser.format_help().split())
     assert "G: completions per prompt (a group); must be >= 2" in text
-    assert "min(200, 10% of the dataset's rows)" in text
+    assert "min(200, 10% of the dataset's distinct prompts)" in text
