@@ -41,6 +41,10 @@ def arithmetic_task(max_operand: int = 9, eval_fraction: float = 0.25, seed: int
     problems = list(itertools.product(range(max_operand + 1), repeat=terms))
     random.Random(seed).shuffle(problems)
     n_eval = max(1, round(eval_fraction * len(problems)))
+    if n_eval >= len(problems):  # nothing left to train on (the warm-up failed on an empty set)
+        raise UsageError(f"--task_eval_fraction {eval_fraction} holds out all {len(problems)} "
+                         "problems of the embedded task, leaving none to train on; lower it, or "
+                         "raise --task_max_operand or --task_terms")
 
     def example(digits):
         return {"prompt": "+".join(map(str, digits)), "answer": str(sum(digits))}

@@ -213,3 +213,16 @@ def test_rows_of_split_picks_a_mapping_split():
     loaded = {"train": [{"q": "a"}], "test": [{"q": "b"}]}
     assert data.rows_of_split(loaded, "p", "test") == [{"q": "b"}]
     assert data.rows_of_split([{"q": "c"}], "p", "anything") == [{"q": "c"}]
+
+
+@pytest.mark.parametrize("argv", [["--task_eval_fraction", "0.99", "--task_terms", "2",
+                                   "--task_max_operand", "5"],
+                                  ["--task_eval_fraction", "0.9", "--task_terms", "2",
+                                   "--task_max_operand", "1"]])
+def test_an_embedded_task_held_out_whole_is_an_error(argv):
+    """A held-out share that rounds to every problem left an empty training set: the run
+    crashed in the format warm-up with "IndexError: Cannot choose from an empty sequence"."""
+    from grpo_train import parse_config
+
+    with pytest.raises(UsageError, match="--task_eval_fraction 0.9.* holds out all"):
+        load_examples(parse_config(argv))
