@@ -245,7 +245,7 @@ def _check_local_splits(cfg) -> None:
                 f"{flag} {value!r}: --dataset {cfg.dataset!r} is {kind}, which has no "
                 "splits (its rows would be read for every split, the held-out rows being the "
                 "training rows). Leave out --split and --eval_split; --eval_size N holds out N "
-                "of its rows")
+                "of its prompts")
 
 
 def load_examples(cfg) -> tuple[list[dict], list[dict]]:
@@ -255,6 +255,10 @@ def load_examples(cfg) -> tuple[list[dict], list[dict]]:
                                           cfg.task_terms)
         return train, held_out if cfg.eval_size is None else held_out[: cfg.eval_size]
     _check_local_splits(cfg)
+    if cfg.eval_split == cfg.split:
+        raise UsageError(f"--eval_split {cfg.eval_split!r} is the training split (--split): "
+                         "the held-out rows would be the training rows. Name another split, or "
+                         "leave out --eval_split to hold out --eval_size prompts of it")
     rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.split)
     train = to_examples(rows, cfg.prompt_column, cfg.answer_column, f"--dataset {cfg.dataset!r}")
     if cfg.eval_split:

@@ -57,6 +57,10 @@ def test_eval_split_rows_of_a_hub_dataset(monkeypatch):
         train, held_out = load_examples(cfg)
         assert (len(train), len(held_out)) == (50, held), eval_size
         assert all(ex["q"].startswith("test") for ex in held_out)
+    # --eval_split naming the training split held out the training rows themselves
+    with pytest.raises(UsageError, match="--eval_split 'train' is the training split"):
+        load_examples(TrainConfig(dataset="org/set", eval_split="train", prompt_column="q",
+                                  answer_column="a"))
 
 
 def test_columns_of_unequal_length_are_an_error(tmp_path):
@@ -180,6 +184,9 @@ def test_a_save_to_disk_directory_is_a_dataset(tmp_path):
                                                 answer_column="a", eval_split="test"))
     assert [ex["q"] for ex in train] == [f"train{i}" for i in range(20)]
     assert [(ex["q"], ex["answer"]) for ex in held_out] == [(f"test{i}", str(i)) for i in range(5)]
+    with pytest.raises(UsageError, match="--eval_split 'train' is the training split"):
+        load_examples(TrainConfig(dataset=path, prompt_column="q", answer_column="a",
+                                  eval_split="train"))  # held-out rows = training rows
     with pytest.raises(UsageError, match=r"has no split 'valid'; its splits are \['test', "
                                          r"'train'\]"):
         load_examples(TrainConfig(dataset=path, prompt_column="q", answer_column="a",
