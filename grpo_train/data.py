@@ -275,9 +275,12 @@ def load_examples(cfg) -> tuple[list[dict], list[dict]]:
     return hold_out_prompts(train, eval_size, cfg.seed)
 
 
-def _prompt_key(prompt) -> str:
-    """A hashable key under which copies of one prompt (text or chat messages) are equal."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+def _prompt_key(prompt) -> tuple[str, str]:
+    """A hashable key under which copies of one prompt (text or chat messages) are equal; text
+    never equals the JSON of messages."""
+    if isinstance(prompt, str):
+        return "text", prompt
+    return "chat", json.dumps(prompt, sort_keys=True, default=str)
 
 
 def hold_out_prompts(examples: list[dict], eval_size: int, seed: int):

@@ -106,7 +106,9 @@ def _loop(run: RunState, history: dict, stop, phases):
         # record's rewards are gathered)
         all_unscored = record["unscored"] == cfg.num_prompts * cfg.num_generations
         unscored = unscored + 1 if all_unscored else 0
-        if _stop_requested(run, stop):
+        # a stop request during the last step ends the run as the last step does: marked
+        # interrupted, it skipped the final model, which a resume of the complete run never wrote
+        if step < cfg.steps and _stop_requested(run, stop):
             interrupted = True
             break
         if cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
@@ -114,7 +116,7 @@ def _loop(run: RunState, history: dict, stop, phases):
         if _save_due(cfg, step, last_saved, unscored):
             _checkpoint(run, step)
             last_saved = step
-            if _stop_requested(run, stop):  # Ctrl-C during the save: stop at its step
+            if step < cfg.steps and _stop_requested(run, stop):  # Ctrl-C during the save
                 interrupted = True
                 break
     if bar is not None:

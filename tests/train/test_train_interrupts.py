@@ -64,3 +64,24 @@ def test_ctrl_c_during_a_scheduled_save_stops_at_its_step(tmp_path, ctrl_c_in_sa
     got, want = records(cfg), records(straight)
     assert [{k: v for k, v in r.items() if k not in timing} for r in got] == [
         {k: v for k, v in r.items() if k not in timing} for r in want]
+
+
+def test_ctrl_c_during_the_last_step_completes_the_run(tmp_path):
+    """Ctrl-C during the last step marked the run interrupted: no final model, exit 130 and
+    "continue with --resume auto", whose answer was "the run is complete", so the final model
+    was never written. The run now ends as its last step would have ended it."""
+    helper = tmp_path / "last_step_interrupt.py"
+    helper.write_text(
+        "import os, signal\n"
+        "calls = 0\n"
+        "def interrupt_second(prompts, completions, **columns):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 2:  # step 2 of 2\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return [float(len(c) % 3) for c in completions]\n")
+    cfg = tiny_cfg(tmp_path, steps=2, num_iterations=1, save_final_model=True,
+                   reward=[f"{helper}:interrupt_second"])
+    result = train(cfg)
+    assert result["step"] == 2 and not result["interrupted"]
+    assert (tmp_path / "run" / "final_model" / "config.json").exists()
