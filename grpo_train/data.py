@@ -54,10 +54,12 @@ def arithmetic_task(max_operand: int = 9, eval_fraction: float = 0.25, seed: int
     return train, held_out
 
 
-def random_answer_texts(examples: list[dict], rng: random.Random) -> list[str]:
-    """Format warm-up targets: answers drawn at random from the task's answer set, independent
-    of the prompt, so supervised training on them teaches the output format but not the task."""
-    pool = sorted({ex["answer"] for ex in examples})
+def random_answer_texts(examples: list[dict], rng: random.Random,
+                        fallback: list[str] = ()) -> list[str]:
+    """Format warm-up targets: answers drawn at random from the examples' answer set (those
+    that have one; `fallback` when none has), independent of the prompt, so supervised training
+    on them teaches the output format but not the task."""
+    pool = sorted({ex["answer"] for ex in examples if ex["answer"] is not None}) or fallback
     return [rng.choice(pool) for _ in examples]
 
 
