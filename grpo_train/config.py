@@ -67,7 +67,8 @@ class TrainConfig:
     dataset_config: str | None = option(None,
         "hub dataset configuration name (e.g. \"main\" for gsm8k)")
     split: str = option("train", "training split of a hub dataset or a saved DatasetDict")
-    eval_split: str | None = option(None, "held-out split; none = hold out eval_size training rows")
+    eval_split: str | None = option(None,
+        "held-out split; none = hold out eval_size training prompts")
     prompt_column: str = option("question", "text prompt, or a list of chat messages")
     answer_column: str = option("answer",
         "ground truth (\"\" = none); GSM8K \"... #### 42\" -> \"42\"")
