@@ -175,7 +175,10 @@ def check_resumed_config(state: dict, cfg, path, say) -> None:
     saved, now = state.get("config") or {}, dataclasses.asdict(cfg)
     changed = [k for k in now if k in saved and saved[k] != now[k]
                and k not in ("resume", "overwrite", "output_dir")]
-    refused = [k for k in changed if k not in RESUME_MAY_CHANGE]
+    may_change = RESUME_MAY_CHANGE
+    if cfg.dataset and not cfg.eval_split:  # its held-out rows come out of training: another
+        may_change = may_change - {"eval_size"}  # --eval_size is another training set
+    refused = [k for k in changed if k not in may_change]
     if refused:
         shown = ", ".join(f"--{k} {_flag_value(now[k])} (the checkpoint's: "
                           f"{_flag_value(saved[k])})" for k in refused)

@@ -59,6 +59,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = getattr(cfg, name)
         if value is not None and (value <= low if strict else value < low):
             raise UsageError(f"--{name} must be {'>' if strict else '>='} {low}, got {value}")
+    if cfg.max_new_tokens is not None and cfg.min_new_tokens > cfg.max_new_tokens:
+        # EOS would be suppressed at every position: each completion runs to the cap unended
+        raise UsageError(f"--min_new_tokens {cfg.min_new_tokens} exceeds --max_new_tokens "
+                         f"{cfg.max_new_tokens}: no completion could end; lower it or raise "
+                         "--max_new_tokens")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise UsageError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_r and cfg.lora_alpha <= 0:
@@ -129,14 +134,33 @@ def check_model_source(source: str, flag: str = "--model") -> None:
                                "directory or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct')")
 
 
+def saved_dataset_layout(path: str) -> str | None:
+    """What `datasets`' save_to_disk wrote in directory `path`: "dict" (a DatasetDict: its
+    dataset_dict.json and a directory per split), "dataset" (one Dataset: state.json beside the
+    arrow files), or None (not such a directory)."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        return "dict"
+    if os.path.isfile(os.path.join(path, "state.json")):
+        return "dataset"
+    return None
+
+
 def check_dataset_source(name: str) -> None:
-    """A path-like --dataset must be a file; anything else is taken as a hub dataset id."""
+    """A path-like --dataset must be a file or a save_to_disk directory; anything else is taken
+    as a hub dataset id."""
     if os.path.isfile(name):
         return
+    if os.path.isdir(name):
+        if saved_dataset_layout(name):
+            return
+        raise UsageError(f"--dataset {name!r} is a directory without the dataset_dict.json or "
+                         "state.json that `datasets`' save_to_disk writes; expected such a "
+                         "directory, a local .json/.jsonl/.csv/.parquet file or a hub dataset id")
     ext = os.path.splitext(name)[1].lower()
     if ext in LOCAL_DATASET_FORMATS or name.startswith((".", "/", "~")) or os.path.isdir(name):
         raise MissingPathError(f"--dataset {name!r}: no such file (expected a local "
-                               ".json/.jsonl/.csv/.parquet file or a hub dataset id)")
+                               ".json/.jsonl/.csv/.parquet file, a directory written by "
+                               "`datasets`' save_to_disk, or a hub dataset id)")
 
 
 def _check_loss_params(cfg: TrainConfig) -> None:

@@ -62,11 +62,13 @@ class TrainConfig:
 
     dataset: str = option("",
         "\"\" = the embedded arithmetic task (generated, no download); else a local "
-        ".json/.jsonl/.csv/.parquet file or a hub dataset id (loaded with `datasets`).")
+        ".json/.jsonl/.csv/.parquet file, a `datasets` save_to_disk directory, or a hub dataset "
+        "id (loaded with `datasets`).")
     dataset_config: str | None = option(None,
         "hub dataset configuration name (e.g. \"main\" for gsm8k)")
-    split: str = option("train", "training split of a hub dataset")
-    eval_split: str | None = option(None, "held-out split; none = hold out eval_size training rows")
+    split: str = option("train", "training split of a hub dataset or a saved DatasetDict")
+    eval_split: str | None = option(None,
+        "held-out split; none = hold out eval_size training prompts")
     prompt_column: str = option("question", "text prompt, or a list of chat messages")
     answer_column: str = option("answer",
         "ground truth (\"\" = none); GSM8K \"... #### 42\" -> \"42\"")
@@ -75,8 +77,9 @@ class TrainConfig:
     eval_size: int | None = option(None,
         "Held-out prompts for eval (0 = none). auto: all of the embedded task's held-out "
         "problems (61, see task_eval_fraction); the first 200 rows of --eval_split; else "
-        "min(200, 10%% of the dataset's rows) taken out of training (none under 10 rows). A "
-        "number N: the first N of those, or N rows taken out of training.")
+        "min(200, 10%% of the dataset's distinct prompts) taken out of training (none under 10). "
+        "A number N: the first N of those, or N distinct prompts (every row of each) taken out "
+        "of training.")
     max_prompt_length: int | None = option(None, "keep the last N prompt tokens (none: no limit)")
     task_terms: int = option(5,
         "Embedded task: sums of this many digits (\"2+0+1+2+1\"). Five digits 0-2 give 243 "

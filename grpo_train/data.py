@@ -15,7 +15,7 @@ import random
 
 import numpy as np
 
-from .checks import LOCAL_DATASET_FORMATS, check_dataset_source
+from .checks import LOCAL_DATASET_FORMATS, check_dataset_source, saved_dataset_layout
 from .flags import UsageError
 from .hub import check_hub_reachable
 
@@ -41,6 +41,10 @@ def arithmetic_task(max_operand: int = 9, eval_fraction: float = 0.25, seed: int
     problems = list(itertools.product(range(max_operand + 1), repeat=terms))
     random.Random(seed).shuffle(problems)
     n_eval = max(1, round(eval_fraction * len(problems)))
+    if n_eval >= len(problems):  # nothing left to train on (the warm-up failed on an empty set)
+        raise UsageError(f"--task_eval_fraction {eval_fraction} holds out all {len(problems)} "
+                         "problems of the embedded task, leaving none to train on; lower it, or "
+                         "raise --task_max_operand or --task_terms")
 
     def example(digits):
         return {"prompt": "+".join(map(str, digits)), "answer": str(sum(digits))}
@@ -50,10 +54,12 @@ def arithmetic_task(max_operand: int = 9, eval_fraction: float = 0.25, seed: int
     return train, held_out
 
 
-def random_answer_texts(examples: list[dict], rng: random.Random) -> list[str]:
-    """Format warm-up targets: answers drawn at random from the task's answer set, independent
-    of the prompt, so supervised training on them teaches the output format but not the task."""
-    pool = sorted({ex["answer"] for ex in examples})
+def random_answer_texts(examples: list[dict], rng: random.Random,
+                        fallback: list[str] = ()) -> list[str]:
+    """Format warm-up targets: answers drawn at random from the examples' answer set (those
+    that have one; `fallback` when none has), independent of the prompt, so supervised training
+    on them teaches the output format but not the task."""
+    pool = sorted({ex["answer"] for ex in examples if ex["answer"] is not None}) or fallback
     return [rng.choice(pool) for _ in examples]
 
 
@@ -129,8 +135,38 @@ def _read_hub(name: str, config: str | None, split: str) -> list[dict]:
         ) from err
 
 
+def _read_saved(path: str, split: str) -> list[dict]:
+    """Rows of a `datasets` save_to_disk directory: a Dataset's rows, or a DatasetDict's
+    `split` (as a hub dataset's split is chosen)."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise UsageError(
+            f"--dataset {path!r} is a directory written by `datasets`' save_to_disk, and reading "
+            "it needs `datasets` (pip install 'grpo-kernels[train]')"
+        ) from err
+    try:
+        loaded = datasets.load_from_disk(path)
+    except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+        raise UsageError(f"--dataset {path!r} could not be read with datasets.load_from_disk: "
+                         f"{type(err).__name__}: {err}") from err
+    return rows_of_split(loaded, path, split)
+
+
+def rows_of_split(loaded, path: str, split: str) -> list[dict]:
+    """A loaded Dataset's rows, or split `split` of a DatasetDict (a mapping of split names)."""
+    if not hasattr(loaded, "keys"):  # a Dataset: one split, checked by _check_local_splits
+        return list(loaded)
+    if split not in loaded:
+        raise UsageError(f"--dataset {path!r} has no split {split!r}; its splits are "
+                         f"{sorted(loaded.keys())} (--split, --eval_split)")
+    return list(loaded[split])
+
+
 def read_rows(name: str, config: str | None, split: str) -> list[dict]:
     ext = os.path.splitext(name)[1].lower()
+    if os.path.isdir(name) and saved_dataset_layout(name):
+        return _read_saved(name, split)
     if os.path.isfile(name):
         if ext not in _LOCAL_FORMATS:
             raise UsageError(f"--dataset {name!r}: unsupported file type {ext!r}; expected one "
@@ -196,18 +232,22 @@ DEFAULT_EVAL_ROWS = 200  # --eval_size auto with a dataset: at most this many he
 
 
 def _check_local_splits(cfg) -> None:
-    """A local file is one split: naming another would read the same rows again (held-out rows
-    that are the training rows)."""
-    if not os.path.isfile(cfg.dataset):
+    """A local file, or one saved Dataset, is one split: naming another would read the same rows
+    again (held-out rows that are the training rows). A saved DatasetDict has its splits."""
+    if os.path.isfile(cfg.dataset):
+        kind = "a local file"
+    elif os.path.isdir(cfg.dataset) and saved_dataset_layout(cfg.dataset) == "dataset":
+        kind = "one saved Dataset (not a DatasetDict)"
+    else:
         return
     for flag, value, default in (("--split", cfg.split, "train"),
                                  ("--eval_split", cfg.eval_split, None)):
         if value != default:
             raise UsageError(
-                f"{flag} {value!r}: --dataset {cfg.dataset!r} is a local file, which has no "
+                f"{flag} {value!r}: --dataset {cfg.dataset!r} is {kind}, which has no "
                 "splits (its rows would be read for every split, the held-out rows being the "
                 "training rows). Leave out --split and --eval_split; --eval_size N holds out N "
-                "of its rows")
+                "of its prompts")
 
 
 def load_examples(cfg) -> tuple[list[dict], list[dict]]:
@@ -217,6 +257,10 @@ def load_examples(cfg) -> tuple[list[dict], list[dict]]:
                                           cfg.task_terms)
         return train, held_out if cfg.eval_size is None else held_out[: cfg.eval_size]
     _check_local_splits(cfg)
+    if cfg.eval_split == cfg.split:
+        raise UsageError(f"--eval_split {cfg.eval_split!r} is the training split (--split): "
+                         "the held-out rows would be the training rows. Name another split, or "
+                         "leave out --eval_split to hold out --eval_size prompts of it")
     rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.split)
     train = to_examples(rows, cfg.prompt_column, cfg.answer_column, f"--dataset {cfg.dataset!r}")
     if cfg.eval_split:
@@ -225,18 +269,37 @@ def load_examples(cfg) -> tuple[list[dict], list[dict]]:
                                f"--dataset {cfg.dataset!r} split {cfg.eval_split!r}")
         return train, held_out[: DEFAULT_EVAL_ROWS if cfg.eval_size is None else cfg.eval_size]
     eval_size = cfg.eval_size
-    if eval_size is None:  # auto: a tenth of the rows, at most DEFAULT_EVAL_ROWS
-        eval_size = min(DEFAULT_EVAL_ROWS, len(train) // 10)
+    if eval_size is None:  # auto: a tenth of the distinct prompts, at most DEFAULT_EVAL_ROWS
+        distinct = len({_prompt_key(ex["prompt"]) for ex in train})
+        eval_size = min(DEFAULT_EVAL_ROWS, distinct // 10)
     if eval_size <= 0:
         return train, []
-    if eval_size >= len(train):
-        raise UsageError(f"--eval_size {eval_size} leaves no training rows out of "
-                         f"{len(train)}; lower it or pass --eval_split")
-    order = list(range(len(train)))
-    random.Random(cfg.seed).shuffle(order)
-    held = set(order[:eval_size])
-    return ([ex for i, ex in enumerate(train) if i not in held],
-            [ex for i, ex in enumerate(train) if i in held])
+    return hold_out_prompts(train, eval_size, cfg.seed)
+
+
+def _prompt_key(prompt) -> tuple[str, str]:
+    """A hashable key under which copies of one prompt (text or chat messages) are equal; text
+    never equals the JSON of messages."""
+    if isinstance(prompt, str):
+        return "text", prompt
+    return "chat", json.dumps(prompt, sort_keys=True, default=str)
+
+
+def hold_out_prompts(examples: list[dict], eval_size: int, seed: int):
+    """(train, held_out): `eval_size` distinct prompts, drawn in a seeded order, go to held_out
+    with every row that repeats them; no held-out prompt is ever trained on. Without duplicate
+    prompts this is `eval_size` rows, the same rows for the same seed as a draw over rows."""
+    keys = [_prompt_key(ex["prompt"]) for ex in examples]
+    distinct = list(dict.fromkeys(keys))  # first-appearance order, deterministic
+    if eval_size >= len(distinct):
+        raise UsageError(f"--eval_size {eval_size} leaves no training prompts out of "
+                         f"{len(distinct)} distinct prompts ({len(examples)} rows); lower it or "
+                         "pass --eval_split")
+    order = list(range(len(distinct)))
+    random.Random(seed).shuffle(order)
+    held = {distinct[i] for i in order[:eval_size]}
+    return ([ex for key, ex in zip(keys, examples) if key not in held],
+            [ex for key, ex in zip(keys, examples) if key in held])
 
 
 # ---- sampling -----------------------------------------------------------------------------------

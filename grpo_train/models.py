@@ -297,6 +297,12 @@ def format_warmup(model, tokenizer, examples: list[dict], cfg, device, batch_siz
     Uses its own optimizer (discarded) and RNG, so the RL run starts from a fixed state."""
     if cfg.format_warmup_steps <= 0:
         return []
+    answers = sorted({ex["answer"] for ex in examples if ex["answer"] is not None})
+    if not answers:  # None + EOS was a TypeError in the first step
+        raise UsageError(
+            f"--format_warmup_steps {cfg.format_warmup_steps} trains the embedded model on the "
+            f"training rows' answers, and --dataset {cfg.dataset!r} has none (--answer_column "
+            f"{cfg.answer_column!r}): pass --format_warmup_steps 0, or name the answer column")
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.format_warmup_lr, weight_decay=0.0)
     eos = tokenizer.eos_token
@@ -304,12 +310,12 @@ def format_warmup(model, tokenizer, examples: list[dict], cfg, device, batch_siz
     model.train()
     for _ in range(cfg.format_warmup_steps):
         batch = [rng.choice(examples) for _ in range(batch_size)]
-        answers = random_answer_texts(batch, rng)
+        targets = random_answer_texts(batch, rng, answers)  # rows without an answer: any
         prompt_ids, prompt_mask = encode_prompts(
             tokenizer, render_prompts(tokenizer, batch, cfg.system_prompt),
             cfg.max_prompt_length, device)
         tokenizer.padding_side = "right"  # completions are right-padded
-        comp = tokenizer([a + eos for a in answers], add_special_tokens=False, padding=True,
+        comp = tokenizer([a + eos for a in targets], add_special_tokens=False, padding=True,
                          return_tensors="pt")
         tokenizer.padding_side = "left"
         comp_ids, comp_mask = comp["input_ids"].to(device), comp["attention_mask"].to(device)

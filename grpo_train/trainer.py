@@ -72,38 +72,56 @@ def train(cfg, phases=None) -> dict:
 def _train(cfg, phases) -> dict:
     run = setup(cfg)  # processes, data, rewards, models, optimizer; the checkpoint's state
     history = _first_eval(run)  # step -> held-out accuracy, including the evals before a resume
-    bar = progress_bar(cfg, run.accel.is_main_process, run.start)
-    step, last_saved, interrupted, unscored = run.start, run.start, False, 0
+    # Ctrl-C or SIGTERM from here on lets what runs finish: a step, an eval, and the saves at
+    # the end too (a first Ctrl-C that aborted the last checkpoint in mid-write lost every step
+    # since the one before, all of them in a run without --save_every checkpoints)
     with StopOnSignal(run.say) as stop:
-        for step in range(run.start + 1, cfg.steps + 1):
-            record = _step(run, step, phases)  # generate, score, optimize: the step's metrics
-            if cfg.eval_every and run.eval_ex and (step % cfg.eval_every == 0 or step == cfg.steps):
-                record["eval_accuracy"] = history[step] = evaluate(run.model, run.eval_ex, run)
-            run.log.write(record)
-            show(bar, run.say, format_line(record))
-            # steps in a row without one scored completion (the same count on every process:
-            # the record's rewards are gathered)
-            all_unscored = record["unscored"] == cfg.num_prompts * cfg.num_generations
-            unscored = unscored + 1 if all_unscored else 0
-            if _stop_requested(run, stop):
+        step, last_saved, interrupted, unscored, record = _loop(run, history, stop, phases)
+        if not interrupted and cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
+            found = list_checkpoints(checkpoint_dir(cfg.output_dir))
+            raise rewards_failed(record.get("reward_failures", {}), unscored, step,
+                                 cfg.num_prompts * cfg.num_generations,
+                                 found[-1] if found else None)
+        if step != last_saved and (cfg.save_every or interrupted):
+            # the last step's state, to resume from; during unscored steps without deleting
+            # the checkpoints written before them
+            _checkpoint(run, step, prune=not (unscored and cfg.max_unscored_steps))
+        return _finish(run, step, interrupted, history)
+
+
+def _loop(run: RunState, history: dict, stop, phases):
+    """The steps after the checkpoint's, each with its log line, eval and scheduled checkpoint,
+    until --steps, a stop request or --max_unscored_steps unscored steps in a row; returns
+    (last step, last step saved, interrupted, unscored steps in a row, last record)."""
+    cfg = run.cfg
+    bar = progress_bar(cfg, run.accel.is_main_process, run.start)
+    step, last_saved, interrupted, unscored, record = run.start, run.start, False, 0, {}
+    for step in range(run.start + 1, cfg.steps + 1):
+        record = _step(run, step, phases)  # generate, score, optimize: the step's metrics
+        if cfg.eval_every and run.eval_ex and (step % cfg.eval_every == 0 or step == cfg.steps):
+            record["eval_accuracy"] = history[step] = evaluate(run.model, run.eval_ex, run)
+        run.log.write(record)
+        show(bar, run.say, format_line(record))
+        # steps in a row without one scored completion (the same count on every process: the
+        # record's rewards are gathered)
+        all_unscored = record["unscored"] == cfg.num_prompts * cfg.num_generations
+        unscored = unscored + 1 if all_unscored else 0
+        # a stop request during the last step ends the run as the last step does: marked
+        # interrupted, it skipped the final model, which a resume of the complete run never wrote
+        if step < cfg.steps and _stop_requested(run, stop):
+            interrupted = True
+            break
+        if cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
+            break
+        if _save_due(cfg, step, last_saved, unscored):
+            _checkpoint(run, step)
+            last_saved = step
+            if step < cfg.steps and _stop_requested(run, stop):  # Ctrl-C during the save
                 interrupted = True
                 break
-            if cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
-                break
-            if _save_due(cfg, step, last_saved, unscored):
-                _checkpoint(run, step)
-                last_saved = step
     if bar is not None:
         bar.close()
-    if not interrupted and cfg.max_unscored_steps and unscored >= cfg.max_unscored_steps:
-        found = list_checkpoints(checkpoint_dir(cfg.output_dir))
-        raise rewards_failed(record.get("reward_failures", {}), unscored, step,
-                             cfg.num_prompts * cfg.num_generations, found[-1] if found else None)
-    if step != last_saved and (cfg.save_every or interrupted):
-        # the last step's state, to resume from; during unscored steps without deleting the
-        # checkpoints written before them
-        _checkpoint(run, step, prune=not (unscored and cfg.max_unscored_steps))
-    return _finish(run, step, interrupted, history)
+    return step, last_saved, interrupted, unscored, record
 
 
 # ---- before the first step ----------------------------------------------------------------------

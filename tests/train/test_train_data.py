@@ -3,11 +3,13 @@ prompts, and how the held-out rows are chosen."""
 
 import json
 import re
+import sys
 
 import pytest
 
 from grpo_train import data
-from grpo_train.config import TrainConfig
+from grpo_train.checks import validate
+from grpo_train.config import TrainConfig, resolve_auto
 from grpo_train.data import load_examples, parse_gsm8k_answer, read_rows, to_examples
 from grpo_train.flags import UsageError
 
@@ -55,6 +57,10 @@ def test_eval_split_rows_of_a_hub_dataset(monkeypatch):
         train, held_out = load_examples(cfg)
         assert (len(train), len(held_out)) == (50, held), eval_size
         assert all(ex["q"].startswith("test") for ex in held_out)
+    # --eval_split naming the training split held out the training rows themselves
+    with pytest.raises(UsageError, match="--eval_split 'train' is the training split"):
+        load_examples(TrainConfig(dataset="org/set", eval_split="train", prompt_column="q",
+                                  answer_column="a"))
 
 
 def test_columns_of_unequal_length_are_an_error(tmp_path):
@@ -117,3 +123,113 @@ def test_columns_are_those_of_every_row(tmp_path):
     path = _jsonl(tmp_path, [{"question": "a"}, {"question": "b", "answer": "#### 2"}])
     examples = to_examples(read_rows(path, None, "train"), "question", "answer", "x")
     assert [e["answer"] for e in examples] == [None, "2"]
+
+
+def test_copies_of_a_prompt_are_held_out_together(tmp_path):
+    """Rows were held out one by one, so a prompt repeated in the file (a common shape: one row
+    per sampled answer, or a dataset concatenated with itself) was trained on and evaluated on,
+    inflating held-out accuracy. Every copy goes to one side, and --eval_size counts prompts."""
+    rows = [{"q": f"p{i % 10}", "a": str(i % 10)} for i in range(40)]  # each prompt 4 times
+    rows.append({"q": [{"role": "user", "content": "chat"}], "a": "1"})
+    rows.append({"q": [{"content": "chat", "role": "user"}], "a": "1"})  # same messages
+    path = _jsonl(tmp_path, rows)
+    for seed in range(5):
+        cfg = TrainConfig(dataset=path, prompt_column="q", answer_column="a", eval_size=3,
+                          seed=seed)
+        train, held_out = load_examples(cfg)
+        held = {json.dumps(ex["prompt"], sort_keys=True) for ex in held_out}
+        trained = {json.dumps(ex["prompt"], sort_keys=True) for ex in train}
+        assert not held & trained, seed
+        assert len(held) == 3 and len(train) + len(held_out) == 42
+        assert load_examples(cfg) == (train, held_out)  # deterministic per seed
+    with pytest.raises(UsageError, match="--eval_size 11 leaves no training prompts out of 11"):
+        load_examples(TrainConfig(dataset=path, prompt_column="q", answer_column="a",
+                                  eval_size=11))
+
+
+def test_without_duplicates_the_held_out_rows_are_the_seeded_draw(tmp_path):
+    """Distinct prompts keep the rows the seeded draw over rows chose: splits of such datasets
+    (and of the embedded task, distinct by construction) are unchanged."""
+    import random
+
+    rows = [{"q": f"p{i}", "a": str(i)} for i in range(30)]
+    cfg = TrainConfig(dataset=_jsonl(tmp_path, rows), prompt_column="q", answer_column="a",
+                      eval_size=4, seed=7)
+    order = list(range(30))
+    random.Random(7).shuffle(order)
+    _, held_out = load_examples(cfg)
+    assert sorted(ex["q"] for ex in held_out) == sorted(f"p{i}" for i in order[:4])
+
+
+def _save_to_disk(path, splits):
+    """A `datasets` save_to_disk directory: one Dataset (splits is a list of rows) or a
+    DatasetDict (a dict of split name -> rows)."""
+    datasets = pytest.importorskip("datasets")
+    if isinstance(splits, dict):
+        saved = datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()})
+    else:
+        saved = datasets.Dataset.from_list(splits)
+    saved.save_to_disk(str(path))
+    return str(path)
+
+
+def test_a_save_to_disk_directory_is_a_dataset(tmp_path):
+    """A directory written by save_to_disk was refused as "no such file"; a DatasetDict's split
+    is chosen by --split and --eval_split, as a hub dataset's is."""
+    rows = {s: [{"q": f"{s}{i}", "a": f"#### {i}"} for i in range(n)]
+            for s, n in (("train", 20), ("test", 5))}
+    path = _save_to_disk(tmp_path / "dict", rows)
+    validate(resolve_auto(TrainConfig(dataset=path)))  # the CLI's check before any load
+    train, held_out = load_examples(TrainConfig(dataset=path, prompt_column="q",
+                                                answer_column="a", eval_split="test"))
+    assert [ex["q"] for ex in train] == [f"train{i}" for i in range(20)]
+    assert [(ex["q"], ex["answer"]) for ex in held_out] == [(f"test{i}", str(i)) for i in range(5)]
+    with pytest.raises(UsageError, match="--eval_split 'train' is the training split"):
+        load_examples(TrainConfig(dataset=path, prompt_column="q", answer_column="a",
+                                  eval_split="train"))  # held-out rows = training rows
+    with pytest.raises(UsageError, match=r"has no split 'valid'; its splits are \['test', "
+                                         r"'train'\]"):
+        load_examples(TrainConfig(dataset=path, prompt_column="q", answer_column="a",
+                                  eval_split="valid"))
+    one = _save_to_disk(tmp_path / "one", rows["train"])
+    train, held_out = load_examples(TrainConfig(dataset=one, prompt_column="q", answer_column="a",
+                                                eval_size=2))
+    assert (len(train), len(held_out)) == (18, 2)
+    with pytest.raises(UsageError, match="--eval_split 'test': .* is one saved Dataset"):
+        load_examples(TrainConfig(dataset=one, prompt_column="q", answer_column="a",
+                                  eval_split="test"))
+
+
+def test_a_directory_that_is_no_saved_dataset_is_named(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(UsageError, match="is a directory without the dataset_dict.json"):
+        validate(resolve_auto(TrainConfig(dataset=str(tmp_path / "d"))))
+
+
+def test_a_saved_dataset_without_datasets_installed(tmp_path, monkeypatch):
+    """Without `datasets` the directory is one clear line, not an ImportError."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "state.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(UsageError, match="save_to_disk, and reading it needs `datasets`"):
+        read_rows(str(tmp_path / "d"), None, "train")
+
+
+def test_rows_of_split_picks_a_mapping_split():
+    """The split choice itself, on a plain mapping (what a DatasetDict is to it)."""
+    loaded = {"train": [{"q": "a"}], "test": [{"q": "b"}]}
+    assert data.rows_of_split(loaded, "p", "test") == [{"q": "b"}]
+    assert data.rows_of_split([{"q": "c"}], "p", "anything") == [{"q": "c"}]
+
+
+@pytest.mark.parametrize("argv", [["--task_eval_fraction", "0.99", "--task_terms", "2",
+                                   "--task_max_operand", "5"],
+                                  ["--task_eval_fraction", "0.9", "--task_terms", "2",
+                                   "--task_max_operand", "1"]])
+def test_an_embedded_task_held_out_whole_is_an_error(argv):
+    """A held-out share that rounds to every problem left an empty training set: the run
+    crashed in the format warm-up with "IndexError: Cannot choose from an empty sequence"."""
+    from grpo_train import parse_config
+
+    with pytest.raises(UsageError, match="--task_eval_fraction 0.9.* holds out all"):
+        load_examples(parse_config(argv))

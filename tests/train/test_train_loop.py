@@ -288,3 +288,19 @@ def test_per_sequence_and_non_trl_loss_types_train(tmp_path, loss_type):
     assert rec["grad_norm"] > 0 and rec["loss"] == rec["loss"]  # finite, not NaN
     assert ("clip_ratio/region_mean" in rec) == (loss_type != "vespo")
     assert result["step"] == 2
+
+
+def test_the_embedded_model_on_a_dataset_without_some_answers(tmp_path):
+    """The format warm-up of the embedded model drew its targets from the rows' answers: a blank
+    answer cell crashed it (TypeError sorting None among strings), and a dataset without an
+    answer column too (None + EOS). Rows without an answer now take another row's; without any
+    answer the error names --format_warmup_steps before any step."""
+    data = tmp_path / "d.csv"
+    data.write_text("question,answer\n" + "".join(
+        f"{a}+{b},{'' if (a + b) % 2 else a + b}\n" for a in range(4) for b in range(4)))
+    cfg = tiny_cfg(tmp_path, dataset=str(data), steps=1, eval_size=0)
+    assert train(cfg)["step"] == 1
+    with pytest.raises(UsageError, match="--format_warmup_steps 3 .* has none "
+                                         ".--answer_column ''.: pass --format_warmup_steps 0"):
+        train(tiny_cfg(tmp_path / "none", dataset=str(data), answer_column="", eval_size=0,
+                       reward=[tiny_cfg(tmp_path).reward[1]]))

@@ -69,6 +69,10 @@ def test_config_errors_name_the_setting(tmp_path):
         parse_config(["--config", str(tmp_path / "missing.yaml")])
     with pytest.raises(ValueError, match="--num_generations must be >= 2"):
         parse_config(["--num_generations", "1"])
+    # EOS suppressed past the cap: every completion ran unended, silently
+    with pytest.raises(ValueError, match="--min_new_tokens 5 exceeds --max_new_tokens 3"):
+        parse_config(["--min_new_tokens", "5", "--max_new_tokens", "3"])
+    assert parse_config(["--min_new_tokens", "3", "--max_new_tokens", "3"]).min_new_tokens == 3
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         parse_config(["--loss_type", "ppo"])
     with pytest.raises(ValueError, match="--grad_filter must be"):
@@ -365,4 +369,4 @@ def test_hf_argument_parser_reads_train_config():
                               reward=["accuracy", "format:0.2"])
     text = " ".join(parser.format_help().split())
     assert "G: completions per prompt (a group); must be >= 2" in text
-    assert "min(200, 10% of the dataset's rows)" in text
+    assert "min(200, 10% of the dataset's distinct prompts)" in text
