@@ -14,7 +14,8 @@ and each weight tile is read from memory once per pass:
   gives them directly);
 - backward recomputes each tile, turns it into d z in place and feeds it straight to the two
   GEMMs (d hidden += d z @ W_tile, d W_tile += d z^T @ hidden). Tokens with no gradient (padding)
-  are dropped before the tiles, and the target's one-hot term is added outside them.
+  are dropped before the tiles, and the target's one-hot term is added outside them (or, given
+  the forward's logp, the target column's d z is written from it: `tiles.target_column`).
 Logits always accumulate in float32 (float64 for float64 inputs), whatever the input dtype: half
 operands are upcast a tile at a time (and hidden once, [N, D]), never the whole [V, D] weight.
 Scratch buffers are allocated once per call, not per tile, and sized to the problem (a logits
