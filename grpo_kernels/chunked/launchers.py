@@ -14,7 +14,8 @@ and each weight tile is read from memory once per pass:
   gives them directly);
 - backward recomputes each tile, turns it into d z in place and feeds it straight to the two
   GEMMs (d hidden += d z @ W_tile, d W_tile += d z^T @ hidden). Tokens with no gradient (padding)
-  are dropped before the tiles, and the target's one-hot term is added outside them.
+  are dropped before the tiles, and the target's one-hot term is added outside them (or, given
+  the forward's logp, the target column's d z is written from it: `tiles.target_column`).
 Logits always accumulate in float32 (float64 for float64 inputs), whatever the input dtype: half
 operands are upcast a tile at a time (and hidden once, [N, D]), never the whole [V, D] weight.
 Scratch buffers are allocated once per call, not per tile, and sized to the problem (a logits
@@ -51,6 +52,7 @@ from .tiles import (
     LN2,
     LOG2E,
     BackwardMode,
+    add_target_term,
     cap_tile_,
     compute_dtype,
     empty_stats,
@@ -138,7 +140,7 @@ def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
     needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
-    softcap=None, logit_scale=None, shard_targets=False,
+    softcap=None, logit_scale=None, shard_targets=False, logp=None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see
     `linear_backward_atomic.linear_logprob_backward_atomic`).
@@ -157,7 +159,9 @@ def linear_logprob_backward(
     `softcap.linear_backward`.
     shard_targets: the weight is one vocabulary shard (grpo_kernels/parallel) and an id
     outside [0, V) is another shard's target: no one-hot term for it (the soft-cap backward
-    finds each target's tile this way always)."""
+    finds each target's tile this way always).
+    logp: None or the forward's log-probs [N] (float32): the target column's x comes from them
+    (`tiles.target_column`), not from the recomputed tile and the lse (no soft cap)."""
     temperature, cap = head_transform(temperature, softcap, logit_scale)
     if cap is not None:
         from .softcap import linear_backward
@@ -180,10 +184,10 @@ def linear_logprob_backward(
         g, gh, from_tile = pick(g_logp), pick(g_ent), bool(kept)
         offset = row_offset(lse, kept, pick)  # [Na], log2 units
         if b is None and gh is None:
-            mode = fast_mode(h, g, offset, inv_t, alpha, want_dw)
+            mode = fast_mode(h, g, offset, inv_t, alpha, want_dw, pick(logp))
         else:
             ent_a = None if gh is None else pick(ent)
-            mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha)
+            mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha, pick(logp))
         rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=mode.buffers)
         z_buf = None
         if from_tile:  # the forward's z - m [N, V]: the active rows, in one tile
@@ -205,10 +209,10 @@ def linear_logprob_backward(
 def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, want_dw, want_db,
                shard_targets=False):
     """Vocabulary tiles (outer) by token blocks (inner): each [r, c] tile becomes x
-    (`mode.tile`), gets its one-hot term, and feeds d hidden += x @ W_tile (into dh_acc
-    [Na, D]), d W_tile += x^T @ h_dw and d b_tile += Σ x. h [Na, D], b [V] | None, tg [Na];
-    z_buf: a given tile buffer or None. Returns (d W [V, D] in weight's dtype, d b [V] in the
-    compute dtype), None where not wanted."""
+    (`mode.tile`), gets its target column (`tiles.add_target_term`), and feeds
+    d hidden += x @ W_tile (into dh_acc [Na, D]), d W_tile += x^T @ h_dw and d b_tile += Σ x.
+    h [Na, D], b [V] | None, tg [Na]; z_buf: a given tile buffer or None. Returns (d W [V, D]
+    in weight's dtype, d b [V] in the compute dtype), None where not wanted."""
     Na, D = h.shape
     V, dtype = weight.shape[0], h.dtype
     dw = torch.empty_like(weight) if want_dw else None  # every vocabulary tile is written
@@ -220,15 +224,15 @@ def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, 
         z_buf = torch.empty(rows * cols, dtype=dtype, device=h.device)
     e_buf = torch.empty(rows * cols, dtype=dtype, device=h.device) if mode.scratch else None
     w_buf = tile_buffer(weight, dtype, cols)
+    target_x = mode.target_x
     for v0 in range(0, V, cols):
         w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
         c = w.shape[0]
         bt = b if b is None or c == V else b[v0:v0 + c]
         if c == V and not shard_targets:  # every target is in the tile
-            col, target_term = tg[:, None], mode.one_hot[:, None]
+            col, inside = tg[:, None], None
         else:  # (shard targets: ids outside [0, V) are in no tile)
             col, inside = in_tile(tg, v0, c)
-            target_term = (mode.one_hot * inside)[:, None]
         # d W of this tile accumulates over token blocks, then is written once
         dw_tile = None
         if want_dw:
@@ -236,7 +240,8 @@ def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, 
             dw_tile = dw_tile if dw.dtype == dtype else view(dw_buf, c, D)
         for r0, r, part in _row_parts(Na, rows):
             x = mode.tile(view(z_buf, r, c), part, w, bt, view(e_buf, r, c))
-            x.scatter_add_(1, part(col), part(target_term))
+            add_target_term(x, part(col), None if inside is None else part(inside),
+                            part(mode.one_hot), None if target_x is None else part(target_x))
             if dh_acc is not None:
                 _gemm_into(part(dh_acc), x, w, first=v0 == 0, alpha=mode.alpha_dh)
             if dw_tile is not None:

@@ -166,19 +166,21 @@ class BackwardMode(NamedTuple):
     finish: Callable  # (shifted tile [r, c], scratch [r, c] | None, part) -> x, in place
     tile: Callable  # (buffer [r, c], part, w [c, D], bias tile [c] | None, scratch) -> x
     one_hot: torch.Tensor  # [Na]: the target's term of x (scattered after `tile`)
+    target_x: torch.Tensor | None  # [Na]: the target column's x, written over the tile's
     h_dw: torch.Tensor | None  # [Na, D]: d W_tile = alpha_dw·x^T @ h_dw
     alpha_dh: float  # d hidden = alpha_dh·x @ W_tile (summed over tiles)
     alpha_dw: float
     dh_scale: torch.Tensor | None  # [Na, 1]: applied to d hidden once, after the tiles
 
 
-def fast_mode(h, g, offset, inv_t, alpha, want_dw) -> BackwardMode:
+def fast_mode(h, g, offset, inv_t, alpha, want_dw, logp=None) -> BackwardMode:
     """No bias, no entropy gradient: x = 2^(z + offset) - onehot = p - onehot, σ = -g/τ, with
     z = α·h W^T in log2 units (α = log2(e)/τ) and offset = log2 p - z per token (`row_offset`).
     The offset rides in the GEMM's bias, so a tile is one addmm, one exp2_, one small scatter and
     the two gradient GEMMs, in one buffer; σ goes onto hidden (for d W) and onto d hidden at the
     end, not into the exponent: log2|g| there would round p at ulp(log2|g|), which the one-hot's
-    cancellation (1 - p of a dominant token) would show. h [Na, D]; g, offset [Na]."""
+    cancellation (1 - p of a dominant token) would show. h [Na, D]; g, offset [Na]; logp [Na]
+    or None: the forward's log-probs, `target_column`."""
     row_shift = offset[:, None]  # [Na, 1]
     dh_scale = (g * -inv_t)[:, None]  # σ
     h_dw = h * dh_scale if want_dw else None
@@ -191,14 +193,14 @@ def fast_mode(h, g, offset, inv_t, alpha, want_dw) -> BackwardMode:
         return torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z).exp2_()
 
     return BackwardMode(buffers=1, scratch=False, shift=row_shift, finish=finish, tile=tile,
-                        one_hot=one_hot, h_dw=h_dw, alpha_dh=1.0, alpha_dw=1.0,
-                        dh_scale=dh_scale)
+                        one_hot=one_hot, target_x=target_column(logp, None, None, None),
+                        h_dw=h_dw, alpha_dh=1.0, alpha_dw=1.0, dh_scale=dh_scale)
 
 
-def general_mode(h, g, gh, offset, ent, inv_t, alpha) -> BackwardMode:
+def general_mode(h, g, gh, offset, ent, inv_t, alpha, logp=None) -> BackwardMode:
     """A bias or an entropy gradient: x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which
     goes with 1/τ into the GEMMs' alpha. h [Na, D]; g, offset [Na] (log2 p - z, `row_offset`);
-    gh, ent [Na] or None."""
+    gh, ent [Na] or None; logp [Na] or None: the forward's log-probs, `target_column`."""
     row_shift = offset[:, None]  # without a bias: log2 p straight from addmm
     g_c = g[:, None]
     gh_c = None if gh is None else (gh * LN2)[:, None]
@@ -217,8 +219,43 @@ def general_mode(h, g, gh, offset, ent, inv_t, alpha) -> BackwardMode:
         return finish(x, scratch, part)
 
     return BackwardMode(buffers=2, scratch=gh is not None, shift=row_shift, finish=finish,
-                        tile=tile, one_hot=-g, h_dw=h, alpha_dh=-inv_t, alpha_dw=-inv_t,
-                        dh_scale=None)
+                        tile=tile, one_hot=-g, target_x=target_column(logp, g, gh, ent),
+                        h_dw=h, alpha_dh=-inv_t, alpha_dw=-inv_t, dh_scale=None)
+
+
+def target_column(logp, g, gh, ent):
+    """The target column's x [Na] from the forward's log-probs logp [Na] (None: none, the
+    tile's value and the one-hot term are used). Without g (`fast_mode`): x = p - 1; else
+    (`general_mode`): x = p·(g + g_H·(ln p + H)) - g, gh and ent [Na] or None.
+
+    A recomputed tile reads p through the lse in nats (`row_offset`), whose float32 rounding
+    (2e-6 at |lse| ≈ 40) would show in 1 - p of a dominant target, a cancellation; the forward's
+    logp of such a row is -ln s, with float32's relative precision, and expm1 keeps it. The
+    recomputed logits (a GEMM blocked unlike the forward's) cannot give the same: only the
+    forward's own numbers agree with each other to that precision."""
+    if logp is None:
+        return None
+    p_1 = torch.expm1(logp)  # p - 1 (torch.exp of even 128 values forks threads, expm1 not)
+    if g is None:
+        return p_1
+    x = p_1 * g
+    if gh is not None:  # + g_H·p·(ln p + H)
+        x.addcmul_(p_1.add_(1.0).mul_(gh), logp + ent)
+    return x
+
+
+def add_target_term(x, col, inside, one_hot, target_x) -> None:
+    """The target column of a tile x [r, c]: the one-hot term one_hot [r] added, or target_x
+    [r] (a `BackwardMode`'s, when not None) written over it. col [r, 1]: each row's target
+    column in the tile; inside [r] bool: whether the target is in it (None: every target is)."""
+    if target_x is None:
+        term = one_hot if inside is None else one_hot * inside
+        x.scatter_add_(1, col, term[:, None])
+        return
+    value = target_x
+    if inside is not None:  # rows whose target is in another tile keep the tile's value
+        value = torch.where(inside, value, x.gather(1, col).squeeze(1))
+    x.scatter_(1, col, value[:, None])
 
 
 def row_offset(lse, kept, pick):

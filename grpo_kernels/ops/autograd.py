@@ -1,7 +1,8 @@
 """The autograd formulas of the custom operators (registered in `custom_ops.py`).
 
 Forward gives (logp [N], entropy [N], lse [N]). Backward needs only per-token statistics, so only
-those and the inputs are saved, never logits (the eager chunked call in `custom_ops.py` may keep
+those (logp too: the chunked backward takes a dominant target's 1 - p from it) and the inputs
+are saved, never logits (the eager chunked call in `custom_ops.py` may keep
 a small problem's single logits tile on ctx, outside saved_tensors). A token-terms op also
 returns each token's weighted loss t = weight·ℓ(logp) and its derivative c = dt/dlogp (the
 epilogue's, or grpo_math's); t of token n depends on logp[n] alone, so by the chain rule
@@ -36,6 +37,12 @@ N_GRPO_ARGS = 5 + len(fields(TokenLossArgs))
 # log-probs without entropy never pay for the entropy gradient.
 
 
+def _saved_logp(logp):
+    """A copy of the forward's log-probs [N] to save: the output itself may be changed in place
+    by the caller (the version counter would then fail the backward), a copy is N floats."""
+    return logp.detach().clone()
+
+
 def _per_token(g, like):
     return torch.zeros_like(like) if g is None else g.float().contiguous()
 
@@ -52,9 +59,10 @@ def _grads_for(ctx, grads):
 
 
 def linear_grads(ctx, g_logp, g_ent, backward=None):
-    """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent).
-    backward: linear_logprobs_backward's eager body, called directly (default: the operator)."""
-    hidden, weight, bias, targets, lse, ent = ctx.saved_tensors[:6]
+    """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent,
+    logp). backward: linear_logprobs_backward's eager body, called directly (default: the
+    operator)."""
+    hidden, weight, bias, targets, lse, ent, logp = ctx.saved_tensors[:7]
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if (g_logp is None and g_ent is None) or not any(needs):
         return None, None, None
@@ -62,7 +70,7 @@ def linear_grads(ctx, g_logp, g_ent, backward=None):
     g_ent = None if g_ent is None else g_ent.float().contiguous()
     backward = backward or torch.ops.grpo_kernels.linear_logprobs_backward
     grads = backward(hidden, weight, bias, targets, lse, ent, _per_token(g_logp, lse), g_ent,
-                     temperature, grad_filter, backend, needs, softcap, logit_scale)
+                     temperature, grad_filter, backend, needs, softcap, logit_scale, logp=logp)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -88,10 +96,10 @@ def logits_grads(ctx, g_logp, g_ent, backward=None):
 
 def setup_linear(ctx, inputs, output):
     hidden, weight, bias, targets, temperature, grad_filter, backend, _, *rest = inputs
-    _, ent, lse = output
+    logp, ent, lse = output
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, _saved_logp(logp))
     ctx.n_inputs = len(inputs)
     ctx.config = (temperature, grad_filter, backend, *_transform(rest))
 
@@ -130,12 +138,12 @@ def split_terms_args(args) -> tuple:
 
 
 def _save_terms(ctx, tensors, output, n_inputs: int):
-    """Saves (kernel tensors, targets, lse, entropy, coef_logp)."""
-    _, ent, lse, _, coef_logp, kl, ratio = output
+    """Saves (kernel tensors, targets, lse, entropy, logp, coef_logp)."""
+    logp, ent, lse, _, coef_logp, kl, ratio = output
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse, coef_logp, kl, ratio)
     ctx.n_inputs = n_inputs
-    ctx.save_for_backward(*tensors, lse, ent, coef_logp)
+    ctx.save_for_backward(*tensors, lse, ent, _saved_logp(logp), coef_logp)
 
 
 def _token_grads(ctx, g_logp, g_token_loss):

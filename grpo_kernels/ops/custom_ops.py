@@ -62,7 +62,8 @@ torch.library.define(
     "grpo_kernels::linear_logprobs_backward",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, Tensor entropy, "
     "Tensor g_logp, Tensor? g_entropy, float temperature, float? grad_filter, str backend, "
-    f"bool[] needs, {TRANSFORM_ARGS}) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
+    f"bool[] needs, {TRANSFORM_ARGS}, Tensor? logp=None) "
+    "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
 
 def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name,
@@ -84,11 +85,12 @@ def _linear_logprobs_fake(hidden, weight, bias, targets, *args):
 
 def _linear_logprobs_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
                               temperature, grad_filter, backend, needs, softcap=None,
-                              logit_scale=None, kept=None):
-    """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed."""
+                              logit_scale=None, logp=None, kept=None):
+    """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed.
+    logp: the forward's log-probs [N] or None (`LinearHeadOp.backward`)."""
     op = LinearHeadOp(IMPLS[backend], temperature, grad_filter, softcap, logit_scale)
     grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs,
-                        kept=kept)
+                        kept=kept, logp=logp)
     return tuple(_empty(hidden) if g is None else g for g in grads)
 
 

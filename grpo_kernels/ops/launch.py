@@ -114,10 +114,12 @@ class LinearHeadOp(BoundOp):
                             **self.transform)
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None,
-                 shard_targets: bool = False):
+                 shard_targets: bool = False, logp=None):
         """shard_targets: a vocabulary shard's backward (grpo_kernels/parallel), where an id
         outside [0, V) is another shard's and adds no one-hot term. The Triton kernels compare
-        column ids, so only the chunked launcher is told."""
+        column ids, so only the chunked launcher is told. logp: None or the forward's
+        log-probs [N], from which the chunked launcher takes the target column's gradient
+        (precise 1 - p of a dominant target); the Triton kernels read the lse."""
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
         wanted = [n for n, need, x in zip(("hidden", "weight", "bias"), needs, inputs)
@@ -128,7 +130,13 @@ class LinearHeadOp(BoundOp):
                             weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
                             needs=tuple(needs), grad_filter=self.grad_filter, **extra,
                             **self.transform,
-                            torch_kw={"shard_targets": True} if shard_targets else None)
+                            torch_kw=_torch_kw(shard_targets=shard_targets or None,
+                                               logp=logp))
+
+
+def _torch_kw(**kw) -> dict | None:
+    """The given (not None) keywords for the chunked launcher only, or None."""
+    return {k: v for k, v in kw.items() if v is not None} or None
 
 
 class LogitsOp(BoundOp):

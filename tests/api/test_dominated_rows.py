@@ -1,25 +1,56 @@
 """Rows where one token takes almost all the probability, at large |z/τ| (target logit z/τ = 40,
 at τ = 1 and at τ = 0.01 with moderate raw logits), on the chunked backend: the gradients of
 hidden and weight against a float64 truth stay within twice PyTorch's own float32 error (plus a
-tiny floor), on the three-pass route and on the four-pass route (GRPO_KERNELS_THREE_PASS=0,
-whose eager backward starts from the forward's kept logits tile: N·V within
-`chunked.blocks.KEEP_ELEMENTS`), for the GRPO loss and for selective log-probs with and without
-an entropy term; and d logits of the logits path (grpo_loss, logprobs_from_logits), whose eager
-op keeps the forward's per-token statistics for its backward.
+tiny floor), on the three-pass route and on the four-pass route (GRPO_KERNELS_THREE_PASS=0), for
+the GRPO loss and for selective log-probs with and without an entropy term; and d logits of the
+logits path (grpo_loss, logprobs_from_logits), whose eager op keeps the forward's per-token
+statistics for its backward.
+
+The four-pass backward runs on each of its ROUTES: from the forward's kept logits tile (N·V
+within `chunked.blocks.KEEP_ELEMENTS`, eager), recomputing the logits (above it: every real
+head; here KEEP_ELEMENTS = 0), recomputing them in vocabulary tiles (V above the tile budget of
+a real head; here a small `chunked.blocks.TILE_ELEMENTS`), and as the custom operator (under a
+dispatch mode, as torch.compile and other tracers call it), which recomputes too.
 
 Such a row's d logits of the dominant token is g·(1 - p), a cancellation: p must come out of the
 backward as the forward's statistics define it (2^(z - m) / s), not through the lse in nats,
-whose float32 rounding at |lse| ≈ 40 (2e-6) would show as an error of that size in 1 - p.
+whose float32 rounding at |lse| ≈ 40 (2e-6) would show as an error of that size in 1 - p. A
+backward that recomputes the logits takes the target column's gradient from the forward's logp
+(`chunked.tiles.target_column`), so these rows, dominated by their target, are covered; a row
+dominated by a token other than its target still reads that token's p through the lse.
 """
+
+import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
 from grpo_kernels import reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MARGINS = [40.0, 30.0, 25.0, 20.0, 15.0, 12.0]  # target logit minus a rival's (z/τ), per token
+ROUTES = ["kept", "recompute", "vocab tiles", "operator"]
+
+
+class PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it the public functions call the operator."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def on_route(route, monkeypatch):
+    """A context for the call under test that puts the linear head's four-pass backward on
+    `route` (ROUTES; the three-pass route does not look at it)."""
+    from grpo_kernels.chunked import blocks, launchers
+
+    if route != "kept":
+        monkeypatch.setattr(launchers, "KEEP_ELEMENTS", 0)
+    if route == "vocab tiles":  # [12, 512] forward and [12, 1024] backward tiles at N = 12
+        monkeypatch.setattr(blocks, "TILE_ELEMENTS", 12 * 1024)
+    return PassThrough() if route == "operator" else contextlib.nullcontext()
 
 
 def dominated_head(V, temperature, D=16, B=2, T=6):
@@ -45,12 +76,12 @@ def grads(fn, hidden, weight):
     return h.grad, w.grad
 
 
-def errors(ours_fn, ref_fn, hidden, weight):
+def errors(ours_fn, ref_fn, hidden, weight, route=None):
     """[(ours' error, PyTorch float32's error)] of d hidden and d weight, max abs against the
-    float64 reference on the same values."""
+    float64 reference on the same values; ours under the context `route` (`on_route`)."""
     truth = grads(ref_fn, hidden.double(), weight.double())
     torch32 = grads(ref_fn, hidden, weight)
-    with gk.force_backend("chunked"):
+    with gk.force_backend("chunked"), route or contextlib.nullcontext():
         ours = grads(ours_fn, hidden, weight)
     return [((o.double() - t).abs().max().item(), (f.double() - t).abs().max().item())
             for o, f, t in zip(ours, torch32, truth)]
@@ -61,10 +92,10 @@ def check(pairs):
         assert ours <= 2.0 * torch32 + 1e-9, (name, ours, torch32)
 
 
-@pytest.mark.parametrize("three_pass", ["1", "0"])
+@pytest.mark.parametrize("three_pass,route", [("1", "kept"), *(("0", r) for r in ROUTES)])
 @pytest.mark.parametrize("temperature", [1.0, 0.01])
 @pytest.mark.parametrize("V", [64, 4096])
-def test_grpo_loss_at_dominated_rows(monkeypatch, three_pass, temperature, V):
+def test_grpo_loss_at_dominated_rows(monkeypatch, three_pass, route, temperature, V):
     """fused_linear_grpo_loss (dapo, beta = 0.04) on both routes (the four-pass backward's fast
     mode; the general mode, with an entropy term, is selective_logprobs' below)."""
     monkeypatch.setenv("GRPO_KERNELS_THREE_PASS", three_pass)
@@ -77,12 +108,13 @@ def test_grpo_loss_at_dominated_rows(monkeypatch, three_pass, temperature, V):
     kw = dict(loss_type="dapo", beta=0.04, temperature=temperature, ref_logps=ref_logps)
     check(errors(lambda h, w: gk.fused_linear_grpo_loss(h, w, ids, adv, **kw)[0],
                  lambda h, w: reference.fused_linear_grpo_loss(h, w, ids, adv, **kw)[0],
-                 hidden, weight))
+                 hidden, weight, on_route(route, monkeypatch)))
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("temperature", [1.0, 0.01])
-@pytest.mark.parametrize("V,entropy", [(64, False), (4096, False), (64, True)])
-def test_selective_logprobs_at_dominated_rows(temperature, V, entropy):
+@pytest.mark.parametrize("V,entropy", [(64, False), (4096, False), (64, True), (4096, True)])
+def test_selective_logprobs_at_dominated_rows(monkeypatch, route, temperature, V, entropy):
     """selective_logprobs' backward (the four-pass route always), g_logp of either sign and of
     small magnitude (as a token-mean loss gives), with and without an entropy gradient."""
     hidden, weight, ids = dominated_head(V, temperature)
@@ -99,7 +131,7 @@ def test_selective_logprobs_at_dominated_rows(temperature, V, entropy):
         return call
 
     check(errors(loss(gk.selective_logprobs), loss(reference.selective_logprobs),
-                 hidden, weight))
+                 hidden, weight, on_route(route, monkeypatch)))
 
 
 def dominated_logits(V, temperature, B=2, T=6):
@@ -163,3 +195,39 @@ def test_logprobs_from_logits_at_dominated_rows(temperature, V, entropy):
     g_scale = max(g_logp.abs().max().item(), g_ent.abs().max().item() if entropy else 0.0)
     check_logits(loss(gk.logprobs_from_logits), loss(reference.logprobs_from_logits), x,
                  g_scale, temperature)
+
+
+def test_compiled_selective_logprobs_at_dominated_rows():
+    """The operator under torch.compile (fullgraph, AOT autograd): the traced backward gets the
+    forward's logp (a saved tensor of the graph) as the eager operator does."""
+    hidden, weight, ids = dominated_head(4096, 1.0)
+    g = torch.Generator().manual_seed(7)
+    g_logp, g_ent = (torch.randn(ids.shape, generator=g) * 1e-3 for _ in range(2))
+
+    def loss(fn):
+        def call(h, w):
+            logp, ent = fn(h, w, ids, return_entropy=True)
+            return (logp * g_logp).sum() + (ent * g_ent).sum()
+        return call
+
+    compiled = torch.compile(loss(gk.selective_logprobs), fullgraph=True, backend="aot_eager")
+    check(errors(compiled, loss(reference.selective_logprobs), hidden, weight))
+
+
+@pytest.mark.parametrize("route", [
+    "kept", *(pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=(
+        "a recomputing backward reads a dominant non-target token's p through the lse")))
+        for r in ROUTES[1:])])
+def test_rows_dominated_by_another_token(monkeypatch, route):
+    """Rows dominated by a token other than their target: its d logits is g·p, no cancellation,
+    but p ≈ 1 read through the lse carries the lse's rounding (2e-6 at |lse| ≈ 40), ~20x
+    PyTorch's float32 error; only the kept tile's route holds the forward's own statistics."""
+    hidden, weight, ids = dominated_head(4096, 1.0)
+    ids = (ids + 1) % 4096  # a small logit: the former target dominates the row
+    g_logp = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * 1e-3
+
+    def loss(fn):
+        return lambda h, w: (fn(h, w, ids) * g_logp).sum()
+
+    check(errors(loss(gk.selective_logprobs), loss(reference.selective_logprobs), hidden, weight,
+                 on_route(route, monkeypatch)))
