@@ -389,32 +389,3 @@ def test_layout_checks_draw_tokens_from_a_multimodal_text_vocabulary():
             assert seen and max(seen) > 1, check.__name__
     finally:
         handle.remove()
-
-
-@pytest.mark.gpu
-def test_right_padded_prompts_on_cuda_are_a_device_check():
-    """On CUDA the padding-side check reads nothing on the host (no sync per call): the call's
-    log-probs come out NaN and the next call, or a wait for the device checks, raises."""
-    from grpo_kernels import value_checks
-
-    model, b = build("llama").cuda(), make_batch()
-    T, ids, am = b["T"], b["ids"].cuda(), b["am"].clone().cuda()
-    L = ids.shape[1]
-    am[0, L - T - 2:L - T] = 0
-    logp = completion_logprobs(model, ids, am, T)
-    assert torch.isnan(logp).all()
-    with pytest.raises(ValueError, match="pad prompts on the left"):
-        value_checks.raise_ready(wait=True)
-
-
-def test_alibi_models_are_refused_shared_rows_with_the_reason():
-    """Bloom and Falcon with ALiBi build their position biases from a 2-D mask: shared rows are
-    refused from the config, with that reason (not the model's own unpacking error)."""
-    from grpo_kernels.hf.shared_prompt import check_shared_prompt
-
-    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(
-        hidden_size=32, n_layer=1, n_head=2, vocab_size=100))
-    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=100, alibi=True))
-    for model in (bloom, falcon):
-        assert "ALiBi" in check_shared_prompt(model)

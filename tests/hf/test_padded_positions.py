@@ -129,3 +129,35 @@ def test_shared_rows_do_not_need_packed_rows():
         shared = completion_logprobs(opt, rows.input_ids, rows.attention_mask,
                                      rows.logits_to_keep, **row_inputs(rows, opt.config))
     torch.testing.assert_close(shared, padded[am[:, -T:].bool()], rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_models_are_refused_shared_rows_with_the_reason():
+    """Bloom and Falcon with ALiBi build their position biases from a 2-D mask: shared rows are
+    refused from the config, with that reason (not the model's own unpacking error)."""
+    from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
+
+    from grpo_kernels.hf.shared_prompt import check_shared_prompt
+
+    bloom = BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=100))
+    falcon = FalconForCausalLM(FalconConfig(hidden_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, vocab_size=100, alibi=True))
+    for model in (bloom, falcon):
+        assert "ALiBi" in check_shared_prompt(model)
+
+
+@pytest.mark.gpu
+def test_right_padded_prompts_on_cuda_are_a_device_check():
+    """On CUDA the padding-side check of padded rows reads nothing on the host (no sync per
+    call): the call's log-probs come out NaN and the next call, or a wait for the device
+    checks, raises."""
+    from grpo_kernels import value_checks
+    from grpo_kernels.hf import completion_logprobs
+
+    model, T = tiny("llama").cuda(), 3
+    ids = torch.randint(2, 60, (2, 9), device="cuda")
+    am = torch.ones_like(ids)
+    am[0, -T - 2:-T] = 0  # row 0's prompt padded on the right
+    logp = completion_logprobs(model, ids, am, T)
+    assert torch.isnan(logp).all()
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        value_checks.raise_ready(wait=True)
