@@ -2,7 +2,8 @@
 runs it: a tiny random model saved with its tokenizer, loaded by both trainers from the
 directory. On a micro-batch of two prompts whose completions are apart (as TRL's shuffle leaves
 them), the subclass logs the row layout its model allows, runs it (shared rows: one forward on
-fewer positions than the padded batch) and gives TRL's loss, every gradient and every metric:
+fewer positions than the padded batch) and gives TRL's loss, every gradient and every metric;
+three training steps of the models that share prompts end with TRL's logs and parameters:
 
     family                 layout   why
     OPT                    shared   its 2-D mask handling mixes packed sequences; its own 4-D
@@ -27,7 +28,7 @@ import torch
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
-from test_trl_moe_vlm import save_tiny_moe  # noqa: E402
+from test_trl_moe_vlm import assert_same_run, save_tiny_moe, train_both  # noqa: E402
 from trl_harness import B, P, T, assert_same, make_batch, make_trainer  # noqa: E402
 
 from grpo_kernels import force_backend  # noqa: E402
@@ -140,3 +141,13 @@ def test_family_layout_and_compute_loss_equal_trl(family_dirs, family, cfg, capl
         assert count.counts == [B * (P + T)]
     else:
         assert count.counts[0] <= B * (P + T)
+
+
+@pytest.mark.parametrize("family", ["opt", "moe-no-aux"])
+def test_family_training_run_equals_trl(family_dirs, family):
+    """Three SGD steps (generation, shared-row scoring of the old and reference policies, the
+    loss; gradient accumulation 2): every logged number and the parameters are TRL's."""
+    model_dir = family_dirs(family)
+    ref, ours = train_both(model_dir, loss_type="dapo", beta=0.04)
+    assert ours._layout is RowLayout.SHARED
+    assert_same_run(ref, ours, model_dir)
