@@ -283,20 +283,22 @@ def _loss(model, loss_fn, mb, adv, old, ref, num_items, which, head):
             m, *mb.inputs, adv, mb.mask, old, ref, loss_fn=loss_fn, num_items_in_batch=num_items,
             cu_seqlens=mb.cu_seqlens, **mb.model_kwargs, **head))
     ids, attn, keep = mb.inputs
+    # logits only: a config asking for router logits would add the MoE aux loss over `attn`,
+    # which fails on shared rows' 4-D mask
+    kwargs = dict(mb.model_kwargs, use_cache=False, **hf.router_logits_off(model))
     if mb.packed is None:
-        logits = model(input_ids=ids, attention_mask=attn, **mb.model_kwargs,
-                       logits_to_keep=keep + 1, use_cache=False).logits[:, :-1]  # [b, T, V]
+        logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep + 1,
+                       **kwargs).logits[:, :-1]  # [b, T, V]
         targets = ids[:, -keep:]
     else:
         where = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
         where[keep] = True
         if _keeps_a_boolean_mask():  # the kept positions' logits only, row-major
-            logits = model(input_ids=ids, attention_mask=attn, **mb.model_kwargs,
-                           logits_to_keep=where.view(ids.shape), use_cache=False).logits
+            logits = model(input_ids=ids, attention_mask=attn,
+                           logits_to_keep=where.view(ids.shape), **kwargs).logits
             logits = logits.reshape(-1, logits.shape[-1])
         else:  # older transformers: every position's logits [R, W, V], then the kept ones
-            logits = model(input_ids=ids, attention_mask=attn, **mb.model_kwargs,
-                           use_cache=False).logits
+            logits = model(input_ids=ids, attention_mask=attn, **kwargs).logits
             logits = logits.reshape(-1, logits.shape[-1])[where]
         logits = logits[keep.argsort().argsort()]  # [N, V]
         targets = ids.reshape(-1)[keep + 1]

@@ -18,7 +18,7 @@ from .attention_choice import (
 from .causal_lm import *  # noqa: F403  (the names of causal_lm.__all__)
 from .fsdp import fsdp2_root, run_as_forward
 from .head_adapters import add_lora, has_tuner_adapter
-from .moe import load_balancing_loss
+from .moe import load_balancing_loss, router_logits_off
 from .packed_rows import (
     PackedBatch,
     RowWidthRule,
@@ -38,5 +38,6 @@ __all__ = [*causal_lm.__all__, "ATTENTION_RULES", "AttentionChoice", "AttentionR
            "parse_row_layout", "plan_rows", "row_inputs", "row_width_rule",
            "check_packed_attention", "check_padded_positions", "check_shared_prompt",
            "choose_attention", "choose_row_width",
-           "load_balancing_loss", "pack_sequences", "run_as_forward", "share_prompts",
+           "load_balancing_loss", "pack_sequences", "router_logits_off", "run_as_forward",
+           "share_prompts",
            "shared_prompt_mask", "using_attention"]

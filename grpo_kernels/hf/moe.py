@@ -11,6 +11,10 @@ self.num_experts_per_tok, attention_mask)`, with the function of their own model
 `load_balancing_loss` binds the same function and numbers. A model whose module has no such
 function, or one with another signature (Doge's takes the number of keys too), raises
 NotImplementedError.
+
+A config saved with `output_router_logits: true` makes the model's own forward add that loss
+with the attention mask it is given, which fails on a shared-prefix row's 4-D mask; the
+helpers' full-model forwards pass `router_logits_off(model)`, which turns it off there.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torch import nn
 
 from .unwrap import unwrap_model
 
-__all__ = ["load_balancing_loss"]
+__all__ = ["load_balancing_loss", "router_logits_off"]
 
 # load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask), as Mixtral's
 _SIGNATURE = ["gate_logits", "num_experts", "top_k", "attention_mask"]
@@ -61,3 +65,14 @@ def _aux_loss(func, num_experts, top_k, name, router_logits, attention_mask):
         raise ValueError(f"{name}'s body returned no router logits ({type(router_logits)}); "
                          "call it with output_router_logits=True")
     return func(router_logits, num_experts, top_k, attention_mask)
+
+
+def router_logits_off(model: nn.Module) -> dict:
+    """Keywords for a full forward of `model` that returns logits only: {"output_router_logits":
+    False} where its config (or text config) asks for router logits, whose forward would then
+    add the auxiliary loss over the attention mask it is given (Mixtral's reads a 2-D mask and
+    fails on a 4-D one); {} otherwise, so that other models get no keyword they do not take."""
+    config = getattr(unwrap_model(model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    asks = any(getattr(c, "output_router_logits", False) for c in (config, text))
+    return {"output_router_logits": False} if asks else {}

@@ -56,17 +56,18 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
                   padded_position_ids: bool = True, aux_loss: bool = False) -> LayoutChoice:
     """The richest layout the caller asks for that `model` computes exactly: shared if
     share_prompt and `check_shared_prompt` allows it, else packed if padding_free and
-    `check_packed_attention` allows it, else padded. Shared rows do not need packed ones: a
-    model whose own mask handling mixes packed sequences (OPT, BioGPT, XGLM) can still take the
-    shared rows' explicit 4-D mask, which `check_shared_prompt` compares with separate
-    forwards. padded_position_ids: whether the caller's padded forward passes position_ids
-    counting from each sequence's first token (grpo_train's passes cumsum(mask) - 1); where it
-    passes none (TRL's), packed and shared rows also need `check_padded_positions`, which
-    refuses absolute position embeddings (GPT-2). aux_loss: whether the caller adds a
-    Mixture-of-Experts auxiliary loss over the rows' tokens (TRL's aux_loss_enabled), which
-    shared rows would change (each prompt counted once, not once per completion); routing
-    itself is per token, so MoE models share prompts otherwise. Checks run once per model
-    (cached); pass the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
+    `check_packed_attention` allows it, else padded (its reason names both refusals). Shared
+    rows do not need packed ones: a model whose own mask handling mixes packed sequences (OPT,
+    BioGPT, XGLM) can still take the shared rows' explicit 4-D mask, which
+    `check_shared_prompt` compares with separate forwards. padded_position_ids: whether the
+    caller's padded forward passes position_ids counting from each sequence's first token
+    (grpo_train's passes cumsum(mask) - 1); where it passes none (TRL's), packed and shared rows
+    also need `check_padded_positions`, which refuses absolute position embeddings (GPT-2).
+    aux_loss: whether the caller adds a Mixture-of-Experts auxiliary loss over the rows' tokens
+    (TRL's aux_loss_enabled), which shared rows would change (each prompt counted once, not once
+    per completion); routing itself is per token, so MoE models share prompts otherwise. Checks
+    run once per model (cached); pass the model before a DDP/FSDP wrapper (a PEFT wrapper is
+    fine)."""
     if not padding_free:
         return LayoutChoice(RowLayout.PADDED, "padding-free rows turned off")
     inner = unwrap_model(model)
@@ -80,7 +81,9 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
             return LayoutChoice(RowLayout.SHARED,
                                 why if packed is None else f"{why} (packed rows refused: {packed})")
     if packed is not None:
-        return LayoutChoice(RowLayout.PADDED, f"not packed: {packed}")
+        # both refused: the line says why neither runs (once where the reason is the same)
+        unshared = "" if shared in (None, packed) else f"; the prompt not shared: {shared}"
+        return LayoutChoice(RowLayout.PADDED, f"not packed: {packed}{unshared}")
     if not share_prompt:
         return LayoutChoice(RowLayout.PACKED, "shared prompts turned off")
     return LayoutChoice(RowLayout.PACKED, f"the prompt not shared: {shared}")

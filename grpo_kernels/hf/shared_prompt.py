@@ -40,6 +40,7 @@ import weakref
 import torch
 from torch import nn
 
+from .moe import router_logits_off
 from .packed_rows import (
     PackedBatch,
     _place,
@@ -242,13 +243,15 @@ def _compare_with_separate(model: nn.Module, config, atol: float) -> str | None:
     mask = torch.ones_like(ids)
     was_training = model.training
     model.eval()  # no dropout in the comparison
+    logits_only = router_logits_off(model)  # no MoE aux loss over the 4-D mask
     try:
         with torch.no_grad():
             batch = share_prompts(ids, mask, 5, model_config=config)
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        position_ids=batch.position_ids, use_cache=False).logits.float()
+                        position_ids=batch.position_ids, use_cache=False,
+                        **logits_only).logits.float()
             shared = out.reshape(-1, out.shape[-1])[batch.logits_to_keep]
-            alone = model(input_ids=ids, use_cache=False).logits.float()[:, 3:8]
+            alone = model(input_ids=ids, use_cache=False, **logits_only).logits.float()[:, 3:8]
         err = logits_disagree(model, shared, alone.reshape(shared.shape), atol)
         if err is not None:
             return (f"{type(model).__name__} with attention {config._attn_implementation!r} "

@@ -75,7 +75,8 @@ def packed_completion_hidden(model, input_ids: torch.Tensor, attention_mask: tor
     batch's `layout` rows (RowLayout.PACKED or SHARED) `packed` (a PackedBatch). aux: None, or with
     `aux_loss` (fn(router_logits, attention_mask), e.g. `grpo_kernels.hf.load_balancing_loss(
     model)`) the MoE auxiliary loss over the rows' real tokens, which are the padded batch's
-    unmasked ones: the same statistics (packed rows only: MoE models do not share prompts).
+    unmasked ones: the same statistics (packed rows only: `choose_layout` refuses shared
+    rows where the aux loss is added, as they would count each prompt once).
     input_ids, attention_mask [S, L]; completion_mask [S, T] (the last T columns)."""
     T = completion_mask.shape[1]
     config = _config(model)

@@ -220,8 +220,8 @@ def test_hf_router_logits_give_the_models_own_aux_loss(moe_dir):
 @pytest.mark.parametrize("cfg", [dict(loss_type="dapo", beta=0.04),
                                  dict(loss_type="grpo", entropy_coef=0.05)], ids=["dapo", "grpo"])
 def test_moe_compute_loss_matches_trl(moe_dir, cfg):
-    """Packed rows (the default for MoE, which does not share prompts; the aux loss over
-    their real tokens) and padded batches."""
+    """Packed rows (MoE with TRL's aux loss on: shared rows would count each prompt once in it;
+    the aux loss over their real tokens) and padded batches."""
     ref, ours, loss_ref, loss = run_both(moe_dir, **cfg)
     assert ref.aux_loss_enabled and ours._support.fallback is None and ours._layout == "packed"
     assert "aux_loss" in ours._metrics["train"]

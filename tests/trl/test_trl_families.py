@@ -1,0 +1,153 @@
+"""grpo_kernels.trl.GRPOTrainer against TRL's own GRPOTrainer across model families, as a user
+runs it: a tiny random model saved with its tokenizer, loaded by both trainers from the
+directory. On a micro-batch of two prompts whose completions are apart (as TRL's shuffle leaves
+them), the subclass logs the row layout its model allows, runs it (shared rows: one forward on
+fewer positions than the padded batch) and gives TRL's loss, every gradient and every metric;
+three training steps of the models that share prompts end with TRL's logs and parameters:
+
+    family                 layout   why
+    OPT                    shared   its 2-D mask handling mixes packed sequences; its own 4-D
+                                    mask on shared rows does not
+    Qwen3-MoE, aux off     shared   routing is per token (router_aux_loss_coef 0: TRL adds no
+                                    auxiliary loss)
+    Granite                shared   logits_scaling after the head
+    Gemma 2                packed   a final-logit soft cap; sliding-window layers take no 4-D
+                                    mask
+    Falcon with ALiBi      packed   ALiBi biases are built from a 2-D mask
+    Bloom                  padded   ALiBi, and eager attention over a packed row mixes sequences
+
+(The MoE model with TRL's auxiliary loss on, packed rows, and GPT-2, padded for TRL's forward
+without position_ids, are in test_trl_moe_vlm.py and test_trl_padding_free.py.)
+"""
+
+import logging
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+from test_trl_moe_vlm import assert_same_run, save_tiny_moe, train_both  # noqa: E402
+from trl_harness import B, P, T, assert_same, make_batch, make_trainer  # noqa: E402
+
+from grpo_kernels import force_backend  # noqa: E402
+from grpo_kernels.hf import RowLayout  # noqa: E402
+from grpo_kernels.trl import GRPOTrainer  # noqa: E402
+from grpo_train.tiny import build_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+# family -> (config class, model class, config keywords besides the vocabulary and token ids);
+# no dropout anywhere, so that both trainers' training-mode forwards are the same function
+FAMILIES = {
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(
+        hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        _DECODER, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.3)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        _DECODER, head_dim=8, final_logit_softcapping=0.5, sliding_window=4)),
+    "falcon-alibi": ("FalconConfig", "FalconForCausalLM", dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+        hidden_dropout=0.0, attention_dropout=0.0)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(
+        hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
+}
+# family -> (the layout logged, a phrase of its reason)
+EXPECTED = {
+    "opt": (RowLayout.SHARED, "packed rows refused: OPTForCausalLM"),
+    "moe-no-aux": (RowLayout.SHARED, "each group's prompt once"),
+    "granite": (RowLayout.SHARED, "each group's prompt once"),
+    "gemma2": (RowLayout.PACKED, "sliding_attention"),
+    "falcon-alibi": (RowLayout.PACKED, "ALiBi"),
+    "bloom": (RowLayout.PADDED, "ALiBi"),
+}
+
+
+def save_family(path: str, family: str) -> None:
+    """A tiny random model of `family` and the tiny character tokenizer, in `path`."""
+    if family == "moe-no-aux":
+        save_tiny_moe(path, router_aux_loss_coef=0.0)
+        return
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(
+        vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, **kwargs)
+    getattr(transformers, model_cls)(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    dirs = {}
+
+    def get(family):
+        if family not in dirs:
+            dirs[family] = str(tmp_path_factory.mktemp(family))
+            save_family(dirs[family], family)
+        return dirs[family]
+
+    return get
+
+
+class PositionCount:
+    """The input positions of every forward of a trainer's model body."""
+
+    def __init__(self, model):
+        self.counts: list[int] = []
+        body = model.get_decoder()
+        self.handle = body.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.counts.append(ids.numel())
+
+
+@pytest.mark.parametrize("cfg", [dict(loss_type="dapo", beta=0.04),
+                                 dict(loss_type="grpo", entropy_coef=0.05)],
+                         ids=["dapo-kl", "grpo-entropy"])
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_family_layout_and_compute_loss_equal_trl(family_dirs, family, cfg, caplog):
+    model_dir = family_dirs(family)
+    with caplog.at_level(logging.INFO, logger="grpo_kernels.trl.trainer"):
+        ref, ours = (make_trainer(cls, model_dir, **cfg) for cls in (trl.GRPOTrainer,
+                                                                     GRPOTrainer))
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpo_kernels.trl.trainer"]
+    layout, why = EXPECTED[family]
+    assert ours._layout is layout and ours._support.fallback is None
+    assert not ref.aux_loss_enabled
+    assert len(lines) == 1 and f"run {layout} rows" in lines[0] and why in lines[0], lines
+    for tr in (ref, ours):
+        tr.model.train()
+        tr.current_gradient_accumulation_steps = 2
+    # prompts 0 and 2, each twice, apart: shared rows hold each once
+    inputs = make_batch(ref, prompt_rows=torch.tensor([0, 2, 0, 2]))
+    loss_ref = ref._compute_loss(ref.model, inputs)
+    loss_ref.backward()
+    count = PositionCount(ours.model)
+    with force_backend("chunked"):
+        loss = ours._compute_loss(ours.model, inputs)
+        loss.backward()
+    count.handle.remove()
+    assert_same(ref, ours, loss_ref, loss)
+    assert len(count.counts) == 1  # one forward of the micro-batch, as TRL's
+    if layout is RowLayout.PADDED:
+        assert count.counts == [B * (P + T)]
+    else:
+        assert count.counts[0] <= B * (P + T)
+
+
+@pytest.mark.parametrize("family", ["opt", "moe-no-aux"])
+def test_family_training_run_equals_trl(family_dirs, family):
+    """Three SGD steps (generation, shared-row scoring of the old and reference policies, the
+    loss; gradient accumulation 2): every logged number and the parameters are TRL's."""
+    model_dir = family_dirs(family)
+    ref, ours = train_both(model_dir, loss_type="dapo", beta=0.04)
+    assert ours._layout is RowLayout.SHARED
+    assert_same_run(ref, ours, model_dir)
