@@ -50,6 +50,7 @@ from .. import value_checks
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from ..params import FIELD_NAMES
+from .moe import router_logits_off
 from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
     _HEAD_CHECKED,
     _check_head_input,
@@ -196,6 +197,9 @@ def completion_hidden_states(
                   **model_kwargs)
     if return_router_logits:
         kwargs["output_router_logits"] = True
+    elif inner is not model:  # the wrapper runs the whole model, whose forward would add an
+        # MoE config's aux loss over this mask (a shared row's 4-D mask fails there)
+        kwargs = {**router_logits_off(inner), **kwargs}
     if inner is model:
         out = body(**kwargs)
     else:

@@ -74,3 +74,22 @@ def test_router_logits_off_only_where_the_config_asks_for_them():
         "output_router_logits": False}
     assert router_logits_off(tiny_mixtral(output_router_logits=False)) == {}
     assert router_logits_off(torch.nn.Linear(2, 2)) == {}  # no config: nothing to turn off
+
+
+def test_a_wrapped_model_runs_shared_rows():
+    """A wrapper (DDP, accelerate, PEFT) runs the whole model, whose forward would add the aux
+    loss over the shared rows' 4-D mask: the helpers call it with `router_logits_off`, and its
+    log-probs equal the bare model's."""
+    model = tiny_mixtral(output_router_logits=True)
+    wrapped = torch.nn.Module()  # a DDP-style `.module` wrapper
+    wrapped.module = model
+    wrapped.forward = lambda **kw: model(**kw)
+    ids = torch.randint(2, 97, (2, 10), generator=torch.Generator().manual_seed(2))
+    ids[1, :5] = ids[0, :5]
+    am = torch.ones_like(ids)
+    rows = share_prompts(ids, am, 5, am[:, -5:], model_config=model.config)
+    args = (rows.input_ids, rows.attention_mask, rows.logits_to_keep)
+    with torch.no_grad():
+        bare = completion_logprobs(model, *args, position_ids=rows.position_ids)
+        through = completion_logprobs(wrapped, *args, position_ids=rows.position_ids)
+    torch.testing.assert_close(through, bare, rtol=0, atol=0)
