@@ -161,13 +161,14 @@ def linear_logprob_backward(
     outside [0, V) is another shard's target: no one-hot term for it (the soft-cap backward
     finds each target's tile this way always).
     logp: None or the forward's log-probs [N] (float32): the target column's x comes from them
-    (`tiles.target_column`), not from the recomputed tile and the lse (no soft cap)."""
+    (`tiles.target_column`), not from the recomputed tile and the lse."""
     temperature, cap = head_transform(temperature, softcap, logit_scale)
     if cap is not None:
         from .softcap import linear_backward
 
         return linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
-                               temperature, softcap, logit_scale, needs, chunk_elements)
+                               temperature, softcap, logit_scale, needs, chunk_elements,
+                               logp=logp)
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
     idx = _active_rows(g_logp, g_ent)

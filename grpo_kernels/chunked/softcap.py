@@ -29,7 +29,16 @@ from .blocks import (
     _row_parts,
     _tile_shape,
 )
-from .tiles import LOG2E, compute_dtype, empty_stats, exp_sums, finish_stats, in_tile
+from .tiles import (
+    LOG2E,
+    add_target_term,
+    compute_dtype,
+    empty_stats,
+    exp_sums,
+    finish_stats,
+    in_tile,
+    target_column,
+)
 
 
 def _transformed(x, dtype, softcap, logit_scale, temperature, unit=1.0):
@@ -44,8 +53,11 @@ def _transformed(x, dtype, softcap, logit_scale, temperature, unit=1.0):
 
 
 def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
-                    softcap, logit_scale, needs=(True, True, True), chunk_elements=None):
-    """`launchers.linear_logprob_backward` with a soft cap (a scale alone never comes here)."""
+                    softcap, logit_scale, needs=(True, True, True), chunk_elements=None,
+                    logp=None):
+    """`launchers.linear_logprob_backward` with a soft cap (a scale alone never comes here).
+    logp: None or the forward's log-probs [N], from which the target column's x is taken
+    (`tiles.target_column`: 1 - p of a dominant target, not through the lse)."""
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
     idx = _active_rows(g_logp, g_ent)
@@ -62,6 +74,9 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
         gh = None if g_ent is None else _pick(g_ent, idx, dtype)[:, None]
         ent_a = None if g_ent is None else _pick(ent, idx, dtype)[:, None]
         lse_a, tg = _pick(lse, idx, dtype)[:, None], _pick(targets, idx, dtype)
+        target_x = target_column(_pick(logp, idx, dtype), g[:, 0],
+                                 None if gh is None else gh[:, 0],
+                                 None if gh is None else ent_a[:, 0])  # [Na] or None
         b = None if bias is None else bias.to(dtype)
         Na = h.shape[0]
         rows, cols = _tile_shape(Na, V, chunk_elements, buffers=3)
@@ -82,7 +97,8 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
                 # x = -d loss/d(z/τ) = p·(g + g_H·(log p + H)) - g·onehot
                 x = p.mul_(part(g)) if gh is None else log_p.add_(part(ent_a)).mul_(
                     part(gh)).add_(part(g)).mul_(p)
-                x.scatter_add_(1, part(col), -(part(g) * part(inside)[:, None]))
+                add_target_term(x, part(col), part(inside), -part(g)[:, 0],
+                                None if target_x is None else part(target_x))
                 x.mul_(u.square_().neg_().add_(1.0))  # · (1 - u²): -dy·τ/s
                 alpha = -s / temperature  # dy = alpha·x
                 if want_dh:

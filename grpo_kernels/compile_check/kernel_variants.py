@@ -284,8 +284,8 @@ def _logits(arch: int, V: int, dtype, quick: bool):
         bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
                                                      softcap_backward=tr[1]))
         args = dict(rows, dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=T * V, stride_dt=V, HAS_GENT=gent, ALIASED=False, **bcfg,
-                    **_transform_args(tr))
+                    logp_ptr=Ptr("fp32"), stride_db=T * V, stride_dt=V, HAS_GENT=gent,
+                    ALIASED=False, **bcfg, **_transform_args(tr))
         yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
     # before each logits-input backward: the rows its forward skipped, recomputed if needed
@@ -321,8 +321,8 @@ def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
         bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1],
                                                      converting_backward=d != "fp32"))
         args = dict(rows, dx_ptr=Ptr(d), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=d_stride, stride_dt=d_stride, HAS_GENT=gent, ALIASED=aliased,
-                    **bcfg, **_transform_args(tr))
+                    logp_ptr=Ptr("fp32"), stride_db=d_stride, stride_dt=d_stride,
+                    HAS_GENT=gent, ALIASED=aliased, **bcfg, **_transform_args(tr))
         yield Variant(f"logits_bwd[fp32->{d},three-pass,V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
     # the fused row kernel (fused_rows=True: an option, not the default)

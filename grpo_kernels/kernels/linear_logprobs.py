@@ -54,13 +54,13 @@ def loop_bound(x):
 
 @triton.jit
 def _store_token_results(
-    offs_n, n_mask, lse, ent, z_target, lse_ptr, ent_ptr, logp_ptr,
+    offs_n, n_mask, lse, ent, logp, lse_ptr, ent_ptr, logp_ptr,
     epi_tensors, epi_scalars, EPI_FLAGS: tl.constexpr,
 ):
     """Stores a block's lse, entropy and logp [BLOCK_N], then runs the GRPO epilogue (the
     bundle of `epilogue.py`) on logp when there is one. Returns its weight·dℓ/dlogp [BLOCK_N]
     (zeros without an epilogue; callers that do not need it let the compiler drop it)."""
-    logp = tl.where(n_mask, z_target - lse, 0.0)  # rows past N stay finite in the epilogue
+    logp = tl.where(n_mask, logp, 0.0)  # rows past N stay finite in the epilogue
     tl.store(lse_ptr + offs_n, lse, mask=n_mask)
     tl.store(ent_ptr + offs_n, ent, mask=n_mask)
     tl.store(logp_ptr + offs_n, logp, mask=n_mask)
@@ -226,7 +226,8 @@ def _linear_logprob_fwd_kernel(
                               logit_mul, softcap, HAS_BIAS, BLOCK_N, BLOCK_D, HAS_SCALE,
                               HAS_SOFTCAP)
         log2_s = tl.log2(s)
-        _store_token_results(offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
+        lse = (m + log2_s) * LN2
+        _store_token_results(offs_n, n_mask, lse, (log2_s - t / s) * LN2, z_tgt - lse,
                              lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
@@ -255,7 +256,8 @@ def _combine_splits_kernel(
     t = tl.sum(scale * (t_i + (m_i - m[:, None]) * s_i), axis=1)
     s = tl.where(n_mask, s, 1.0)  # rows past N have no partials: keep log and t / s finite
     log2_s = tl.log2(s)
-    _store_token_results(offs_n, n_mask, (m + log2_s) * LN2, (log2_s - t / s) * LN2, z_tgt,
+    lse = (m + log2_s) * LN2
+    _store_token_results(offs_n, n_mask, lse, (log2_s - t / s) * LN2, z_tgt - lse,
                          lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 

@@ -142,7 +142,7 @@ def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, need
                 continue
             logits_logprob_backward(y.view(r, 1, V), targets[rows], stats[2], stats[1],
                                     coef[rows], g_ent_rows, temperature, out=d.view(r, 1, V),
-                                    **transform)
+                                    logp=stats[0], **transform)
         grads.add_chunk(rows, d, h, weight, first=r0 == 0)
     return LossGrad(logp, ent, lse, coef, *grads.finish())
 

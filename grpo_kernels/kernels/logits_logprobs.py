@@ -52,8 +52,8 @@ def _nonzero_rows(x):
 @triton.jit
 def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: tl.constexpr,
                     BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """(lse, entropy) [ROWS] of z = cap(s·x) / τ for a block of rows (offsets `rows`), in one
-    online sweep over V: running max m, Σ e^(z - m) and Σ e^(z - m)·(z - m)."""
+    """(lse, entropy, m, log s) [ROWS] of z = cap(s·x) / τ, rows at offsets `rows`, one online
+    sweep over V (max m, s = Σ e^(z - m), Σ e^(z - m)·(z - m)); logp = (z_target - m) - log s."""
     m = tl.full([ROWS], NEG_BIG, tl.float32)  # running max
     s = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)
     t = tl.zeros([ROWS], tl.float32)  # Σ e^(z - m)·(z - m)
@@ -77,7 +77,7 @@ def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: 
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
     log_s = tl.log(tl.where(n_mask, s, 1.0))
-    return m + log_s, log_s - t / tl.where(n_mask, s, 1.0)
+    return m + log_s, log_s - t / tl.where(n_mask, s, 1.0), m, log_s
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, SKIP_ZERO_WEIGHT: tl.constexpr):
     """The forward of this program's ROWS tokens: log-sum-exp, entropy and log-prob stored, the
-    epilogue run; returns (offs_n, n_mask, rows, lse, ent, g) for a backward sweep to follow.
+    epilogue run; returns (offs_n, n_mask, rows, lse, ent, logp, g) for a backward sweep to follow.
 
     SKIP_ZERO_WEIGHT (with the epilogue): a block whose rows all have weight 0 (padding) reads
     no logits and runs no epilogue (`epilogue.skipped_token_outputs`: log-prob, entropy,
@@ -101,6 +101,7 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
         live = _nonzero_rows(load_token_weights(offs_n, n_mask, epi_tensors)) != 0.0
     lse = tl.zeros([ROWS], tl.float32)
     ent = tl.zeros([ROWS], tl.float32)
+    logp = tl.zeros([ROWS], tl.float32)
     g = tl.zeros([ROWS], tl.float32)
     if live:
         # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into
@@ -109,14 +110,15 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
         # the target logit is one load per row, not a search through the tiles
         x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
         z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
-        lse, ent = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS,
-                                   BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
-        g = _store_token_results(offs_n, n_mask, lse, ent, z_tgt, lse_ptr, ent_ptr, logp_ptr,
+        lse, ent, m, log_s = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul,
+                                             softcap, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+        logp = (z_tgt - m) - log_s
+        g = _store_token_results(offs_n, n_mask, lse, ent, logp, lse_ptr, ent_ptr, logp_ptr,
                                  epi_tensors, epi_scalars, EPI_FLAGS)
     else:  # no epilogue either: its inputs at padding may be anything (an old log-prob of -100
         # would overflow the ratio of a log-prob 0, and 0·inf is NaN)
         skipped_token_outputs(offs_n, n_mask, lse_ptr, ent_ptr, logp_ptr, epi_tensors)
-    return offs_n, n_mask, rows, lse, ent, g
+    return offs_n, n_mask, rows, lse, ent, logp, g
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -165,13 +167,20 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
 
 
 @triton.jit
-def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
-                    logit_mul, softcap, HAS_GENT: tl.constexpr, ROWS: tl.constexpr,
+def _expm1(x):
+    """e^x - 1 [ROWS]: the series to x³ for |x| < 1e-3 (no cancellation), e^x - 1 beyond."""
+    return tl.where(tl.abs(x) < 1e-3, x * (1.0 + x * (0.5 + x * (1.0 / 6.0))), tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, gh, busy, V,
+                    inv_temp, logit_mul, softcap, HAS_GENT: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     ALIASED: tl.constexpr):
     """Writes the d logits of a block of rows (offsets `rows` in x, `drows` in dx) in one sweep
-    over V; tgt, lse, ent, g = g_logp, gh = g_entropy are [ROWS]; busy == 0 (no row of the block
-    has a gradient) writes zeros without reading x.
+    over V; tgt, lse, ent, logp (the forward's), g = g_logp, gh = g_entropy are [ROWS]; busy == 0
+    (no row of the block has a gradient) writes zeros without reading x. At the target column
+    log p is logp unless NaN (then z/τ - lse), 1 - p is -expm1(logp): not the lse's rounding.
 
     ALIASED: dx is narrower than x and written over it (`shared_rows`): element j of a row's
     d logits lands on x element j·isize(dx)/isize(x) <= j of the same row, which this sweep, or
@@ -187,10 +196,11 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, bu
             dzdx = 1.0
             if HAS_SCALE or HAS_SOFTCAP:
                 x, dzdx = softcap_logits_grad(x, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
-            log_p = x * inv_temp - lse[:, None]
+            at_t = (offs_v[None, :] == tgt[:, None]) & (logp == logp)[:, None]
+            log_p = tl.where(at_t, logp[:, None], x * inv_temp - lse[:, None])
             p = tl.exp(log_p)
             onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-            dz = g[:, None] * (onehot - p)
+            dz = g[:, None] * tl.where(at_t, -_expm1(logp)[:, None], onehot - p)
             if HAS_GENT:
                 dz -= gh[:, None] * p * (log_p + ent[:, None])
             dz = dz * inv_temp
@@ -206,7 +216,7 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, bu
 
 @triton.jit(do_not_specialize=["N", "T"])
 def _logits_logprob_bwd_kernel(
-    x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, logp_ptr,  # logp: forward's
     N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
     HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIASED: tl.constexpr,
@@ -231,8 +241,10 @@ def _logits_logprob_bwd_kernel(
     # no one-hot term, as in the linear head's tile kernels (`dlogits.dz_tile`)
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-    _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, g, gh, busy, V, inv_temp,
-                    logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
+    logp = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)  # NaN: not given
+    _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, gh, busy, V,
+                    inv_temp, logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP,
+                    ALIASED)
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -255,8 +267,8 @@ def _skipped_rows_kernel(
     stale = lse != lse
     if (busy != 0.0) & (tl.max(stale.to(tl.int32), axis=0) != 0):
         rows = _row_offsets(offs_n, T, stride_xb, stride_xt)
-        lse_now, ent_now = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap,
-                                           ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+        lse_now, ent_now, _, _ = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul,
+                                                 softcap, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
         lse = tl.where(stale, lse_now, lse)
         ent = tl.where(stale, ent_now, ent)
     tl.store(lse_out_ptr + offs_n, lse, mask=n_mask)
@@ -280,26 +292,30 @@ def _with_skipped_rows(logits, lse, ent, g_logp, g_ent, temperature, softcap, lo
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
-                            softcap=None, logit_scale=None, skipped_rows=False):
+                            softcap=None, logit_scale=None, skipped_rows=False, logp=None):
     """d logits [B, T, V] for Σ g_logp·logp + Σ g_ent·H, in logits' dtype or `out`'s; written
     into `out`, which may be `logits` itself (each element is read before it is overwritten) or
     a narrower view over its rows (`shared_rows`). softcap / logit_scale: as in
     `logits_logprob_forward` (d of the raw logits). skipped_rows: lse may mark rows the forward
     skipped (NaN, `logits_logprob_forward(skip_zero_weight=True)`); they are recomputed first
-    where they need to be (`_with_skipped_rows`)."""
+    where they need to be (`_with_skipped_rows`). logp: None or the forward's log-probs [B·T],
+    the target column's (else, and at a skipped row, z/τ - lse: `_d_logits_sweep`)."""
     B, T, V = logits.shape
     N = B * T
     dx = torch.empty_like(logits) if out is None else out
     aliased = shared_rows(logits, dx) and dx.element_size() != logits.element_size()
     if N == 0:
         return dx
+    # NaN where there is no log-prob: none given, or a skipped row's (0; its lse is NaN)
+    logp = torch.full_like(lse, float("nan")) if logp is None else (
+        torch.where(torch.isnan(lse), lse, logp) if skipped_rows else logp)
     if skipped_rows:
         lse, ent = _with_skipped_rows(logits, lse, ent, g_logp, g_ent, temperature, softcap,
                                       logit_scale)
     cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
                               converting_backward=dx.dtype != logits.dtype)
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-        logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp,
+        logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp, logp,
         N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
         1.0 / temperature,
         HAS_GENT=g_ent is not None, ALIASED=aliased, **cfg,
@@ -338,7 +354,7 @@ def _logits_loss_grad_kernel(
 ):
     # the forward's sweep and epilogue, then the backward's sweep with g_logp = weight·dℓ/dlogp
     # from registers: the second read of a row block may come from L2
-    offs_n, n_mask, rows, lse, ent, g = _forward_rows(
+    offs_n, n_mask, rows, lse, ent, logp, g = _forward_rows(
         x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T, stride_xb,
         stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP,
         False)
@@ -352,8 +368,8 @@ def _logits_loss_grad_kernel(
     # kernel (another vocabulary shard's id, grpo_kernels/parallel); the sweep loads nothing by it
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
     _d_logits_sweep(x_ptr, dx_ptr, rows, _row_offsets(offs_n, T, stride_db, stride_dt), n_mask,
-                    tgt, lse, ent, g, gh, busy, V, inv_temp, logit_mul, softcap, HAS_GENT, ROWS,
-                    BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
+                    tgt, lse, ent, logp, g, gh, busy, V, inv_temp, logit_mul, softcap, HAS_GENT,
+                    ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
 
 
 def logits_loss_grad(logits, targets, temperature, epilogue, g_ent, out, dx, softcap=None,

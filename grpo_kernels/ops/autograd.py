@@ -75,10 +75,10 @@ def linear_grads(ctx, g_logp, g_ent, backward=None):
 
 
 def logits_grads(ctx, g_logp, g_ent, backward=None):
-    """d logits from the saved (logits, targets, lse, ent); in place when ctx.inplace.
+    """d logits from the saved (logits, targets, lse, ent, logp); in place when ctx.inplace.
     backward: the eager bodies (out of place, in place) of logits_logprobs_backward[_], called
     directly (default: the operators)."""
-    logits, targets, lse, ent = ctx.saved_tensors[:4]
+    logits, targets, lse, ent, logp = ctx.saved_tensors[:5]
     if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
         return None
     temperature, backend, inplace, softcap, logit_scale = ctx.config
@@ -89,9 +89,9 @@ def logits_grads(ctx, g_logp, g_ent, backward=None):
     out_of_place, in_place = backward or (ops.logits_logprobs_backward,
                                           ops.logits_logprobs_backward_)
     if inplace:
-        in_place(logits, *args)
+        in_place(logits, *args, logp=logp)
         return logits  # d logits now lives in the logits buffer (version counter bumped)
-    return out_of_place(logits, *args)
+    return out_of_place(logits, *args, logp=logp)
 
 
 def setup_linear(ctx, inputs, output):
@@ -112,10 +112,10 @@ def linear_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
 
 def setup_logits(ctx, inputs, output):
     logits, targets, temperature, backend, _, inplace, *rest = inputs
-    _, ent, lse = output
+    logp, ent, lse = output
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(logits, targets, lse, ent)
+    ctx.save_for_backward(logits, targets, lse, ent, _saved_logp(logp))
     ctx.n_inputs = len(inputs)
     ctx.config = (temperature, backend, inplace, *_transform(rest))
 

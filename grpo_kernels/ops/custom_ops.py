@@ -112,7 +112,8 @@ torch.library.define(
     "(Tensor logits, Tensor targets, float temperature, str backend, str ids_name, "
     f"bool inplace, {TRANSFORM_ARGS}) -> (Tensor logp, Tensor entropy, Tensor lse)")
 LOGITS_BWD_ARGS = ("Tensor targets, Tensor lse, Tensor entropy, Tensor g_logp, "
-                   f"Tensor? g_entropy, float temperature, str backend, {TRANSFORM_ARGS}")
+                   f"Tensor? g_entropy, float temperature, str backend, {TRANSFORM_ARGS}, "
+                   "Tensor? logp=None")
 torch.library.define("grpo_kernels::logits_logprobs_backward",
                      f"(Tensor logits, {LOGITS_BWD_ARGS}) -> Tensor")
 # in place: d logits overwrites the logits (inplace=True of the public functions, eager only)
@@ -138,17 +139,19 @@ def _logits_logprobs_fake(logits, targets, *args):
 
 
 def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, backend,
-                     softcap=None, logit_scale=None, *, inplace, kept=None):
+                     softcap=None, logit_scale=None, logp=None, *, inplace, kept=None):
+    """logp: the forward's log-probs [B·T] or None (`LogitsOp.backward`)."""
     op = LogitsOp(IMPLS[backend], temperature, inplace, softcap, logit_scale)
-    return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,), kept=kept)[0]
+    return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,), kept=kept,
+                       logp=logp)[0]
 
 
-def _logits_logprobs_backward(logits, *args, kept=None):
-    return _logits_backward(logits, *args, inplace=False, kept=kept)
+def _logits_logprobs_backward(logits, *args, kept=None, **kw):
+    return _logits_backward(logits, *args, inplace=False, kept=kept, **kw)
 
 
-def _logits_logprobs_backward_inplace(logits, *args, kept=None):
-    _logits_backward(logits, *args, inplace=True, kept=kept)
+def _logits_logprobs_backward_inplace(logits, *args, kept=None, **kw):
+    _logits_backward(logits, *args, inplace=True, kept=kept, **kw)
 
 
 torch.library.impl("grpo_kernels::logits_logprobs_backward", "default", _logits_logprobs_backward)

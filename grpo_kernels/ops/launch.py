@@ -69,10 +69,11 @@ class BoundOp:
         return fallback.variant(self.family, what, x.device, x.dtype,
                                 *self.head_options(tensors), *extra)
 
-    def _launch(self, tensors, what, extra, name, *args, torch_kw=None, **kw):
+    def _launch(self, tensors, what, extra, name, *args, torch_kw=None, triton_kw=None, **kw):
         """Launcher `name` on this op's backend; on Triton through `fallback.run` under the key
         of (`what`, the inputs `tensors`, the backward's `extra` options). torch_kw: keywords
-        for the chunked launcher only (also when it replaces a Triton kernel that failed)."""
+        for the chunked launcher only (also when it replaces a Triton kernel that failed);
+        triton_kw: for the Triton launcher only."""
         if not self.on_triton:
             return getattr(chunked, name)(*args, **kw, **(torch_kw or {}))
 
@@ -82,7 +83,8 @@ class BoundOp:
 
         follows = self.variant("forward", tensors) if what == "backward" else None
         return fallback.run(self.variant(what, tensors, *extra), tensors[0].device,
-                            lambda: getattr(self.impl, name)(*args, **kw), on_torch, follows)
+                            lambda: getattr(self.impl, name)(*args, **kw, **(triton_kw or {})),
+                            on_torch, follows)
 
 
 class LinearHeadOp(BoundOp):
@@ -162,7 +164,9 @@ class LogitsOp(BoundOp):
         return self._launch((logits,), "forward", (), "logits_logprob_forward", logits,
                             targets, self.temperature, **extra, **self.transform)
 
-    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None):
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None, logp=None):
+        """logp: None or the forward's log-probs [B·T], from which the Triton kernel takes the
+        target column's 1 - p (the chunked launcher has the forward's statistics in `kept`)."""
         (logits,) = inputs
         if not needs[0]:
             return (None,)
@@ -171,7 +175,7 @@ class LogitsOp(BoundOp):
         dx = self._launch(inputs, "backward", options, "logits_logprob_backward", logits,
                           targets, lse, ent, g_logp, g_ent, self.temperature,
                           out=logits if self.inplace else None, skipped_rows=True, **extra,
-                          **self.transform)
+                          **self.transform, triton_kw=_torch_kw(logp=logp))
         if self.inplace:
             # the kernel wrote through a raw pointer: bump the version so that any other
             # autograd node that saved these logits fails loudly instead of using gradients

@@ -224,11 +224,13 @@ def _compute(head, ids, grpo_args, g_ent, rows, needs, backend, temperature, log
 
 def recompute_grads(head, ids, stats, g_ent, needs, backend, temperature, logit_scale=None
                     ) -> tuple:
-    """The same input gradients from the saved statistics stats = (lse, entropy, coef) [N], by
-    the backend's backward launcher (a second backward of a graph kept with retain_graph)."""
-    lse, ent, coef = stats
+    """The same input gradients from the saved statistics stats = (lse, entropy, coef, logp)
+    [N], by the backend's backward launcher (a second backward of a graph kept with
+    retain_graph). logp: the forward's, from which the chunked backward takes the target
+    column's gradient (1 - p of a dominant target, not through the lse)."""
+    lse, ent, coef, logp = stats
     op = LinearHeadOp(IMPLS[backend], temperature, logit_scale=logit_scale)
-    return op.backward(head, ids, lse, ent, coef, g_ent, needs)
+    return op.backward(head, ids, lse, ent, coef, g_ent, needs, logp=logp)
 
 
 # ---- the eager autograd.Function ----------------------------------------------------------------

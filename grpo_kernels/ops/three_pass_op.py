@@ -96,7 +96,9 @@ def linear_grpo_loss(head, ids, grpo_args, g_ent, backend: str, temperature: flo
                     compact, differentiate=grad_by_autograd)
     if not any(needs):  # forward only: nothing for autograd to hold
         return out._replace(grads=None)
-    stats = (out.lse, out.entropy, out.coef)  # not the gradients: autograd takes those as .grad
+    # not the gradients: autograd takes those as .grad; a copy of logp (N floats), which the
+    # caller may change in place, for the target column's 1 - p (`recompute_grads`)
+    stats = (out.lse, out.entropy, out.coef, out.logp.detach().clone())
 
     def recompute(hidden, weight, bias):
         return recompute_grads((hidden, weight, bias), ids, stats, g_ent, needs, backend,
