@@ -144,10 +144,11 @@ def dominated_logits(V, temperature, B=2, T=6):
     return x.scatter_(-1, ids[..., None], 40.0 * temperature), ids
 
 
-def check_logits(ours_fn, ref_fn, logits, g_scale, temperature):
-    """d logits within twice PyTorch's float32 error, plus one float32 ulp of p = 1 at the
-    largest per-token gradient coefficient (g_scale / τ): both round s = Σ 2^(z - m) ≈ 1 + ε of
-    a dominated row at float32's resolution, PyTorch's rounding chain a little more luckily."""
+def check_logits(ours_fn, ref_fn, logits, g_scale, temperature, backend="chunked"):
+    """d logits (ours on `backend`) within twice PyTorch's float32 error, plus one float32 ulp
+    of p = 1 at the largest per-token gradient coefficient (g_scale / τ): both round
+    s = Σ 2^(z - m) ≈ 1 + ε of a dominated row at float32's resolution, PyTorch's rounding
+    chain a little more luckily."""
     def grad(fn, x):
         x = x.detach().clone().requires_grad_(True)
         fn(x).backward()
@@ -155,7 +156,7 @@ def check_logits(ours_fn, ref_fn, logits, g_scale, temperature):
 
     truth = grad(ref_fn, logits.double())
     torch32 = (grad(ref_fn, logits).double() - truth).abs().max().item()
-    with gk.force_backend("chunked"):
+    with gk.force_backend(backend):
         ours = (grad(ours_fn, logits).double() - truth).abs().max().item()
     floor = torch.finfo(torch.float32).eps * g_scale / temperature
     assert ours <= 2.0 * torch32 + floor, (ours, torch32, floor)
@@ -180,6 +181,12 @@ def test_logits_grpo_loss_at_dominated_rows(temperature, V):
 @pytest.mark.parametrize("V,entropy", [(64, False), (4096, False), (64, True), (4096, True)])
 def test_logprobs_from_logits_at_dominated_rows(temperature, V, entropy):
     """logprobs_from_logits' backward, with and without an entropy gradient."""
+    check_logits(*logits_logprobs_case(V, temperature, entropy), temperature)
+
+
+def logits_logprobs_case(V, temperature, entropy):
+    """(ours, reference, logits, g_scale) of a logprobs_from_logits loss at dominated rows:
+    random weights on the log-probs (and entropies), summed."""
     x, ids = dominated_logits(V, temperature)
     g = torch.Generator().manual_seed(5)
     g_logp, g_ent = torch.randn(ids.shape, generator=g), torch.randn(ids.shape, generator=g)
@@ -193,8 +200,7 @@ def test_logprobs_from_logits_at_dominated_rows(temperature, V, entropy):
         return call
 
     g_scale = max(g_logp.abs().max().item(), g_ent.abs().max().item() if entropy else 0.0)
-    check_logits(loss(gk.logprobs_from_logits), loss(reference.logprobs_from_logits), x,
-                 g_scale, temperature)
+    return loss(gk.logprobs_from_logits), loss(reference.logprobs_from_logits), x, g_scale
 
 
 def test_compiled_selective_logprobs_at_dominated_rows():

@@ -14,7 +14,16 @@ strict xfail until that forward takes the target logit from its own tiles.
 
 import pytest
 import torch
-from test_dominated_rows import check, dominated_head, dominated_logits, errors, grads, on_route
+from test_dominated_rows import (
+    check,
+    check_logits,
+    dominated_head,
+    dominated_logits,
+    errors,
+    grads,
+    logits_logprobs_case,
+    on_route,
+)
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -120,21 +129,7 @@ def triton_errors(ours_fn, ref_fn, hidden, weight):
 @pytest.mark.parametrize("V,entropy", [(64, False), (64, True), (4096, True)])
 def test_triton_logprobs_from_logits_at_dominated_rows(temperature, V, entropy):
     """logprobs_from_logits on the Triton row kernels (the operator saves logp for them)."""
-    x, ids = dominated_logits(V, temperature)
-    g = torch.Generator().manual_seed(5)
-    g_logp, g_ent = torch.randn(ids.shape, generator=g), torch.randn(ids.shape, generator=g)
-
-    def loss(fn):
-        def call(lg):
-            out = fn(lg, ids, temperature=temperature, return_entropy=entropy)
-            if not entropy:
-                return (out * g_logp).sum()
-            return (out[0] * g_logp).sum() + (out[1] * g_ent).sum()
-        return call
-
-    g_scale = max(g_logp.abs().max().item(), g_ent.abs().max().item() if entropy else 0.0)
-    check_logits_triton(loss(gk.logprobs_from_logits), loss(reference.logprobs_from_logits), x,
-                        g_scale, temperature)
+    check_logits_triton(*logits_logprobs_case(V, temperature, entropy), temperature)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.01])
@@ -152,16 +147,5 @@ def test_triton_logits_grpo_loss_at_dominated_rows(temperature):
 
 
 def check_logits_triton(ours_fn, ref_fn, logits, g_scale, temperature):
-    """`test_dominated_rows.check_logits` with ours on the Triton backend: d logits within
-    twice PyTorch's float32 error plus one float32 ulp of p = 1 at g_scale / τ."""
-    def grad(fn, x):
-        x = x.detach().clone().requires_grad_(True)
-        fn(x).backward()
-        return x.grad
-
-    truth = grad(ref_fn, logits.double())
-    torch32 = (grad(ref_fn, logits).double() - truth).abs().max().item()
-    with gk.force_backend("triton"):
-        ours = (grad(ours_fn, logits).double() - truth).abs().max().item()
-    floor = torch.finfo(torch.float32).eps * g_scale / temperature
-    assert ours <= 2.0 * torch32 + floor, (ours, torch32, floor)
+    """`test_dominated_rows.check_logits` with ours on the Triton backend."""
+    check_logits(ours_fn, ref_fn, logits, g_scale, temperature, backend="triton")
