@@ -107,11 +107,11 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
         # a target id outside [0, V) (the caller reports it; nothing here can) is clamped into
         # the row, so that no load leaves the logits; the backward clamps it the same way
         tgt = _clamped_targets(tgt_ptr, offs_n, n_mask, V)
-        # the target logit is one load per row, not a search through the tiles
-        x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
-        z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
         lse, ent, m, log_s = _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul,
                                              softcap, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP)
+        # the target logit: one load after the sweep (across it: 8 B spilled, Triton 3.4, sm_80)
+        x_tgt = tl.load(x_ptr + rows + tgt, mask=n_mask, other=0.0).to(tl.float32)
+        z_tgt = softcap_logits(x_tgt, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
         logp = (z_tgt - m) - log_s
         g = _store_token_results(offs_n, n_mask, lse, ent, logp, lse_ptr, ent_ptr, logp_ptr,
                                  epi_tensors, epi_scalars, EPI_FLAGS)
