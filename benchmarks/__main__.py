@@ -29,7 +29,7 @@ from . import ceilings as ceilings_mod
 from .providers import NAMES, LossConfig, select
 from .runner import CsvLog, base_row, new_run_id, read_csv, sweep
 
-# Default sweeps. CUDA: the real heads and token counts. CPU: the same code paths on
+# Default sweeps. CUDA: real heads and token counts. CPU: the same code paths on
 # shapes a 2-core machine finishes in a few minutes (synthetic heads, labelled as such).
 CUDA_FULL = dict(heads="qwen0.5b,qwen7b,llama8b", tokens="4096,16384,65536",
                  modes=",".join(STEP_MODES))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 PROVIDER_KEYS = {"eager": "fused_linear/reference", "liger": "fused_linear/liger",
                  "ours": "fused_linear/ours"}
-TARGET_SHAPE = (4096, 128, 32768)  # issue 10's CPU target (synthetic head)
+TARGET_SHAPE = (4096, 128, 32768)  # the CPU targets' shape (synthetic head)
 REAL_HEAD = (4096, 896, 151936)  # Qwen2.5-0.5B's lm head
 MiB = 2**20
 FIELDS = ["utc", "machine", "cpus", "torch_threads", "torch", "commit", "load_1m_5m",
@@ -123,7 +123,8 @@ def _machine() -> str:
 
 
 def _verdict(rows: list[dict]) -> list[str]:
-    """Issue 10's CPU targets at the target shape, from this run's rows."""
+    """The CPU targets (time against Liger and eager, peak memory) at TARGET_SHAPE, from this
+    run's rows."""
     by = {r["provider"]: r for r in rows if (r["N"], r["D"], r["V"]) == TARGET_SHAPE
           and "best_s" in r}
     if not {"ours", "eager", "liger"} <= by.keys():

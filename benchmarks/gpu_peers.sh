@@ -28,11 +28,10 @@
 #   9. peers-long, peers-short: fwd+bwd at N = 65536 and N = 4096, three heads, as time allows
 #      (50 / 70, 30 / 45)
 #
-# On the lent device (repository root here; wheels fetched once, 4 MiB; the tree and .whl/ must
-# stay under 64 MiB together):
+# On a GPU machine that gets a copy of the tree (repository root here; wheels fetched once,
+# 4 MiB; where the copy is size-limited, the tree and .whl/ together):
 #   LEAN=1 bash benchmarks/fetch_wheels.sh
-#   run(command="BENCH_COMMIT=<sha> OUT=$OUT PACK=peers bash benchmarks/gpu_peers.sh",
-#       carry=[".whl"], timeout_s=540)
+#   BENCH_COMMIT=<sha> OUT=$OUT PACK=peers bash benchmarks/gpu_peers.sh   (.whl/ copied along)
 #   with <sha> = `git rev-parse --short HEAD` here, written into the command (the device's copy
 #   of the tree has no .git); the files come back as $OUT/peers.tgz and $OUT/peers-steps.txt
 # Elsewhere: BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_peers.sh

@@ -15,10 +15,10 @@
 #   5. scaling: fwd+bwd, N = 4096..65536, three heads, eager providers (100)
 #   6. plots (2 × 20); 7. the static report for this GPU's architecture (50)
 #
-# On the lent device (repository root here; the peers' wheels fetched once, 4 MiB):
+# On a GPU machine that gets a copy of the tree (repository root here; the peers' wheels fetched
+# once, 4 MiB):
 #   LEAN=1 bash benchmarks/fetch_wheels.sh
-#   run(command="BENCH_COMMIT=<sha> OUT=$OUT PACK=session bash benchmarks/gpu_session.sh",
-#       carry=[".whl"], timeout_s=600)
+#   BENCH_COMMIT=<sha> OUT=$OUT PACK=session bash benchmarks/gpu_session.sh   (.whl/ copied along)
 #   with <sha> = `git rev-parse --short HEAD` here, written into the command (the device's copy
 #   of the tree has no .git); the files come back as $OUT/session.tgz and $OUT/session-steps.txt
 # Elsewhere: BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_session.sh

@@ -29,11 +29,11 @@
 # Usage (repository root; OUT = where results go, default ./gpu_out):
 #   BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_trainer.sh
 #   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/gpu_trainer.sh   # every step on the CPU, tiny shapes
-# On the lent device (15 minutes, ~30 s to start), two calls that fit, carrying .whl:
+# On a GPU machine with a 10-minute limit per command, two calls that fit, copying .whl/ along:
 #   BENCH_COMMIT=<sha> PARTS=generation,loss DEADLINE_S=540 OUT=$OUT bash ...   (timeout_s 570)
 #   BENCH_COMMIT=<sha> PARTS=steps DEADLINE_S=540 OUT=$OUT bash ...             (timeout_s 570)
-# (the steps part's warm-up steps double its time: a call of its own, in another session's time)
-# TRL and datasets are not on the device image: carry .whl (benchmarks/fetch_wheels.sh, LEAN=1);
+# (the steps part's warm-up steps double its time: it takes a call of its own)
+# TRL and datasets may be missing on the GPU machine: copy .whl/ (benchmarks/fetch_wheels.sh, LEAN=1);
 # install_wheels.sh installs them. A step whose package is missing writes an "n/a" row.
 #
 # Writes under $OUT:

@@ -188,7 +188,7 @@ def parse_args(argv):
                              "(auto: the rule, grpo_kernels.hf.ATTENTION_RULES)")
     parser.add_argument("--assets", default=None, metavar="DIR",
                         help="keep the random-weight model in DIR and use a saved one of the "
-                             "same shape and seed (runs of one session share it)")
+                             "same shape and seed (runs on one machine share it)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed steps first, replaying the timed steps' lengths (as many "
                              "as --steps warms every timed step's)")

@@ -86,6 +86,9 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.simplefilter("ignore")
+    if "RANK" not in os.environ:  # started as a plain script: no process group to join
+        raise SystemExit("run this example under torchrun, e.g. "
+                         "`torchrun --nproc_per_node 2 examples/tensor_parallel.py`")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

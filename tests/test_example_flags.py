@@ -54,3 +54,12 @@ def test_examples_without_flags_refuse_arguments(name, capsys):
         example.parse_args(["--steps", "2"])
     assert exit_info.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_tensor_parallel_outside_torchrun_says_how_to_start(monkeypatch):
+    """Started as a plain script (no RANK from torchrun) it says how to run it, not a traceback
+    from the process group's environment lookup."""
+    tensor_parallel = load_example("tensor_parallel")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="torchrun --nproc_per_node 2"):
+        tensor_parallel.main()

@@ -91,7 +91,8 @@ def compile_all(variants: list, arch: int, want_sass: bool = False, jobs: int = 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo_kernels.compile_check",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90,
                         help="compute capability as an integer: 75, 80, 86, 89, 90, 100, 120")
     parser.add_argument("--verbose", action="store_true", help="one line per variant")

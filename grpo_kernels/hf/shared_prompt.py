@@ -28,9 +28,9 @@ The mask's form follows the attention implementation (`shared_prompt_mask`): sdp
 boolean [R, 1, W, W] (True: attend), eager an additive float one (0 or the dtype's minimum), flex
 attention a BlockMask that skips the blocks between siblings. transformers uses a 4-D mask as
 given. Flash implementations take no mask and are not shared (`check_shared_prompt` says why),
-nor are models with sliding-window or non-attention layers, whose mask a 4-D mask would replace,
-nor Mixture-of-Experts models, whose auxiliary loss would count the prompt once instead of G
-times.
+nor are models with sliding-window or non-attention layers, whose mask a 4-D mask would replace.
+Mixture-of-Experts models share unless the caller adds their auxiliary loss over the rows
+(`choose_layout(aux_loss=True)`): that loss would count the prompt once instead of G times.
 """
 
 from __future__ import annotations

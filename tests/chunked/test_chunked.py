@@ -108,7 +108,7 @@ def test_float32_row_blocks_match_truth(chunk_elements, bias, temperature, entro
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("entropy,keep", [(False, False), (True, False), (True, True)])
 def test_half_logits_accumulate_in_float32(dtype, entropy, keep):
-    """Issue 9, fix 3: with bf16/fp16 inputs, logp and entropy are as accurate as float32
+    """With bf16/fp16 inputs, logp and entropy are as accurate as float32
     arithmetic on the same half values; the bf16/fp16 reference, which rounds the logits to the
     input dtype, is far outside that bound (so the bound can fail)."""
     hidden, weight, b, ids = _head(dtype, bias=True)

@@ -89,7 +89,7 @@ def test_fp32_policy_follows_torch_and_never_raises(name, restore_matmul_flags):
         step()
     assert precision.dot_precision(torch.float32) == expected
     assert precision.dot_precision(torch.bfloat16) == "tf32"  # 16-bit: ignored by Triton
-    if name == "new tf32":  # the crash: the legacy getters raise in this state
+    if name == "new tf32":  # the crash this guards: the legacy getters raise in this state
         with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
             torch.backends.cuda.matmul.allow_tf32  # noqa: B018
         hidden, weight, _, ids = make_head(1, 5, 8, 40, torch.float32, "cpu")
