@@ -19,6 +19,7 @@ on where tokens sit (per-sequence sums, expanding a per-sequence value to its to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -78,7 +79,7 @@ def entropy_bonus_weights(mask: torch.Tensor, entropy_coef: float) -> torch.Tens
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float) -> torch.Tensor:
     """The term added to the loss: -entropy_coef · Σ mask·entropy / max(Σ mask, 1); 0-dim,
     differentiable w.r.t. entropy. entropy, mask [B, T]."""
-    return (entropy_bonus_weights(mask, entropy_coef) * entropy).sum()
+    return masked_values(entropy, entropy_bonus_weights(mask, entropy_coef)).sum()
 
 
 def importance_log_weights(
@@ -91,6 +92,34 @@ def importance_log_weights(
         return log_ratio
     layout = layout or PaddedLayout(mask)
     return layout.seq_sum(log_ratio * mask) / layout.seq_sum(mask).clamp(min=1.0)
+
+
+def masked_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mask·x, with 0 wherever mask is 0 whatever x holds there (NaN or ±inf at a padded
+    position: 0·NaN would be NaN). x broadcastable to mask [B, T] (packed [N])."""
+    return torch.where(mask != 0, x * mask, 0.0)
+
+
+def real_token_values(logp, old_logps, ref_logps, importance_sampling_ratio, mask, layout,
+                      sampling_logps=None) -> tuple:
+    """The per-token values the loss reads, with padding made inert: where mask is 0, logp
+    reads 0, old, ref and sampling log-probs read that logp (ratio 1, kl 0, no drift) and a
+    per-token rollout ratio reads 1. Padded positions then contribute exactly 0 to the loss and
+    its gradients whatever they hold (NaN, ±inf), on every route: selecting before the
+    arithmetic, not after it, so that no 0·inf reaches autograd. logp, old, ref, sampling
+    [B, T] (packed [N]); the ratio [B, T] or [B, 1] ([N] or [S, 1]; a per-sequence ratio is
+    left as given). Returns (logp, old, ref, ratio, sampling), None where given None."""
+    real = mask != 0
+    logp = torch.where(real, logp, 0.0)
+    inert = logp.detach()
+
+    def fill(x):
+        return None if x is None else torch.where(real, x, inert)
+
+    isr = importance_sampling_ratio
+    if isr is not None and not layout.per_sequence(isr):
+        isr = torch.where(real, isr, 1.0)
+    return logp, fill(old_logps), fill(ref_logps), isr, fill(sampling_logps)
 
 
 def per_token_loss(
@@ -116,6 +145,8 @@ def per_token_loss(
     packed: (loss [N], ratio [N] or [S, 1], kl [N] or None).
     """
     layout = layout or PaddedLayout(mask)
+    logp, old_logps, ref_logps, importance_sampling_ratio, _ = real_token_values(
+        logp, old_logps, ref_logps, importance_sampling_ratio, mask, layout)
     old = logp.detach() if old_logps is None else old_logps
     ratio = torch.exp(importance_log_weights(logp, old, mask, params.importance_sampling_level,
                                              layout))
@@ -127,7 +158,8 @@ def per_token_loss(
     if token_scale is not None:
         loss = loss * layout.expand(token_scale)
     if importance_sampling_ratio is not None and not objective.rollout_ratio_inside:
-        loss = loss * layout.expand(importance_sampling_ratio)
+        # a per-sequence ratio of a sequence without real tokens is never read
+        loss = loss * torch.where(mask != 0, layout.expand(importance_sampling_ratio), 1.0)
     kl = None
     if params.beta != 0.0:
         d = ref_logps - logp
@@ -196,7 +228,7 @@ def metric_sums(
             x = x.float()
             if layout.per_sequence(x):  # one value per sequence: the plain mean over the B rows
                 return x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
-            return (torch.broadcast_to(x, maskf.shape) * maskf).sum(), maskf.sum()
+            return masked_values(x, maskf).sum(), maskf.sum()
 
         sums = {"entropy": terms(entropy)}
         if kl is not None:
@@ -252,6 +284,11 @@ def policy_loss(logp: torch.Tensor, inputs: LossInputs, params: GRPOParams, layo
     inputs (inputs.cu_seqlens): logp [N], per-sequence values [S, 1]. `entropy` ([B, T]) is
     needed for top_entropy_quantile < 1; `entropy_gather`: see `high_entropy_mask`."""
     layout = layout or layout_of(inputs.mask, inputs.cu_seqlens)
+    logp, old_logps, ref_logps, isr, sampling = real_token_values(
+        logp, inputs.old_logps, inputs.ref_logps, inputs.importance_sampling_ratio, inputs.mask,
+        layout, inputs.sampling_logps)
+    inputs = dataclasses.replace(inputs, old_logps=old_logps, ref_logps=ref_logps,
+                                 importance_sampling_ratio=isr, sampling_logps=sampling)
     old = logp.detach() if inputs.old_logps is None else inputs.old_logps
     phi = None
     if params.spec.objective.sequence_weight:

@@ -96,7 +96,9 @@ def masked_sums(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     processes gives the global mean)."""
     with torch.no_grad():
         maskf = mask.float()
-        return torch.stack([(entropy.float() * maskf).sum(), maskf.sum()])
+        # 0 at padding whatever its entropy (NaN for non-finite logits)
+        ent = torch.where(maskf != 0, entropy.float() * maskf, 0.0)
+        return torch.stack([ent.sum(), maskf.sum()])
 
 
 @dataclass(frozen=True)

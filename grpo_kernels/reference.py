@@ -83,7 +83,9 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask=None, old_logp
 
 def _loss_from_logits(logits, ids, inputs, params, softcap=None, logit_scale=None):
     """logits [B, T, V], validated ids [B, T] and LossInputs -> (loss, metrics); packed:
-    logits [N, V] and ids [N]."""
+    logits [N, V] and ids [N]. The rows of padded positions are read as zeros: whatever they
+    hold (NaN, ±inf) adds nothing to the loss or any gradient, as on the kernels' routes."""
+    logits = torch.where((inputs.mask != 0)[..., None], logits, 0.0)
     logp, ent = logprobs_from_logits(logits, ids, temperature=params.temperature,
                                      softcap=softcap, logit_scale=logit_scale,
                                      return_entropy=True)
@@ -106,4 +108,6 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
                                            importance_sampling_ratio, num_items_in_batch,
                                            cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     check_grad_filter(grad_filter, hidden.dtype)
+    # padded positions' hidden states read as zeros (see _loss_from_logits)
+    hidden = torch.where((inputs.mask != 0)[..., None], hidden, 0.0)
     return _loss_from_logits(_head_logits(hidden, weight, bias), ids, inputs, params, *transform)

@@ -92,3 +92,12 @@ def _block(buf, shape):
     """The first elements of a flat buffer viewed as `shape` ([b, t, V])."""
     n = shape[0] * shape[1] * shape[2]
     return buf.view(shape) if buf.numel() == n else buf[:n].view(shape)
+
+
+def zero_rows_without_gradient(dx, g, gh) -> None:
+    """Writes 0 over the rows of d logits dx [b, t, V] whose tokens have no gradient (g and gh,
+    b·t values each, both 0; gh None: g alone): padding gets 0 whatever its logits hold, where
+    the tile's arithmetic gave 0·NaN = NaN. A host read (these paths run on the CPU)."""
+    dead = (g == 0) if gh is None else (g == 0) & (gh == 0)
+    if bool(dead.any()):
+        dx[dead.reshape(dx.shape[:2])] = 0

@@ -47,6 +47,7 @@ from .blocks import (
     _row_blocks,
     _row_parts,
     _tile_shape,
+    zero_rows_without_gradient,
 )
 from .tiles import (
     LN2,
@@ -360,6 +361,7 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
                             per_token(g), per_token(gh.to(dtype) * LN2))
                 z.scatter_add_(-1, ids, one * per_token(g))  # -s·d z
                 torch.mul(z, -inv_t if s is None else -inv_t / s, out=dx)
+            zero_rows_without_gradient(dx, g, gh)
     return dx3
 
 

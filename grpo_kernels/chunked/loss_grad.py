@@ -228,7 +228,9 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
             c.copy_(d_logp(r0, r, stats[0]))
             x, scale = _d_logits(z, e, s, c.to(dtype), None if gh is None else part(gh),
                                  stats, part(tg)[:, None], -1.0 / temperature)
-            _accumulate(x, scale, part(h), w, None if dh is None else part(dh), dw, db,
+            x, scale, h_rows = _without_padding(x, scale, part(h), c,
+                                                None if gh is None else part(gh))
+            _accumulate(x, scale, h_rows, w, None if dh is None else part(dh), dw, db,
                         first=r0 == 0)
         d_hidden = None if dh is None else _scatter_rows(dh, hidden, rows)
         d_weight = None if dw is None else (dw if Na else dw.zero_()).to(weight.dtype)
@@ -281,6 +283,19 @@ def _d_logits(z, e, s, c, gh, out, col, neg_inv_t):
     x = torch.addcmul(a[:, None], z, k[:, None], out=z).mul_(e)  # [r, V], in z's buffer
     x.scatter_add_(1, col, -c[:, None])
     return x, neg_inv_t
+
+
+def _without_padding(x, scale, h, c, gh):
+    """(x [r, V], scale, h [r, D]) with the rows of tokens without gradient (c = 0 and g_H = 0
+    or None: padding of a batch that was not compacted) zeroed, so that a NaN or ±inf hidden
+    state there adds 0 to the products (0·NaN would be NaN). On the CPU a free host read skips
+    the work when every row has a gradient."""
+    dead = ((c == 0) if gh is None else (c == 0) & (gh == 0))[:, None]
+    if x.device.type == "cpu" and not bool(dead.any()):
+        return x, scale, h
+    if isinstance(scale, torch.Tensor):  # [r, 1]: c/s, NaN where s is
+        scale = scale.masked_fill(dead, 0.0)
+    return x.masked_fill_(dead, 0.0), scale, h.masked_fill(dead, 0.0)
 
 
 def _accumulate(x, scale, h, w: _Slices, dh, dw, db, first: bool) -> None:

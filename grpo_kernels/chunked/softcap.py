@@ -28,6 +28,7 @@ from .blocks import (
     _row_blocks,
     _row_parts,
     _tile_shape,
+    zero_rows_without_gradient,
 )
 from .tiles import (
     LOG2E,
@@ -160,5 +161,6 @@ def logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, softc
             if u is not None:
                 nx.mul_(u.square_().neg_().add_(1.0))  # dz/dy = s·(1 - u²)
             dx.copy_(nx.mul_(-s / temperature))
+            zero_rows_without_gradient(dx, tokens(g_logp), None if g_ent is None else tokens(g_ent))
     return dx3
 

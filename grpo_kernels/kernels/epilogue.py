@@ -6,14 +6,19 @@ kernel can hand backward a single per-token coefficient (backward never recomput
 
 Gradient algebra (token level: w = exp(logp - old), dw/dlogp = w; old and ref are constants):
   clipped  ℓ = -min(u·A, c·A),  u = min(w, δ), c = clamp(w, 1-ε_lo, 1+ε_hi)
-           du = w·[w <= δ], dc = w·[1-ε_lo <= w <= 1+ε_hi]   (torch.clamp passes ties)
-           dℓ = -A·du if u·A < c·A, -A·dc if greater, the mean of both on a tie (torch.minimum)
+           dℓ = w·(-A)·(g_u·[w <= δ] + g_c·[1-ε_lo <= w <= 1+ε_hi])   (torch.clamp passes ties)
+           g_u = g, g_c = 0 if u·A < c·A; the reverse if greater; g/2 each on a tie
+           (torch.minimum), where g = isr (1 without rollout correction)
+           written in autograd's order, so non-finite values give what TRL's autograd gives:
+           the clamps' zeros are selections (a non-finite isr at a clipped token gives 0), the
+           factor w comes last (w = inf gives 0·inf = NaN, as torch.exp's backward)
   cispo    ℓ = -min(w, ε_hi)·A·logp (the cap is detached)   dℓ = -min(w, ε_hi)·A
   sapo     s = σ(t·(w-1)), ℓ = -(4/t)·s·A                    dℓ = -4·A·s·(1-s)·w
   dppo     k = min(w, δ)·[p - p_old <= ε_hi if A > 0 else p - p_old >= -ε_lo], p = e^logp,
            ℓ = -k·A·logp (k detached: the ratio truncated at δ, times the trust-region mask)
            dℓ = -k·A
-  then ℓ, dℓ *= isr (rollout correction), then with β != 0 and d = ref - logp:
+  then ℓ *= isr (rollout correction; dℓ too, but for clipped, whose dℓ has it), then with
+  β != 0 and d = ref - logp:
   kl = e^d - d - 1, dkl = 1 - e^d; bias-corrected: kl·w, (dkl + kl)·w;  ℓ += β·kl, dℓ += β·dkl.
 
 Its arguments travel as one bundle (`EpilogueArgs`, built by `epilogue_args` from the per-token
@@ -131,7 +136,7 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
         if HAS_OLD & EPI_FLAGS:
             change = p - tl.exp(old)
         inside = tl.where(adv > 0, change <= epsilon_high, change >= -epsilon_low)
-        k = tl.where(inside | (k != k), k, 0.0)  # NaN stays NaN (torch: NaN·0)
+        k = k * inside.to(tl.float32)  # a product, as in torch: NaN·0 and inf·0 are NaN
         loss = -k * adv * logp
         dloss = -k * adv
     elif LOSS_KIND == KIND_SAPO:
@@ -144,22 +149,30 @@ def grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS: tl.con
         lo = 1.0 - epsilon_low
         hi = 1.0 + epsilon_high
         c = tl.minimum(tl.maximum(w, lo, propagate_nan=NAN_ALL), hi, propagate_nan=NAN_ALL)
-        dc = tl.where((w < lo) | (w > hi), 0.0, w)
+        u = w
         if HAS_DELTA & EPI_FLAGS:
             u = tl.minimum(w, delta, propagate_nan=NAN_ALL)
-            du = tl.where(w > delta, 0.0, w)
-        else:
-            u = w
-            du = w
         a = u * adv
         b = c * adv
         loss = -tl.minimum(a, b, propagate_nan=NAN_ALL)
-        da = -du * adv
-        db = -dc * adv
-        dloss = tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))
+        # autograd's order (see the module docstring): the rollout ratio g, then the branch
+        # minimum picks, then the clamps' zeros, then w last
+        g = tl.zeros_like(w) + 1.0
+        if HAS_ISR & EPI_FLAGS:
+            g = isr
+        half = tl.where(a == b, 0.5 * g, g)
+        ga = tl.where(a > b, 0.0, half)
+        gb = tl.where(b > a, 0.0, half)
+        gw = tl.where((w >= lo) & (w <= hi), -gb * adv, 0.0)
+        if HAS_DELTA & EPI_FLAGS:
+            gw += tl.where(w <= delta, -ga * adv, 0.0)
+        else:
+            gw += -ga * adv
+        dloss = gw * w
     if HAS_ISR & EPI_FLAGS:
         loss = loss * isr
-        dloss = dloss * isr
+        if LOSS_KIND != KIND_CLIPPED:
+            dloss = dloss * isr
     kl = tl.zeros_like(logp)
     if HAS_KL & EPI_FLAGS:
         d = ref - logp
@@ -214,9 +227,12 @@ def grpo_token_outputs(offs, mask, logp, epi_tensors, epi_scalars, EPI_FLAGS: tl
     if HAS_ISR & EPI_FLAGS:
         isr = tl.load(isr_ptr + offs, mask=mask, other=1.0)
     loss, dloss, kl, w = grpo_token_epilogue(logp, old, ref, adv, isr, epi_scalars, EPI_FLAGS)
-    tl.store(lossw_ptr + offs, wt * loss, mask=mask)
-    coef = wt * dloss
+    # a token of weight 0 (padding) gets the outputs of a skipped token (skipped_token_outputs)
+    # whatever its inputs hold: 0·NaN would be NaN (grpo_math.real_token_values)
+    real = wt != 0
+    tl.store(lossw_ptr + offs, tl.where(real, wt * loss, 0.0), mask=mask)
+    coef = tl.where(real, wt * dloss, 0.0)
     tl.store(glogp_ptr + offs, coef, mask=mask)
-    tl.store(kl_ptr + offs, kl, mask=mask)
-    tl.store(ratio_ptr + offs, w, mask=mask)
+    tl.store(kl_ptr + offs, tl.where(real, kl, 0.0), mask=mask)
+    tl.store(ratio_ptr + offs, tl.where(real, w, 1.0), mask=mask)
     return coef

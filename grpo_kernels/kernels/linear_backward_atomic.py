@@ -84,6 +84,9 @@ def _linear_logprob_bwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     g, gh, scale = token_gradients(glogp_ptr, gent_ptr, offs_n, n_mask, HAS_GENT)
+    # tokens without gradient (padding) read as absent, whatever their hidden state holds
+    # (NaN·0 would be NaN); a NaN gradient still counts (NaN != 0)
+    n_mask = n_mask & (scale != 0.0)
     # token blocks with no gradient (masked tokens) cost nothing (a sum, so NaN still flows)
     if tl.sum(scale, axis=0) != 0.0:
         offs_vl = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # row in this vocabulary chunk

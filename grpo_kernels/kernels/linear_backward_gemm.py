@@ -75,6 +75,9 @@ def _linear_dz_kernel(
     offs_n = n0 + local_n  # token
     offs_v = v0 + local_v  # vocabulary row
     g, gh, scale = token_gradients(glogp_ptr, gent_ptr, offs_n, n_mask, HAS_GENT)
+    # tokens without gradient (padding) read as absent: their d logits are 0 whatever their
+    # hidden state holds (NaN·0 would be NaN); a NaN gradient still counts (NaN != 0)
+    live = n_mask & (scale != 0.0)
     dz = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     # token blocks with no gradient (masked tokens) write zeros without the recompute (a sum,
     # so a NaN gradient still takes the recompute and flows into the result)
@@ -82,7 +85,7 @@ def _linear_dz_kernel(
         # d logits of the raw logits y; with a transform z = cap(s·y) the chain rule
         # d/dy = d/dz · s·(1 - (z/c)²) (or · s) is applied inside (`transformed_dz`)
         dz = transformed_dz(h_ptr, w_ptr, b_ptr, offs_n.to(tl.int64) * stride_hn,
-                            offs_v.to(tl.int64) * stride_wv, offs_n, offs_v, n_mask, v_mask, D,
+                            offs_v.to(tl.int64) * stride_wv, offs_n, offs_v, live, v_mask, D,
                             g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
                             HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC, HAS_SCALE,
                             HAS_SOFTCAP)
@@ -175,6 +178,8 @@ def linear_logprob_backward_gemm(
         acc = summed_out.zero_() if summed_out.dtype == torch.float32 else torch.zeros(
             summed_out.shape, device=dev, dtype=torch.float32)
     h_c, w_c = hidden.to(common), weight.to(common)  # no copy when the dtypes agree
+    if need_dw:
+        h_c = _rows_with_gradient(h_c, g_logp, g_ent)
     for start in range(0, N if by_tokens else V, chunk):
         n0, nc, v0, vc = (start, min(chunk, N - start), 0, V) if by_tokens else (
             0, N, start, min(chunk, V - start))
@@ -197,6 +202,15 @@ def linear_logprob_backward_gemm(
     if acc is not None and summed_out.data_ptr() != acc.data_ptr():
         summed_out.copy_(acc)
     return dh, dw, None if db32 is None else db32.to(bias.dtype)
+
+
+def _rows_with_gradient(h: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """h [N, D] with the rows of tokens without gradient (padding) zeroed, for d weight = dz^T·h:
+    their d logits are 0, and 0·h must add 0 even where a padded hidden state is NaN or ±inf.
+    A copy of h ([N, D], in the GEMM dtype) that lives through the backward."""
+    live = g_logp != 0 if g_ent is None else (g_logp != 0) | (g_ent != 0)  # NaN != 0: live
+    return torch.where(live[:, None], h, 0)
 
 
 def _chunking(N: int, V: int, D: int, BN: int, BV: int, bytes_per: float,

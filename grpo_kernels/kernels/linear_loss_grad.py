@@ -143,6 +143,9 @@ def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, need
             logits_logprob_backward(y.view(r, 1, V), targets[rows], stats[2], stats[1],
                                     coef[rows], g_ent_rows, temperature, out=d.view(r, 1, V),
                                     logp=stats[0], **transform)
+        if grads.dw is not None:  # padding's d y rows are 0; 0·h must add 0 where h is NaN
+            live = coef[rows] != 0 if g_ent is None else (coef[rows] != 0) | (g_ent_rows != 0)
+            h = torch.where(live[:, None], h, 0)  # [r, D]
         grads.add_chunk(rows, d, h, weight, first=r0 == 0)
     return LossGrad(logp, ent, lse, coef, *grads.finish())
 

@@ -8,9 +8,8 @@ Memory-bound: forward reads each row once (online log-sum-exp, target pick, entr
 GRPO epilogue); backward reads it once more and writes d logits once, into a fresh buffer or, with
 `inplace`, over the logits themselves. Nothing of [N, V] float32 is ever allocated.
 `logits_loss_grad` runs both in one program per row block, the backward's coefficient from the
-forward's epilogue (an option of the three-pass route, `linear_loss_grad.py`).
-
-Layout: forward kernel, launcher; backward kernel, launcher; the fused kernel, launcher.
+forward's epilogue (an option of the three-pass route, `linear_loss_grad.py`). Layout: forward
+kernel, launcher; backward kernel, launcher; the fused kernel, launcher.
 """
 
 from __future__ import annotations
@@ -42,10 +41,9 @@ def _clamped_targets(tgt_ptr, offs_n, n_mask, V):
 
 @triton.jit
 def _nonzero_rows(x):
-    """How many of a block's [ROWS] values are not 0, NaN included (NaN != 0): the test of
-    whether a block has a gradient (or a weight). A max of |x| would drop a NaN beside zeros
-    (a reduction's maximum ignores NaN) and skip a broken row's block, giving it zeros where
-    its gradient is NaN."""
+    """How many of a block's [ROWS] values are not 0, NaN included (NaN != 0): whether a block
+    has a gradient (or a weight). A max of |x| would drop a NaN beside zeros (a reduction's
+    maximum ignores NaN), skip a broken row's block and give it zeros where it is NaN."""
     return tl.sum(tl.where(x != 0.0, 1.0, 0.0), axis=0)
 
 
@@ -187,6 +185,7 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, 
     an earlier one, has read. Another thread of the program may hold that element, so a barrier
     before each store orders every thread's reads (and the forward's, in the fused kernel)
     before any write. Loads run ahead of it only into later columns, which no write reaches."""
+    live = (g != 0.0) | (gh != 0.0)  # rows with a gradient (NaN counts); gh is g without H
     for v0 in range(0, loop_bound(V), BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         msk = n_mask[:, None] & (offs_v[None, :] < V)
@@ -206,6 +205,7 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, 
             dz = dz * inv_temp
             if HAS_SCALE or HAS_SOFTCAP:
                 dz = dz * dzdx
+            dz = tl.where(live[:, None], dz, 0.0)  # padding: 0 whatever x holds (0·NaN = NaN)
         else:
             dz = tl.zeros([ROWS, BLOCK_V], tl.float32)  # rows without gradient: no read
         if ALIASED:
