@@ -94,7 +94,7 @@ def _linear_dz_kernel(
             # are all <= filter_eps × its token's scale / τ contributes nothing
             thr = filter_eps * scale * inv_temp
             over = tl.where(tl.abs(dz) <= thr[:, None], 0, 1)  # NaN counts as over
-            if tl.max(tl.max(over, axis=1), axis=0) == 0:
+            if tl.max(over) == 0:  # one flat reduction (below)
                 dz = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     tl.store(dz_ptr + local_n.to(tl.int64)[:, None] * stride_dz + local_v[None, :],
              dz.to(dz_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
@@ -178,8 +178,11 @@ def linear_logprob_backward_gemm(
         acc = summed_out.zero_() if summed_out.dtype == torch.float32 else torch.zeros(
             summed_out.shape, device=dev, dtype=torch.float32)
     h_c, w_c = hidden.to(common), weight.to(common)  # no copy when the dtypes agree
-    if need_dw:
-        h_c = _rows_with_gradient(h_c, g_logp, g_ent)
+    # d weight = dz^T·h: padding's dz rows are 0, and 0·h must add 0 where a padded hidden
+    # state is NaN or ±inf, so d weight reads h with those rows zeroed: per token chunk (a
+    # [rows, D] temporary), or once for all vocabulary chunks (an [N, D] copy)
+    live = (g_logp != 0) if g_ent is None else (g_logp != 0) | (g_ent != 0)  # NaN != 0: live
+    h_dw = h_c if by_tokens or not need_dw else torch.where(live[:, None], h_c, 0)
     for start in range(0, N if by_tokens else V, chunk):
         n0, nc, v0, vc = (start, min(chunk, N - start), 0, V) if by_tokens else (
             0, N, start, min(chunk, V - start))
@@ -197,20 +200,11 @@ def linear_logprob_backward_gemm(
             DOT_PREC=dot_precision(hidden.dtype), **cfg,
             **logit_transform_args(softcap, logit_scale),
         )
-        _add_chunk_products(d, slice(n0, n0 + nc), slice(v0, v0 + vc), h_c, w_c,
-                            (dh, dw, db32), acc, dbp[:n_blocks], by_tokens)
+        _add_chunk_products(d, slice(n0, n0 + nc), slice(v0, v0 + vc), h_dw, w_c,
+                            (dh, dw, db32), acc, dbp[:n_blocks], by_tokens, live)
     if acc is not None and summed_out.data_ptr() != acc.data_ptr():
         summed_out.copy_(acc)
     return dh, dw, None if db32 is None else db32.to(bias.dtype)
-
-
-def _rows_with_gradient(h: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None
-                        ) -> torch.Tensor:
-    """h [N, D] with the rows of tokens without gradient (padding) zeroed, for d weight = dz^T·h:
-    their d logits are 0, and 0·h must add 0 even where a padded hidden state is NaN or ±inf.
-    A copy of h ([N, D], in the GEMM dtype) that lives through the backward."""
-    live = g_logp != 0 if g_ent is None else (g_logp != 0) | (g_ent != 0)  # NaN != 0: live
-    return torch.where(live[:, None], h, 0)
 
 
 def _chunking(N: int, V: int, D: int, BN: int, BV: int, bytes_per: float,
@@ -228,18 +222,19 @@ def _chunking(N: int, V: int, D: int, BN: int, BV: int, bytes_per: float,
 
 
 def _add_chunk_products(d, rows: slice, cols: slice, h_c, w_c, grads, acc, dbp,
-                        by_tokens: bool) -> None:
+                        by_tokens: bool, live) -> None:
     """The GEMMs of one chunk's d logits d [rows, cols] (hidden rows × vocabulary columns): the
     gradient that is complete within the chunk is written once (one rounding); the other is
     summed over the chunks (`acc`, float32; or written when there is one chunk). grads:
     (d hidden, d weight, d bias float32), None where not needed; dbp: the chunk's d-bias
-    partials [n_blocks, cols], one row per BLOCK_N tokens."""
+    partials [n_blocks, cols], one row per BLOCK_N tokens; live [N]: the tokens with a gradient
+    (by tokens, d weight reads the chunk's hidden rows with the others zeroed)."""
     dh, dw, db32 = grads
     if by_tokens:
         if dh is not None:  # complete for these rows: one GEMM, rounded once
             _mm_into(dh[rows], d, w_c)
         if dw is not None:
-            _sum_or_mm(acc, dw, d.T, h_c[rows])
+            _sum_or_mm(acc, dw, d.T, torch.where(live[rows, None], h_c[rows], 0))
         if db32 is not None:
             db32 += dbp.sum(0)
     else:
