@@ -96,11 +96,12 @@ def add_lora_adapters(model, cfg, say=print):
     return model
 
 
-def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
+def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say, eval_ex=()):
     """(policy, reference or None, tokenizer, EOS ids, micro-batch layout, the attention of the
     scoring and loss forwards) on `device`, sharded with --fsdp; the policy with LoRA adapters
-    and gradient checkpointing if asked."""
-    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say)
+    and gradient checkpointing if asked. The prompts of train_ex and eval_ex must fit the
+    model's positions (`positions.check_positions`)."""
+    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say, eval_ex)
     if cfg.fp32_lm_head:
         use_fp32_head(model)
     ref_model = None  # beta = 0 needs no reference at all
@@ -210,18 +211,25 @@ def build_embedded(cfg):
     return model.to(DTYPES[cfg.model_dtype]), prepare_tokenizer(tokenizer, model)
 
 
-def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say):
+def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say, eval_ex=()):
     """(model, tokenizer): the policy at step 0, on `device`. The embedded model is built (and
     format-warmed-up) once, and saved to OUTPUT_DIR/initial_model so that a resumed run restarts
-    from exactly the same weights (`fresh`: no checkpoint is resumed)."""
+    from exactly the same weights (`fresh`: no checkpoint is resumed). The prompts' positions
+    are checked before the warm-up, so that a refused run writes nothing."""
+    from .positions import check_positions
+
+    examples = [*train_ex, *eval_ex]
     if cfg.model:
         model, tokenizer = load_pretrained(cfg.model, cfg)
+        check_positions(model, tokenizer, cfg, examples, say)
         return model.to(device), tokenizer
     initial = Path(out_dir) / "initial_model"
     if not fresh and initial.is_dir():
         model, tokenizer = load_pretrained(str(initial), cfg, flag="initial model")
+        check_positions(model, tokenizer, cfg, examples, say)
         return model.to(device), tokenizer
     model, tokenizer = build_embedded(cfg)
+    check_positions(model, tokenizer, cfg, examples, say)
     model.to(device)
     losses = format_warmup(model, tokenizer, train_ex, cfg, device)
     if losses:

@@ -113,14 +113,14 @@ def setup(cfg: TrainConfig) -> RunState:
     rank, world = accel.process_index // tp, accel.num_processes // tp  # data-parallel
     P_local, B, micro = batching.batch_sizes(cfg, world)
     specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
-    train_ex, eval_ex = load_examples(cfg)
+    train_ex, eval_ex = load_examples(cfg, say)
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
     state = None if ckpt_path is None else load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
     if state is not None:  # before any model loads: the settings must be the checkpoint's
         check_resumed_config(state, cfg, ckpt_path, say)
     model, ref_model, tokenizer, eos_ids, layout, attention = build_models(
-        cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
+        cfg, out_dir, train_ex, device, ckpt_path is None, accel, say, eval_ex)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
