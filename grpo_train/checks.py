@@ -87,6 +87,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
                          "are untested here): use DDP for LoRA runs")
     _check_tensor_parallel(cfg)
+    _check_float16(cfg)
     if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
         raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
                          "(--lora_head): use --no_lora_head, or drop --fp32_lm_head")
@@ -134,6 +135,24 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise UsageError(f"--format_warmup_lr must be >= 0, got {cfg.format_warmup_lr}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise UsageError(f"--seed must be a whole number in [0, 2**63 - 1], got {cfg.seed}")
+
+
+def _check_float16(cfg: TrainConfig) -> None:
+    """float16 weights that AdamW would train: its eps (1e-8) is 0 in float16, and torch's
+    AdamW on a float16 parameter wrote -inf for a gradient of 1e-3 and NaN for a gradient of 0,
+    so the first step's weights were NaN. LoRA adapters are float32 (PEFT's default)."""
+    if cfg.model_dtype != "float16":
+        return
+    fix = ("use --model_dtype bfloat16, or float32 with --bf16 (mixed precision), or train "
+           "float32 LoRA adapters (--lora_r)")
+    if not cfg.lora_r:
+        raise UsageError("--model_dtype float16 would train float16 weights with AdamW, whose "
+                         f"eps (1e-8) is 0 in float16: the first step writes inf and NaN; {fix}")
+    if not cfg.model and cfg.format_warmup_steps:
+        raise UsageError("--model_dtype float16: the format warm-up (--format_warmup_steps "
+                         f"{cfg.format_warmup_steps}) trains every float16 weight of the "
+                         "embedded model with AdamW, whose eps (1e-8) is 0 in float16; pass "
+                         "--format_warmup_steps 0, or --model_dtype bfloat16")
 
 
 def _check_dataset_flags(cfg: TrainConfig) -> None:

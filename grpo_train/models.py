@@ -96,12 +96,15 @@ def add_lora_adapters(model, cfg, say=print):
     return model
 
 
-def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say, eval_ex=()):
+def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say, eval_ex=(),
+                 before_write=None):
     """(policy, reference or None, tokenizer, EOS ids, micro-batch layout, the attention of the
     scoring and loss forwards) on `device`, sharded with --fsdp; the policy with LoRA adapters
     and gradient checkpointing if asked. The prompts of train_ex and eval_ex must fit the
-    model's positions (`positions.check_positions`)."""
-    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say, eval_ex)
+    model's positions (`positions.check_positions`). before_write: called (if given) before
+    anything is written to out_dir."""
+    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say, eval_ex,
+                                   before_write)
     if cfg.fp32_lm_head:
         use_fp32_head(model)
     ref_model = None  # beta = 0 needs no reference at all
@@ -211,7 +214,8 @@ def build_embedded(cfg):
     return model.to(DTYPES[cfg.model_dtype]), prepare_tokenizer(tokenizer, model)
 
 
-def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say, eval_ex=()):
+def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say, eval_ex=(),
+                before_write=None):
     """(model, tokenizer): the policy at step 0, on `device`. The embedded model is built (and
     format-warmed-up) once, and saved to OUTPUT_DIR/initial_model so that a resumed run restarts
     from exactly the same weights (`fresh`: no checkpoint is resumed). The prompts' positions
@@ -230,6 +234,8 @@ def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say, eval_ex
         return model.to(device), tokenizer
     model, tokenizer = build_embedded(cfg)
     check_positions(model, tokenizer, cfg, examples, say)
+    if before_write is not None:
+        before_write()
     model.to(device)
     losses = format_warmup(model, tokenizer, train_ex, cfg, device)
     if losses:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_cli import TINY_RUN, one_line_error, run
 
 from grpo_train.cli import parse_config
@@ -160,6 +161,11 @@ def test_eval_split_prompts_in_the_training_split_are_reported(tmp_path):
     # NumPy's "expected non-negative integer", torch's "Overflow when unpacking long long"
     (["--seed", "-1"], "--seed must be a whole number in [0, 2**63 - 1], got -1"),
     (["--seed", str(2**64)], "--seed must be a whole number in [0, 2**63 - 1]"),
+    # torch's AdamW on float16 weights: eps 1e-8 is 0 there, the first step wrote inf and NaN
+    (["--model_dtype", "float16"], "--model_dtype float16 would train float16 weights with "
+     "AdamW, whose eps (1e-8) is 0 in float16"),
+    (["--model_dtype", "float16", "--lora_r", "2"], "the format warm-up (--format_warmup_steps "
+     "30) trains every float16 weight"),
     # data flags without a --dataset: the embedded task ran instead
     (["--eval_split", "test"], "--eval_split 'test' applies to a --dataset, and none is given"),
     (["--dataset_config", "main"], "--dataset_config 'main' applies to a --dataset"),
@@ -171,9 +177,12 @@ def test_bad_values_are_refused_when_parsed(args, named):
     assert named in str(err.value)
 
 
-def test_temperatures_at_and_above_the_floor_parse():
+def test_values_at_the_bounds_parse():
     assert parse_config(["--temperature", "1e-4"]).temperature == 1e-4
     assert parse_config(["--temperature", "7"]).temperature == 7.0
+    assert parse_config(["--seed", str(2**63 - 1)]).seed == 2**63 - 1
+    # float16 weights with float32 LoRA adapters train (no warm-up of the float16 weights)
+    parse_config(["--model_dtype", "float16", "--lora_r", "2", "--format_warmup_steps", "0"])
 
 
 def test_bad_values_in_a_config_file_are_refused(tmp_path):
@@ -182,3 +191,47 @@ def test_bad_values_in_a_config_file_are_refused(tmp_path):
     path.write_text(json.dumps({"temperature": 1e-45}))
     with pytest.raises(UsageError, match="--temperature must be >= 0.0001"):
         parse_config(["--config", str(path)])
+
+
+# ---- the output directory and the backend ----------------------------------------------------
+
+
+def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tmp_path):
+    """--overwrite deleted the previous run as the processes started: a new run refused a moment
+    later (a batch that does not divide, prompts past the model's positions) left neither run,
+    and `--model OUTPUT_DIR/final_model` deleted the model it was about to load."""
+    out = tmp_path / "run"
+    args = [a for a in TINY_RUN if a != "--no_save_final_model"]
+    assert run([*args, "--output_dir", str(out)]).returncode == 0
+    before = sorted(p.name for p in out.iterdir())
+    assert "final_model" in before
+    cases = [(["--model", str(out / "final_model")], "--overwrite would delete --model"),
+             (["--micro_batch_size", "3"], "--micro_batch_size 3 must divide"),
+             (["--max_new_tokens", "300"], "past the model's 256 positions")]
+    for extra, named in cases:
+        proc = run([*args, "--output_dir", str(out), "--overwrite", *extra])
+        assert named in one_line_error(proc), extra
+        assert sorted(p.name for p in out.iterdir()) == before, extra
+        assert (out / "final_model" / "config.json").is_file(), extra
+    again = run([*args, "--output_dir", str(out), "--overwrite"])
+    assert again.returncode == 0 and "--overwrite: deleted the previous run's" in again.stdout
+
+
+def test_an_output_dir_that_cannot_be_created_is_named(tmp_path):
+    """A path under a file failed with an OSError traceback when the first file was written,
+    after the model had been built."""
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "run"
+    line = one_line_error(run([*TINY_RUN, "--output_dir", str(target)]))
+    assert f"--output_dir '{target}' cannot be created" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton backend runs on this GPU")
+def test_triton_backend_on_a_cpu_without_the_interpreter(tmp_path):
+    """The first loss call raised a RuntimeError traceback from grpo_kernels, after the model
+    had been built and had generated."""
+    proc = run([*TINY_RUN, "--backend", "triton", "--output_dir", str(tmp_path / "run")],
+               env={"TRITON_INTERPRET": "0"})
+    line = one_line_error(proc)
+    assert "--backend triton needs a CUDA device, and this run is on cpu" in line
+    assert not (tmp_path / "run" / "initial_model").exists()
