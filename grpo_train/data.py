@@ -185,8 +185,8 @@ def read_rows(name: str, config: str | None, split: str) -> list[dict]:
 
 def _prompt_problem(prompt, present: bool) -> str | None:
     """What is wrong with a row's prompt (None: text, or a non-empty list of chat messages)."""
-    if isinstance(prompt, str):
-        return None
+    if isinstance(prompt, str):  # a blank CSV cell: no tokens to generate from
+        return None if prompt.strip() else f"blank text {prompt!r}"
     if not isinstance(prompt, list):  # a row without the column, null, a number
         return f"{prompt!r}" if present else "no such column"
     if not prompt:
@@ -218,7 +218,7 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
         got = _prompt_problem(prompt, prompt_column in row)
         if got:
             raise UsageError(f"{where} row {number}: --prompt_column {prompt_column!r} must be "
-                             f"text or a list of chat messages, got {got}")
+                             f"non-blank text or a list of chat messages, got {got}")
         ex = dict(row)
         ex["prompt"] = prompt
         answer = row.get(answer_column) if answer_column else None

@@ -270,13 +270,28 @@ def render_prompts(tokenizer, examples: list[dict], system_prompt: str | None) -
                 {"role": "user", "content": str(prompt)}]
             if system_prompt and messages[0].get("role") != "system":
                 messages = [{"role": "system", "content": system_prompt}, *messages]
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True))
+            texts.append(_apply_template(tokenizer, messages, system_prompt))
         else:
             if isinstance(prompt, list):
                 prompt = "\n".join(m["content"] for m in prompt)
             texts.append(f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt))
     return texts
+
+
+def _apply_template(tokenizer, messages: list[dict], system_prompt: str | None) -> str:
+    """One prompt through the chat template; a template that refuses the messages (raises, as
+    templates without a system role do for one) is a UsageError naming the roles."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as err:
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        hint = (" --system_prompt adds a system message: leave it out and put the instruction "
+                "in the prompts, if this template takes none." if system_prompt else "")
+        raise UsageError(f"the tokenizer's chat template refused a prompt of the messages "
+                         f"({roles}): {err}.{hint}") from err
 
 
 def encode_prompts(tokenizer, texts: list[str], max_length: int | None, device):

@@ -13,8 +13,9 @@ from test_cli import TINY_RUN, one_line_error, run
 
 from grpo_train.cli import parse_config
 from grpo_train.config import TrainConfig, resolve_auto
-from grpo_train.data import load_examples
+from grpo_train.data import load_examples, read_rows, to_examples
 from grpo_train.flags import UsageError
+from grpo_train.models import render_prompts
 from grpo_train.positions import check_positions, position_limit
 from grpo_train.tiny import build_tiny_model, build_tokenizer
 
@@ -137,6 +138,33 @@ def test_eval_split_prompts_in_the_training_split_are_reported(tmp_path):
     load_examples(TrainConfig(dataset=disjoint, prompt_column="q", answer_column="a",
                               eval_split="test"), said.append)
     assert said == []
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def test_a_blank_prompt_is_an_error_naming_the_row(tmp_path):
+    """A blank CSV cell was the prompt "": without a chat template it has no tokens, and
+    `generate` failed with `IndexError: index -1 is out of bounds for dimension 1 with size 0`."""
+    path = tmp_path / "d.csv"
+    path.write_text("question,answer\n1+1,2\n,3\n")
+    with pytest.raises(UsageError, match="--dataset x row 2: --prompt_column 'question' must be "
+                                         "non-blank text .*got blank text ''"):
+        to_examples(read_rows(str(path), None, "train"), "question", "answer", "--dataset x")
+
+
+def test_a_chat_template_that_refuses_the_messages_is_named():
+    """A template without a system role raised jinja2's TemplateError from inside transformers
+    for --system_prompt (Gemma's and older Mistral templates do)."""
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}")
+    assert render_prompts(tok, [{"prompt": "1+1"}], None) == ["1+1="]
+    with pytest.raises(UsageError, match=r"chat template refused a prompt of the messages "
+                                         r"\(system, user\): System role not supported\. "
+                                         "--system_prompt adds a system message"):
+        render_prompts(tok, [{"prompt": "1+1"}], "Answer with a number.")
 
 
 # ---- flag values ------------------------------------------------------------------------------
