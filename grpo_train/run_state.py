@@ -113,6 +113,10 @@ def setup(cfg: TrainConfig) -> RunState:
     rank, world = accel.process_index // tp, accel.num_processes // tp  # data-parallel
     P_local, B, micro = batching.batch_sizes(cfg, world)
     specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
+    if all(s.weight == 0 for s in specs):  # every advantage 0: a run that learns nothing
+        raise UsageError(f"--reward {' '.join(cfg.reward)}: every weight is 0, so every reward "
+                         "and advantage is 0 and the policy learns nothing from them; give at "
+                         "least one function a weight other than 0")
     train_ex, eval_ex = load_examples(cfg, say)
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)

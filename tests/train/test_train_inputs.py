@@ -245,6 +245,18 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tm
     assert again.returncode == 0 and "--overwrite: deleted the previous run's" in again.stdout
 
 
+def test_reward_weights_that_are_all_zero_are_an_error(tmp_path):
+    """`--reward accuracy:0` trained with every advantage 0: a run that learned nothing, with
+    no word. A zero weight beside another function's (a reward logged, not trained on) runs."""
+    line = one_line_error(run([*TINY_RUN, "--reward", "accuracy:0", "format:0",
+                               "--output_dir", str(tmp_path / "run")]))
+    assert "--reward accuracy:0 format:0: every weight is 0" in line
+    assert not (tmp_path / "run" / "initial_model").exists()
+    ok = run([*TINY_RUN, "--reward", "accuracy", "format:0", "--output_dir",
+              str(tmp_path / "ok")])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
 def test_an_output_dir_that_cannot_be_created_is_named(tmp_path):
     """A path under a file failed with an OSError traceback when the first file was written,
     after the model had been built."""
