@@ -47,7 +47,7 @@ _LOWER_BOUNDS = [
 
 
 # The lowest --temperature: sampling divides the float32 logits z by it and the loss' gradient
-# grows as 1/temperature. Measured (docs/trainer.md, Generation): z / temperature overflows to
+# grows as 1/temperature. Measured (docs/trainer.md, Errors): z / temperature overflows to
 # inf (transformers' sampling then fails on NaN probabilities) below max|z| / 3.4e38; 1 /
 # temperature is no float32 below 2.9e-39; the gradient's float32 norm overflows (NaN weights, or
 # a clipped step of zeros) from about 1e-19 down. At 1e-4 a logit gap of 0.01 already gives odds
