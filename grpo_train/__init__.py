@@ -22,7 +22,9 @@ def train(cfg: TrainConfig, phases=None, *, resolved: bool = False) -> dict:
 
     if not resolved:
         cfg = validate(resolve_auto(cfg))
-    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # never over another run
+    # never over another run, nor deleting what this one reads
+    check_output_dir(cfg.output_dir, cfg.resume, cfg.overwrite,
+                     {"--model": cfg.model, "--dataset": cfg.dataset})
     return _train(cfg, phases)
 
 

@@ -138,7 +138,8 @@ def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
     micro = cfg.micro_batch_size or B  # sequences per micro-batch, unless a token budget
     if B % micro and not cfg.max_tokens_per_microbatch:
         raise UsageError(f"--micro_batch_size {micro} must divide the per-process batch "
-                         f"num_prompts/processes x num_generations = {P_local} x {G} = {B}")
+                         f"num_prompts/processes x num_generations = {P_local} x {G} = {B}: "
+                         f"pass a divisor of {B}, or 0 for the whole batch")
     return P_local, B, micro
 
 

@@ -239,14 +239,24 @@ def resume_run(state: dict, path, model, optimizer, scheduler, sampler, rank: in
 # ---- the output directory -----------------------------------------------------------------------
 
 
-def check_output_dir(output_dir, resume: str | None, overwrite: bool) -> None:
+def check_output_dir(output_dir, resume: str | None, overwrite: bool,
+                     inputs: dict[str, str] | None = None) -> None:
     """Refuse to start a new run over files already in OUTPUT_DIR (they would be mixed with or
     replaced by this run's), unless --overwrite (they are deleted first, see `clear_run_files`)
-    or --resume (this run continues them) says what to do with them."""
+    or --resume (this run continues them) says what to do with them. inputs: {flag: path} this
+    run reads (--model, --dataset), which --overwrite must not delete."""
     out = Path(output_dir)
+    if overwrite:
+        _check_inputs_survive(out, inputs or {})
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output_dir {str(out)!r} is a file; expected a directory")
-    if overwrite or not out.is_dir():
+    if not out.is_dir():
+        _create_output_dir(out)
+        return
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--output_dir {str(out)!r} is not writable; expected a directory "
+                         "this run can write its files to")
+    if overwrite:
         return
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
@@ -265,6 +275,32 @@ def check_output_dir(output_dir, resume: str | None, overwrite: bool) -> None:
     raise UsageError(
         f"--output_dir {str(out)!r} already holds files ({shown}); pass --resume auto to continue "
         "that run, --overwrite to delete its files and start again, or another --output_dir")
+
+
+def _check_inputs_survive(out: Path, inputs: dict[str, str]) -> None:
+    """An input inside a run file of OUTPUT_DIR (--model OUTPUT_DIR/final_model: training on
+    from the previous run's model) that --overwrite would delete before it is read."""
+    owned = [(out / name).resolve() for name in RUN_FILES]
+    for flag, path in inputs.items():
+        if not path or not os.path.exists(path):
+            continue
+        where = Path(path).resolve()
+        hit = next((p for p in owned if where == p or p in where.parents), None)
+        if hit is not None:
+            raise UsageError(f"--overwrite would delete {flag} {path!r} (the previous run's "
+                             f"{hit.name} in --output_dir) before this run reads it: copy it out "
+                             "of --output_dir, or choose another --output_dir")
+
+
+def _create_output_dir(out: Path) -> None:
+    """Create OUTPUT_DIR before anything is loaded: a path that cannot be a directory (under a
+    file, on a read-only or virtual file system) failed only when the first file was written,
+    after the model had loaded, with an OSError traceback."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--output_dir {str(out)!r} cannot be created ({err.strerror or err}); "
+                         "expected a directory this run can write its files to") from err
 
 
 def _check_resume_target(found: Path, out: Path, run_files: list[str]) -> None:

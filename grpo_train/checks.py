@@ -5,6 +5,8 @@ names."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 
@@ -44,12 +46,25 @@ _LOWER_BOUNDS = [
 ]
 
 
+# The lowest --temperature: sampling divides the float32 logits z by it and the loss' gradient
+# grows as 1/temperature. Measured (docs/trainer.md, Errors): z / temperature overflows to
+# inf (transformers' sampling then fails on NaN probabilities) below max|z| / 3.4e38; 1 /
+# temperature is no float32 below 2.9e-39; the gradient's float32 norm overflows (NaN weights, or
+# a clipped step of zeros) from about 1e-19 down. At 1e-4 a logit gap of 0.01 already gives odds
+# of e^100: sampling is greedy in effect, far above all three.
+MIN_TEMPERATURE = 1e-4
+# --seed: NumPy's generators take no negative seed, torch.manual_seed none above 2**64 - 1 (and
+# each process adds its index)
+MAX_SEED = 2**63 - 1
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Clear errors for settings that cannot work, before anything is loaded (after
     `resolve_auto`). Raises UsageError naming the flag."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise UsageError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    _check_numbers(cfg)
     if cfg.num_generations < 2:
         raise UsageError(
             f"--num_generations must be >= 2 (group normalization needs at least two "
@@ -72,11 +87,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
                          "are untested here): use DDP for LoRA runs")
     _check_tensor_parallel(cfg)
+    _check_float16(cfg)
     if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
         raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
                          "(--lora_head): use --no_lora_head, or drop --fp32_lm_head")
     if cfg.top_p > 1:
         raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
+    _check_dataset_flags(cfg)
     if not cfg.reward:
         raise UsageError("--reward needs at least one reward function")
     limit = cfg.max_unscored_steps  # a library caller may pass any object: say what it must be
@@ -97,6 +114,58 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                                "directory (expected a step_*.pt file, a run directory, or 'auto')")
     _check_loss_params(cfg)
     return cfg
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    """Every float flag finite (NaN passes every comparison: a NaN --top_p or --max_grad_norm
+    ran on silently), and the ranges torch or transformers would reject with a traceback."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{f.name} must be a finite number, got {value}")
+    if not MIN_TEMPERATURE <= cfg.temperature:
+        raise UsageError(
+            f"--temperature must be >= {MIN_TEMPERATURE:g}, got {cfg.temperature:g}: the logits "
+            "are divided by it in float32 (sampling and loss), which overflows to inf and NaN "
+            "for temperatures near 0, and below it sampling is greedy in effect")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise UsageError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if cfg.format_warmup_lr < 0:
+        raise UsageError(f"--format_warmup_lr must be >= 0, got {cfg.format_warmup_lr}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be a whole number in [0, 2**63 - 1], got {cfg.seed}")
+
+
+def _check_float16(cfg: TrainConfig) -> None:
+    """float16 weights that AdamW would train: its eps (1e-8) is 0 in float16, and torch's
+    AdamW on a float16 parameter wrote -inf for a gradient of 1e-3 and NaN for a gradient of 0,
+    so the first step's weights were NaN. LoRA adapters are float32 (PEFT's default)."""
+    if cfg.model_dtype != "float16":
+        return
+    fix = ("use --model_dtype bfloat16, or float32 with --bf16 (mixed precision), or train "
+           "float32 LoRA adapters (--lora_r)")
+    if not cfg.lora_r:
+        raise UsageError("--model_dtype float16 would train float16 weights with AdamW, whose "
+                         f"eps (1e-8) is 0 in float16: the first step writes inf and NaN; {fix}")
+    if not cfg.model and cfg.format_warmup_steps:
+        raise UsageError("--model_dtype float16: the format warm-up (--format_warmup_steps "
+                         f"{cfg.format_warmup_steps}) trains every float16 weight of the "
+                         "embedded model with AdamW, whose eps (1e-8) is 0 in float16; pass "
+                         "--format_warmup_steps 0, or --model_dtype bfloat16")
+
+
+def _check_dataset_flags(cfg: TrainConfig) -> None:
+    """The data flags that only a --dataset reads, given without one: the embedded task would
+    run instead of what they name."""
+    if cfg.dataset:
+        return
+    defaults = TrainConfig()
+    for name in ("dataset_config", "split", "eval_split", "prompt_column", "answer_column"):
+        if getattr(cfg, name) != getattr(defaults, name):
+            raise UsageError(f"--{name} {getattr(cfg, name)!r} applies to a --dataset, and none "
+                             "is given (the embedded arithmetic task would run instead): pass "
+                             "--dataset, or leave out --" + name)
 
 
 def _check_tensor_parallel(cfg) -> None:

@@ -35,7 +35,8 @@ class TrainConfig:
     revision: str | None = option(None, "hub revision of --model")
     model_dtype: str = option("float32",
         "Weights dtype. float32 + --bf16 = mixed precision (float32 master weights, bf16 "
-        "compute); bfloat16 = pure-bf16 training, the least memory.")
+        "compute); bfloat16 = pure-bf16 training, the least memory; float16 = LoRA adapters "
+        "only (AdamW cannot train float16 weights).")
     trust_remote_code: bool = option(False, "run the model repository's own Python code")
     tiny_arch: str = option("qwen2", "embedded model's architecture")
     tiny_hidden_size: int = option(64, "embedded model width")
@@ -106,7 +107,8 @@ class TrainConfig:
     max_new_tokens: int | None = option(None, "completion length cap")
     min_new_tokens: int = option(0,
         "EOS is suppressed before this many tokens (benchmarks: fixed length)")
-    temperature: float = option(1.0, "sampling temperature, also applied to the loss' log-probs")
+    temperature: float = option(1.0,
+        "sampling temperature (>= 1e-4), also applied to the loss' log-probs")
     top_p: float = option(1.0,
         "nucleus sampling: keep the smallest token set with this probability")
     top_k: int = option(0, "sample among the k likeliest tokens; 0 = no top-k filtering")

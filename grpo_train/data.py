@@ -185,8 +185,8 @@ def read_rows(name: str, config: str | None, split: str) -> list[dict]:
 
 def _prompt_problem(prompt, present: bool) -> str | None:
     """What is wrong with a row's prompt (None: text, or a non-empty list of chat messages)."""
-    if isinstance(prompt, str):
-        return None
+    if isinstance(prompt, str):  # a blank CSV cell: no tokens to generate from
+        return None if prompt.strip() else f"blank text {prompt!r}"
     if not isinstance(prompt, list):  # a row without the column, null, a number
         return f"{prompt!r}" if present else "no such column"
     if not prompt:
@@ -218,7 +218,7 @@ def to_examples(rows: list[dict], prompt_column: str, answer_column: str | None,
         got = _prompt_problem(prompt, prompt_column in row)
         if got:
             raise UsageError(f"{where} row {number}: --prompt_column {prompt_column!r} must be "
-                             f"text or a list of chat messages, got {got}")
+                             f"non-blank text or a list of chat messages, got {got}")
         ex = dict(row)
         ex["prompt"] = prompt
         answer = row.get(answer_column) if answer_column else None
@@ -250,8 +250,9 @@ def _check_local_splits(cfg) -> None:
                 "of its prompts")
 
 
-def load_examples(cfg) -> tuple[list[dict], list[dict]]:
-    """(train, held_out) examples for the configuration: the embedded task or a dataset."""
+def load_examples(cfg, say=print) -> tuple[list[dict], list[dict]]:
+    """(train, held_out) examples for the configuration: the embedded task or a dataset; `say`
+    warns of --eval_split prompts that are training prompts too."""
     if not cfg.dataset:  # held-out problems stay out of training whatever --eval_size says
         train, held_out = arithmetic_task(cfg.task_max_operand, cfg.task_eval_fraction, cfg.seed,
                                           cfg.task_terms)
@@ -267,7 +268,11 @@ def load_examples(cfg) -> tuple[list[dict], list[dict]]:
         eval_rows = read_rows(cfg.dataset, cfg.dataset_config, cfg.eval_split)
         held_out = to_examples(eval_rows, cfg.prompt_column, cfg.answer_column,
                                f"--dataset {cfg.dataset!r} split {cfg.eval_split!r}")
-        return train, held_out[: DEFAULT_EVAL_ROWS if cfg.eval_size is None else cfg.eval_size]
+        held_out = held_out[: DEFAULT_EVAL_ROWS if cfg.eval_size is None else cfg.eval_size]
+        warning = split_overlap(train, held_out, cfg.split, cfg.eval_split)
+        if warning:
+            say(warning)
+        return train, held_out
     eval_size = cfg.eval_size
     if eval_size is None:  # auto: a tenth of the distinct prompts, at most DEFAULT_EVAL_ROWS
         distinct = len({_prompt_key(ex["prompt"]) for ex in train})
@@ -283,6 +288,21 @@ def _prompt_key(prompt) -> tuple[str, str]:
     if isinstance(prompt, str):
         return "text", prompt
     return "chat", json.dumps(prompt, sort_keys=True, default=str)
+
+
+def split_overlap(train: list[dict], held_out: list[dict], split: str,
+                  eval_split: str) -> str | None:
+    """A warning when held-out prompts are training prompts too (a split built from the same
+    pool, or duplicated rows): their accuracy is not held out. None when they are disjoint.
+    One set of the training prompts' keys: O(rows)."""
+    trained = {_prompt_key(ex["prompt"]) for ex in train}
+    shared = [_prompt_key(ex["prompt"]) for ex in held_out]
+    shared = [key for key in shared if key in trained]
+    if not shared:
+        return None
+    return (f"warning: {len(shared)} of the {len(held_out)} held-out rows of --eval_split "
+            f"{eval_split!r} ({len(set(shared))} distinct prompts) have a prompt that --split "
+            f"{split!r} trains on: held-out accuracy counts them, and they are not held out")
 
 
 def hold_out_prompts(examples: list[dict], eval_size: int, seed: int):

@@ -96,11 +96,15 @@ def add_lora_adapters(model, cfg, say=print):
     return model
 
 
-def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say):
+def build_models(cfg, out_dir: Path, train_ex, device, fresh: bool, accel, say, eval_ex=(),
+                 before_write=None):
     """(policy, reference or None, tokenizer, EOS ids, micro-batch layout, the attention of the
     scoring and loss forwards) on `device`, sharded with --fsdp; the policy with LoRA adapters
-    and gradient checkpointing if asked."""
-    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say)
+    and gradient checkpointing if asked. The prompts of train_ex and eval_ex must fit the
+    model's positions (`positions.check_positions`). before_write: called (if given) before
+    anything is written to out_dir."""
+    model, tokenizer = load_policy(cfg, out_dir, train_ex, device, fresh, accel, say, eval_ex,
+                                   before_write)
     if cfg.fp32_lm_head:
         use_fp32_head(model)
     ref_model = None  # beta = 0 needs no reference at all
@@ -210,18 +214,28 @@ def build_embedded(cfg):
     return model.to(DTYPES[cfg.model_dtype]), prepare_tokenizer(tokenizer, model)
 
 
-def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say):
+def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say, eval_ex=(),
+                before_write=None):
     """(model, tokenizer): the policy at step 0, on `device`. The embedded model is built (and
     format-warmed-up) once, and saved to OUTPUT_DIR/initial_model so that a resumed run restarts
-    from exactly the same weights (`fresh`: no checkpoint is resumed)."""
+    from exactly the same weights (`fresh`: no checkpoint is resumed). The prompts' positions
+    are checked before the warm-up, so that a refused run writes nothing."""
+    from .positions import check_positions
+
+    examples = [*train_ex, *eval_ex]
     if cfg.model:
         model, tokenizer = load_pretrained(cfg.model, cfg)
+        check_positions(model, tokenizer, cfg, examples, say)
         return model.to(device), tokenizer
     initial = Path(out_dir) / "initial_model"
     if not fresh and initial.is_dir():
         model, tokenizer = load_pretrained(str(initial), cfg, flag="initial model")
+        check_positions(model, tokenizer, cfg, examples, say)
         return model.to(device), tokenizer
     model, tokenizer = build_embedded(cfg)
+    check_positions(model, tokenizer, cfg, examples, say)
+    if before_write is not None:
+        before_write()
     model.to(device)
     losses = format_warmup(model, tokenizer, train_ex, cfg, device)
     if losses:
@@ -256,13 +270,28 @@ def render_prompts(tokenizer, examples: list[dict], system_prompt: str | None) -
                 {"role": "user", "content": str(prompt)}]
             if system_prompt and messages[0].get("role") != "system":
                 messages = [{"role": "system", "content": system_prompt}, *messages]
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True))
+            texts.append(_apply_template(tokenizer, messages, system_prompt))
         else:
             if isinstance(prompt, list):
                 prompt = "\n".join(m["content"] for m in prompt)
             texts.append(f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt))
     return texts
+
+
+def _apply_template(tokenizer, messages: list[dict], system_prompt: str | None) -> str:
+    """One prompt through the chat template; a template that refuses the messages (raises, as
+    templates without a system role do for one) is a UsageError naming the roles."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as err:
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        hint = (" --system_prompt adds a system message: leave it out and put the instruction "
+                "in the prompts, if this template takes none." if system_prompt else "")
+        raise UsageError(f"the tokenizer's chat template refused a prompt of the messages "
+                         f"({roles}): {err}.{hint}") from err
 
 
 def encode_prompts(tokenizer, texts: list[str], max_length: int | None, device):

@@ -113,14 +113,22 @@ def setup(cfg: TrainConfig) -> RunState:
     rank, world = accel.process_index // tp, accel.num_processes // tp  # data-parallel
     P_local, B, micro = batching.batch_sizes(cfg, world)
     specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
-    train_ex, eval_ex = load_examples(cfg)
+    if all(s.weight == 0 for s in specs):  # every advantage 0: a run that learns nothing
+        raise UsageError(f"--reward {' '.join(cfg.reward)}: every weight is 0, so every reward "
+                         "and advantage is 0 and the policy learns nothing from them; give at "
+                         "least one function a weight other than 0")
+    train_ex, eval_ex = load_examples(cfg, say)
     out_dir = Path(cfg.output_dir)
     ckpt_path = find_checkpoint(cfg.resume, out_dir)
     state = None if ckpt_path is None else load_checkpoint(ckpt_path, CHECKPOINT_KEYS)
     if state is not None:  # before any model loads: the settings must be the checkpoint's
         check_resumed_config(state, cfg, ckpt_path, say)
+    # --overwrite deletes the previous run once this one is past its checks, before its first
+    # write (the embedded model's initial_model)
+    clear = _clear_previous_run(cfg, accel, say)
     model, ref_model, tokenizer, eos_ids, layout, attention = build_models(
-        cfg, out_dir, train_ex, device, ckpt_path is None, accel, say)
+        cfg, out_dir, train_ex, device, ckpt_path is None, accel, say, eval_ex, clear)
+    clear()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -154,7 +162,7 @@ def setup(cfg: TrainConfig) -> RunState:
 
 
 def _start_processes(cfg: TrainConfig) -> tuple[Accelerator, Callable[[str], None]]:
-    """(accelerate.Accelerator, say: print on the main process); --overwrite's deletions done."""
+    """(accelerate.Accelerator, say: print on the main process)."""
     from accelerate import Accelerator
 
     if cfg.num_threads:
@@ -162,17 +170,44 @@ def _start_processes(cfg: TrainConfig) -> tuple[Accelerator, Callable[[str], Non
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    _check_backend(cfg.backend, accel.device)
     if cfg.fsdp:
         sharding.require_process_group()
     tensor_parallel.require(cfg.tp_size, accel.num_processes)
-    say = printer(accel.is_main_process)
-    if cfg.overwrite and accel.is_main_process:
-        deleted = clear_run_files(cfg.output_dir)
-        if deleted:
-            say(f"--overwrite: deleted the previous run's {', '.join(deleted)} in "
-                f"{cfg.output_dir}")
-    accel.wait_for_everyone()
-    return accel, say
+    return accel, printer(accel.is_main_process)
+
+
+def _clear_previous_run(cfg: TrainConfig, accel: Accelerator, say) -> Callable[[], None]:
+    """--overwrite: a function that deletes the previous run's files on its first call (every
+    process calls it; later calls do nothing). Called once the run's checks passed (the batch,
+    the rewards, the data, the models and their positions): a run refused on one of them
+    deleted the previous run for nothing. The embedded model calls it before it writes
+    OUTPUT_DIR/initial_model."""
+    done = []
+
+    def clear() -> None:
+        if done:
+            return
+        done.append(True)
+        if cfg.overwrite and accel.is_main_process:
+            deleted = clear_run_files(cfg.output_dir)
+            if deleted:
+                say(f"--overwrite: deleted the previous run's {', '.join(deleted)} in "
+                    f"{cfg.output_dir}")
+        accel.wait_for_everyone()
+
+    return clear
+
+
+def _check_backend(backend: str, device: torch.device) -> None:
+    """--backend triton off CUDA runs only in Triton's interpreter; without it the first loss
+    call failed with a RuntimeError traceback, after the model had loaded and generated."""
+    from grpo_kernels.kernels.tile_configs import INTERPRET
+
+    if backend == "triton" and device.type != "cuda" and not INTERPRET:
+        raise UsageError(f"--backend triton needs a CUDA device, and this run is on "
+                         f"{device.type}: pass --backend chunked (or auto, which takes it on a "
+                         "CPU), or set TRITON_INTERPRET=1 for Triton's interpreter (slow)")
 
 
 def _agree(accel: Accelerator) -> Callable[[int], int] | None:

@@ -139,7 +139,7 @@ def test_a_row_without_a_usable_prompt_is_named(tmp_path, second, got):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [{"question": "1+1"}, second]))
     with pytest.raises(UsageError, match=f"--dataset x row 2: --prompt_column 'question' must "
-                                         f"be text or a list of chat messages, {got}"):
+                                         f"be non-blank text or a list of chat messages, {got}"):
         to_examples(read_rows(str(path), None, "train"), "question", "", "--dataset x")
 
 
