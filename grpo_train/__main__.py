@@ -51,18 +51,26 @@ def _print_held_out(history: dict) -> None:
 
 def _run_is_complete(cfg) -> bool:
     """--resume on a run whose latest checkpoint is at --steps already: say so (and its held-out
-    accuracy) without loading a model or writing anything."""
+    accuracy) without loading a model or writing anything; settings that differ from the
+    checkpoint's run are refused as a resume that trains on refuses them."""
     if not cfg.resume:
         return False
     from pathlib import Path
 
-    from .checkpoint import checkpoint_dir, checkpoint_step, find_checkpoint
+    from .checkpoint import (
+        check_resumed_config,
+        checkpoint_dir,
+        checkpoint_step,
+        find_checkpoint,
+        load_checkpoint,
+    )
     from .logs import read_metrics
 
     found = find_checkpoint(cfg.resume, cfg.output_dir)
     done = None if found is None else checkpoint_step(found)
     if done is None or done < cfg.steps:
         return False
+    check_resumed_config(load_checkpoint(found, mmap=True), cfg, found, lambda line: None)
     print(f"the run is complete: checkpoint {found} is at step {done}, --steps is {cfg.steps}; "
           "nothing to do (a larger --steps trains further)", flush=True)
     metrics = Path(cfg.output_dir) / "metrics.jsonl"

@@ -128,13 +128,14 @@ def checkpoint_step(path) -> int | None:
 CHECKPOINT_KEYS = ("step", "model", "optimizer", "scheduler", "data", "rng")
 
 
-def load_checkpoint(path, required: tuple[str, ...] = ()) -> dict:
+def load_checkpoint(path, required: tuple[str, ...] = (), mmap: bool = False) -> dict:
     """A checkpoint's contents; a UsageError naming --resume for a file that is not one (a
     model's weights, another program's pickle, a truncated copy) or lacks a `required` key
-    (a resume requires CHECKPOINT_KEYS)."""
+    (a resume requires CHECKPOINT_KEYS). mmap: tensors mapped from the file, not read (to
+    look at its config)."""
     expected = "expected a step_*.pt file that grpo-train wrote into OUTPUT_DIR/checkpoints"
     try:  # our own files: they hold numpy/python RNG states, which weights_only loading rejects
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - pickle, zip and I/O errors alike
         raise UsageError(f"--resume {str(path)!r} could not be read as a checkpoint "
                          f"({type(err).__name__}: {err}); {expected}") from err

@@ -119,7 +119,7 @@ class TrainConfig:
         " model.generate on the left-padded batch (every row runs until the longest ends); "
         "\"static\" = model.generate with a static KV cache and its decode step compiled "
         "(--static_compile; CUDA graphs on a GPU); \"auto\" = the first that runs of the rule "
-        "for this device (grpo_train.generation.GENERATION_RULES: padded on CPU; continuous, "
+        "for this device (grpo_train.generation.GENERATION_RULES: padded on CPU; static, "
         "then padded on CUDA). Set-ups a path cannot serve (--fsdp, ...) run padded; the log "
         "names the path that ran and why (docs/trainer.md, Generation paths).")
     static_compile: bool = option(True,

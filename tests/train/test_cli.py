@@ -175,6 +175,11 @@ def test_resume_of_a_complete_run_changes_nothing(tmp_path):
     assert lines[1].startswith("held-out accuracy: step 0 ") and len(lines) == 2, lines
     assert "resumed from" not in again.stdout and "format warm-up" not in again.stdout
     assert snapshot() == before
+    # a setting that changes what the run trains is refused there as on a run that trains on
+    changed = run([*args, "--resume", "auto", "--learning_rate", "0.5"])
+    line = one_line_error(changed)
+    assert "--learning_rate 0.5 (the checkpoint's: " in line, line
+    assert snapshot() == before
     # a larger --steps continues the same run
     more = run([*TINY_RUN, "--output_dir", str(out), "--save_every", "1", "--steps", "3",
                 "--resume", "auto"])
