@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 
 from . import kernel_variants, perf_model, specialization, static_report
@@ -49,6 +50,18 @@ def _ast_source(variant: kernel_variants.Variant):
 
 
 def compile_variant(variant: kernel_variants.Variant, arch: int, want_sass: bool) -> Result:
+    """One variant's compile; an OS refusal to start ptxas or cuobjdump (EAGAIN: the machine's
+    process or thread limit, under load) is retried, not reported as the variant's failure."""
+    for wait in (1.0, 4.0, 16.0, None):
+        try:
+            return _compile_variant(variant, arch, want_sass)
+        except BlockingIOError as exc:
+            if wait is None:
+                return Result(error=f"BlockingIOError (4 tries): {exc}")
+            time.sleep(wait)
+
+
+def _compile_variant(variant: kernel_variants.Variant, arch: int, want_sass: bool) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -68,6 +81,8 @@ def compile_variant(variant: kernel_variants.Variant, arch: int, want_sass: bool
         if want_sass:
             res.sass = static_report.sass_stats(cubin)
         return res
+    except BlockingIOError:
+        raise  # the OS, not the variant: compile_variant retries
     except Exception as exc:  # report every broken variant, not just the first
         return Result(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                       if str(exc) else type(exc).__name__)

@@ -95,3 +95,27 @@ def test_blocks_per_sm():
     assert static_report.blocks_per_sm(86, 32, 4, 64 * 1024) == 1
     # 255 registers with 8 warps: 256 × 32 × 8 = 65536, exactly one block
     assert static_report.blocks_per_sm(80, 255, 8, 1024) == 1
+
+
+def test_an_os_refusal_to_start_the_compiler_is_retried(monkeypatch):
+    """EAGAIN from starting ptxas (a loaded machine's process limit) is the OS, not the variant:
+    retried, and reported as a failure only when it persists."""
+    from grpo_kernels.compile_check import check
+
+    calls = []
+
+    def flaky(variant, arch, want_sass):
+        calls.append(arch)
+        if len(calls) < 3:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return check.Result(regs=32)
+
+    monkeypatch.setattr(check, "_compile_variant", flaky)
+    monkeypatch.setattr(check.time, "sleep", lambda s: None)
+    assert check.compile_variant(None, 90, False).regs == 32 and len(calls) == 3
+
+    def always(variant, arch, want_sass):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(check, "_compile_variant", always)
+    assert "BlockingIOError" in check.compile_variant(None, 90, False).error
