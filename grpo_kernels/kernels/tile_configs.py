@@ -179,8 +179,9 @@ def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None 
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, stages, cc))
     # sm_100: 128 x 128 with the entropy gradient spilled 32 B at 255 registers; sm_90: 8 B
     # (fp16, bias, entropy gradient, V not divisible by 16; the full compile_check set); with
-    # a soft cap and the entropy gradient, sm_80 spilled 8-16 B (by tokens, d hidden only)
-    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and entropy_grad):
+    # a soft cap and the entropy gradient, sm_80 spilled 8-16 B (by tokens, d hidden only); a
+    # soft cap alone, 8 B on sm_86/89 (bf16, by vocabulary) once padding's rows were masked
+    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and (entropy_grad or cc in (86, 89))):
         return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
 
