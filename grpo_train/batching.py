@@ -34,6 +34,7 @@ import torch
 
 from grpo_kernels.hf import PackedBatch, RowLayout, parse_row_layout, plan_rows, row_inputs
 
+from .config import auto_value
 from .flags import UsageError
 from .models import position_ids
 
@@ -126,21 +127,41 @@ def split_to(chunks: list[slice], n: int) -> list[slice]:
     return chunks
 
 
-def batch_sizes(cfg, world: int) -> tuple[int, int, int]:
+def batch_sizes(cfg, world: int, say=None) -> tuple[int, int, int]:
     """(P_local prompts per process, B = P_local·G sequences per process, sequences per
-    micro-batch) of a run with `world` processes; a one-line error for sizes that do not divide."""
+    micro-batch) of a run with `world` processes; a one-line error for sizes that do not divide.
+    An automatic --micro_batch_size (None) is the largest divisor of B up to AUTO's cap (0: the
+    whole batch), said with `say` when below the cap; a value given must divide B."""
     G = cfg.num_generations
     if cfg.num_prompts % world:
         raise UsageError(f"--num_prompts {cfg.num_prompts} must be divisible by the number of "
                          f"processes ({world}): every process takes whole groups")
     P_local = cfg.num_prompts // world
     B = P_local * G
+    if cfg.micro_batch_size is None:
+        return P_local, B, _auto_micro(cfg, P_local, B, say)
     micro = cfg.micro_batch_size or B  # sequences per micro-batch, unless a token budget
     if B % micro and not cfg.max_tokens_per_microbatch:
         raise UsageError(f"--micro_batch_size {micro} must divide the per-process batch "
                          f"num_prompts/processes x num_generations = {P_local} x {G} = {B}: "
                          f"pass a divisor of {B}, or 0 for the whole batch")
     return P_local, B, micro
+
+
+def _auto_micro(cfg, P_local: int, B: int, say) -> int:
+    """The automatic micro-batch size: the largest divisor of B up to the cap (a cap of 0, or
+    one of B or more: B). A token budget cuts the micro-batches instead, so the cap stands."""
+    cap = auto_value(cfg, "micro_batch_size")
+    if not cap or cap >= B:
+        return B
+    if cfg.max_tokens_per_microbatch:
+        return cap
+    micro = max(d for d in range(1, cap + 1) if B % d == 0)
+    if micro < cap and say is not None:
+        say(f"micro-batches: {micro} sequences each, the largest divisor up to the automatic "
+            f"{cap} of the per-process batch num_prompts/processes x num_generations = "
+            f"{P_local} x {cfg.num_generations} = {B} (--micro_batch_size sets it)")
+    return micro
 
 
 def micro_batches(batch: dict, layout: RowLayout | str, micro_batch_size: int, max_tokens: int,

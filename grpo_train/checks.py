@@ -53,6 +53,13 @@ _LOWER_BOUNDS = [
 # a clipped step of zeros) from about 1e-19 down. At 1e-4 a logit gap of 0.01 already gives odds
 # of e^100: sampling is greedy in effect, far above all three.
 MIN_TEMPERATURE = 1e-4
+# The highest --temperature, by the same measure at the other end: at 1e4 a logit spread of 100
+# (about the widest a language model's logits span) gives odds of e^0.01 = 1.01 between its
+# ends, so sampling is uniform in effect and the loss' gradient, which shrinks as 1/temperature,
+# is 1e-4 of its size at 1. Measured (docs/trainer.md, Errors): float32 softmax of logits
+# spanning 1, 10 or 100 is exactly uniform from 1e8, 1e9 or 1e10 up, and above 3.4e38 the
+# temperature itself is inf in float32 (every logit / temperature is 0).
+MAX_TEMPERATURE = 1e4
 # --seed: NumPy's generators take no negative seed, torch.manual_seed none above 2**64 - 1 (and
 # each process adds its index)
 MAX_SEED = 2**63 - 1
@@ -87,6 +94,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--lora_r with --fsdp is not supported yet (PEFT adapters under FSDP2 "
                          "are untested here): use DDP for LoRA runs")
     _check_tensor_parallel(cfg)
+    _check_threads(cfg.num_threads)
     _check_float16(cfg)
     if cfg.lora_r and cfg.lora_head and cfg.fp32_lm_head:
         raise UsageError("--fp32_lm_head cannot be combined with a LoRA adapter on the head "
@@ -128,6 +136,13 @@ def _check_numbers(cfg: TrainConfig) -> None:
             f"--temperature must be >= {MIN_TEMPERATURE:g}, got {cfg.temperature:g}: the logits "
             "are divided by it in float32 (sampling and loss), which overflows to inf and NaN "
             "for temperatures near 0, and below it sampling is greedy in effect")
+    if not cfg.temperature <= MAX_TEMPERATURE:
+        raise UsageError(
+            f"--temperature must be <= {MAX_TEMPERATURE:g} (the valid range is "
+            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]), got {cfg.temperature:g}: the logits "
+            "are divided by it, and above it sampling is uniform in effect (odds of at most "
+            "1.01 across a logit spread of 100) and the loss' gradient, which shrinks as 1 / "
+            "temperature, vanishes (from 3.4e38 up the temperature is inf in float32)")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise UsageError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
@@ -135,6 +150,47 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise UsageError(f"--format_warmup_lr must be >= 0, got {cfg.format_warmup_lr}")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise UsageError(f"--seed must be a whole number in [0, 2**63 - 1], got {cfg.seed}")
+
+
+def thread_limit() -> tuple[int, str] | None:
+    """(the most threads the system lets this user run, what sets it): the lower of the soft
+    RLIMIT_NPROC (`ulimit -u`, which counts threads) and Linux's kernel.threads-max; None where
+    neither is known."""
+    limits = []
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append((soft, "threads per user (ulimit -u)"))
+    except (ImportError, AttributeError, OSError, ValueError):  # not a Unix system
+        pass
+    try:
+        with open("/proc/sys/kernel/threads-max") as f:
+            limits.append((int(f.read()), "threads (kernel.threads-max)"))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def _check_threads(n: int | None) -> None:
+    """--num_threads above the system's thread limit: torch accepts the number, and its OpenMP
+    pool then fails creating the threads at the first parallel operation with a segmentation
+    fault or an abort ("libgomp: Out of memory"), no Python error. Above the CPU cores it only
+    runs slower (the threads take turns), so that is a warning (run_state.set_threads)."""
+    limit = thread_limit()
+    if n and limit is not None and n > limit[0]:
+        raise UsageError(f"--num_threads {n} exceeds this system's limit of {limit[0]} "
+                         f"{limit[1]}: torch would crash creating the threads. This process "
+                         f"may use {usable_cores()} CPU cores: pass at most that, or 0 for "
+                         "torch's default (one per core)")
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else os.cpu_count())."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _check_float16(cfg: TrainConfig) -> None:

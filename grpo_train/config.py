@@ -164,7 +164,9 @@ class TrainConfig:
     lr_warmup_steps: int = option(0, "linear learning-rate warm-up, in optimizer steps")
     max_grad_norm: float = option(1.0, "gradient clipping; 0 disables it")
     micro_batch_size: int | None = option(None,
-        "Sequences per forward/backward; 0 = the whole per-process batch")
+        "Sequences per forward/backward; 0 = the whole per-process batch. Auto with --model: the "
+        "largest divisor of the per-process batch up to 8 (one log line when below 8); a value "
+        "given that does not divide the batch is an error.")
     max_tokens_per_microbatch: int = option(0,
         "Cut micro-batches by tokens instead (0 = off): as many whole sequences as fit N tokens"
         " (packed: real prompt + completion tokens; padded: rows x padded length); a longer "
@@ -256,15 +258,25 @@ AUTO = {
     "num_threads": (1, 0),
 }
 
+# AUTO fields that `resolve_auto` leaves None, resolved once the processes are known: the
+# micro-batch size is a cap there (batching.batch_sizes takes the largest divisor of the
+# per-process batch up to it).
+AUTO_AT_SETUP = frozenset({"micro_batch_size"})
+
 # Fields whose "auto" (None) is resolved later, from the data: their --help default.
 RESOLVED_LATER = {"eval_size": "auto"}
 
 
 def resolve_auto(cfg: TrainConfig) -> TrainConfig:
-    """Fill the "auto" (None) fields for the embedded run or a pretrained --model."""
-    which = 1 if cfg.model else 0
-    return dataclasses.replace(cfg, **{k: v[which] for k, v in AUTO.items()
-                                       if getattr(cfg, k) is None})
+    """Fill the "auto" (None) fields for the embedded run or a pretrained --model (those of
+    AUTO_AT_SETUP stay None: `auto_value` gives their cap)."""
+    return dataclasses.replace(cfg, **{k: auto_value(cfg, k) for k in AUTO
+                                       if getattr(cfg, k) is None and k not in AUTO_AT_SETUP})
+
+
+def auto_value(cfg: TrainConfig, name: str):
+    """AUTO's value of field `name` for this run: the embedded run's, or the one with --model."""
+    return AUTO[name][1 if cfg.model else 0]
 
 
 def lr_factor(cfg: TrainConfig):

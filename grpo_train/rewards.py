@@ -207,14 +207,37 @@ def _as_list(returned, n: int) -> list:
     return list(returned)
 
 
+def _numbers(values: list, n: int) -> list[float | None]:
+    """A function's rewards as floats, None kept (unscored). A value that is neither None nor a
+    number (bool, int, float, NumPy scalar, one-element tensor) is the function's error, named
+    with its type: a string too, even "1.0" (TRL turns rewards into a tensor, which refuses it)."""
+    out, wrong = [], []
+    for i, v in enumerate(values):
+        if v is not None and not isinstance(v, (str, bytes, bytearray)):
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                wrong.append(i)
+        elif v is not None:
+            wrong.append(i)
+        out.append(v)
+    if wrong:
+        i = wrong[0]
+        raise TypeError(f"returned a {type(values[i]).__name__} ({values[i]!r:.30}) for "
+                        f"completion {i} ({len(wrong)} of {n} not numbers); expected a number "
+                        "or None (unscored) per completion")
+    return out
+
+
 def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
           columns: dict[str, list]) -> tuple[torch.Tensor, dict[str, int]]:
     """Rewards [N, F] float32 (NaN = unscored) and, per function, how many it could not score.
 
-    A function that raises leaves all its rewards NaN for this batch; the run goes on. A value
-    that is None or not a number leaves its completion unscored (counted under the function's
-    name), and so does an infinite or NaN one (counted apart): an infinite reward would turn its
-    whole group's advantages into NaN, and so into 0, while the step's reward read inf.
+    A function that raises, or returns something other than a list of numbers and None,
+    leaves all its rewards NaN for this batch (counted under "name: Error: message"); the run
+    goes on. A None leaves its completion unscored (counted under the function's name), and so
+    does an infinite or NaN value (counted apart): an infinite reward would turn its whole
+    group's advantages into NaN, and so into 0, while the step's reward read inf.
     """
     n = len(completions)
     out = torch.full((n, len(specs)), float("nan"))
@@ -225,15 +248,12 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
             values = _as_list(spec.fn(prompts=prompts, completions=completions, **columns), n)
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} rewards for {n} completions")
+            values = _numbers(values, n)
         except Exception as err:  # noqa: BLE001 - a reward bug must not kill a long run
             failures[f"{spec.name}: {type(err).__name__}: {err}"[:200]] = n
             continue
         bad = non_finite = 0
         for i, v in enumerate(values):
-            try:
-                v = None if v is None else float(v)
-            except (TypeError, ValueError):
-                v = None
             if v is None:
                 bad += 1
             elif not math.isfinite(v):
@@ -245,6 +265,21 @@ def score(specs: list[RewardSpec], prompts: list[str], completions: list[str],
         if non_finite:
             failures[f"{spec.name}: non-finite rewards (inf or NaN)"] = non_finite
     return out, failures
+
+
+def explain_none(failures: dict[str, int], said: set[str]) -> str | None:
+    """One line the first time in a run that a reward function returns None (a key of
+    `score`'s failures without ": "), saying what the trainer does with it; None when every
+    such function was explained already (`said`, updated)."""
+    names = [k for k in failures if ": " not in k and k not in said]
+    if not names:
+        return None
+    said.update(names)
+    why = " (accuracy returns it for a row without an answer)" if "accuracy" in names else ""
+    return (f"note: {', '.join(names)} returned None for some completions: None means the "
+            f"function cannot score that completion{why}, which is then unscored (advantage 0, "
+            "as in TRL); each step's warning line counts them, and --max_unscored_steps stops a "
+            "run in which no completion at all is scored")
 
 
 class RewardsFailedError(UsageError, RuntimeError):

@@ -9,6 +9,7 @@ F reward functions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from .checkpoint import (
     resume_run,
     seed_everything,
 )
-from .checks import grad_filter_value
+from .checks import grad_filter_value, usable_cores
 from .config import TrainConfig, grpo_params, lr_factor
 from .data import PromptSampler, load_examples
 from .flags import UsageError
@@ -102,6 +103,8 @@ class RunState:
     # once; decided with the path (False beforehand: every row prefills its own prompt)
     static_caches: dict = field(default_factory=dict)  # the static path's caches, by shape
     decode_compile: tuple | None = None  # the static path's (generate keywords, log phrase)
+    # rewards: the functions whose None values the log has explained (rewards.explain_none)
+    none_explained: set[str] = field(default_factory=set)
 
 
 def setup(cfg: TrainConfig) -> RunState:
@@ -111,7 +114,9 @@ def setup(cfg: TrainConfig) -> RunState:
     accel, say = _start_processes(cfg)
     tp, device = cfg.tp_size, accel.device
     rank, world = accel.process_index // tp, accel.num_processes // tp  # data-parallel
-    P_local, B, micro = batching.batch_sizes(cfg, world)
+    P_local, B, micro = batching.batch_sizes(cfg, world, say)
+    if cfg.micro_batch_size is None:  # auto: the checkpoint and the steps see the size taken
+        cfg = dataclasses.replace(cfg, micro_batch_size=micro if cfg.model else 0)
     specs = [parse_reward_spec(s) for s in cfg.reward]  # fails fast on a bad --reward
     if all(s.weight == 0 for s in specs):  # every advantage 0: a run that learns nothing
         raise UsageError(f"--reward {' '.join(cfg.reward)}: every weight is 0, so every reward "
@@ -165,8 +170,7 @@ def _start_processes(cfg: TrainConfig) -> tuple[Accelerator, Callable[[str], Non
     """(accelerate.Accelerator, say: print on the main process)."""
     from accelerate import Accelerator
 
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    note = set_threads(cfg.num_threads)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     accel = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
@@ -174,7 +178,29 @@ def _start_processes(cfg: TrainConfig) -> tuple[Accelerator, Callable[[str], Non
     if cfg.fsdp:
         sharding.require_process_group()
     tensor_parallel.require(cfg.tp_size, accel.num_processes)
-    return accel, printer(accel.is_main_process)
+    say = printer(accel.is_main_process)
+    if note:
+        say(note)
+    return accel, say
+
+
+def set_threads(n: int) -> str | None:
+    """torch.set_num_threads(n) (0: torch's default); a warning line when n is above the cores
+    this process may use (`validate` refused n above the system's thread limit; a number torch
+    cannot take at all is a UsageError here)."""
+    if not n:
+        return None
+    try:
+        torch.set_num_threads(n)
+    except (ValueError, RuntimeError) as err:  # 2**31 and up: "Overflow when unpacking long"
+        raise UsageError(f"--num_threads {n}: torch cannot set it ({err}); pass a number of "
+                         f"threads up to the {usable_cores()} CPU cores this process may use, "
+                         "or 0 for torch's default") from err
+    cores = usable_cores()
+    if n <= cores:
+        return None
+    return (f"warning: --num_threads {n} is more than the {cores} CPU cores this process may "
+            "use: the threads take turns on them, which is usually slower than one per core")
 
 
 def _clear_previous_run(cfg: TrainConfig, accel: Accelerator, say) -> Callable[[], None]:

@@ -39,7 +39,7 @@ from .logs import (
     step_start,
 )
 from .models import save_model
-from .rewards import combine, group_advantages, rewards_failed, score
+from .rewards import combine, explain_none, group_advantages, rewards_failed, score
 from .run_state import RunState, setup
 
 
@@ -181,6 +181,9 @@ def _step(run: RunState, step: int, phases) -> dict:
     if fails:
         record["reward_failures"] = fails
         run.say(f"warning: unscored completions at step {step}: {fails}")
+        note = explain_none(fails, run.none_explained)  # once per function and run
+        if note:
+            run.say(note)
     return record
 
 

@@ -6,17 +6,20 @@ processes (tests/train/test_cli.py's `run`)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from test_cli import TINY_RUN, one_line_error, run
 
+from grpo_train.checks import thread_limit, usable_cores
 from grpo_train.cli import parse_config
 from grpo_train.config import TrainConfig, resolve_auto
 from grpo_train.data import load_examples, read_rows, to_examples
 from grpo_train.flags import UsageError
 from grpo_train.models import render_prompts
 from grpo_train.positions import check_positions, position_limit
+from grpo_train.run_state import set_threads
 from grpo_train.tiny import build_tiny_model, build_tokenizer
 
 
@@ -52,7 +55,7 @@ def test_a_learned_position_table_refuses_prompts_that_cannot_fit(tmp_path):
     one line at start naming the flags and the limit, and nothing written. 12 fits and trains."""
     model = _gpt2_dir(tmp_path / "gpt2")
     out = tmp_path / "run"
-    args = [*TINY_RUN, "--model", model, "--micro_batch_size", "0"]
+    args = [*TINY_RUN, "--model", model]  # 2 x 2 sequences: the automatic 8 takes 4
     line = last_line_error(run([*args, "--max_new_tokens", "13", "--output_dir", str(out)]))
     assert "with --max_new_tokens 13 can reach past the model's 16 positions" in line
     assert "a learned table of 16 positions" in line
@@ -174,6 +177,10 @@ def test_a_chat_template_that_refuses_the_messages_is_named():
     # transformers' sampling: `probability tensor contains either inf, nan or element < 0`
     (["--temperature", "1e-45"], "--temperature must be >= 0.0001, got 1e-45"),
     (["--temperature", "3e-5"], "--temperature must be >= 0.0001, got 3e-05"),
+    # logits / 1e300 were 0 in float32: uniform sampling and zero gradients, without a word
+    (["--temperature", "1e300"], "--temperature must be <= 10000 (the valid range is "
+                                 "[0.0001, 10000]), got 1e+300"),
+    (["--temperature", "1.5e4"], "--temperature must be <= 10000"),
     # NaN passed every bound: top_p and max_grad_norm ran on; learning rates crashed in AdamW
     (["--top_p", "nan"], "--top_p must be a finite number, got nan"),
     (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number"),
@@ -208,9 +215,30 @@ def test_bad_values_are_refused_when_parsed(args, named):
 def test_values_at_the_bounds_parse():
     assert parse_config(["--temperature", "1e-4"]).temperature == 1e-4
     assert parse_config(["--temperature", "7"]).temperature == 7.0
+    assert parse_config(["--temperature", "1e4"]).temperature == 1e4
     assert parse_config(["--seed", str(2**63 - 1)]).seed == 2**63 - 1
     # float16 weights with float32 LoRA adapters train (no warm-up of the float16 weights)
     parse_config(["--model_dtype", "float16", "--lora_r", "2", "--format_warmup_steps", "0"])
+
+
+def test_num_threads_past_what_the_system_runs(tmp_path):
+    """--num_threads 100000 (above ulimit -u, 96365, on the machine it was found on) was taken,
+    and the first matmul crashed the process (a segmentation fault; 2**31 - 1: libgomp aborts,
+    out of memory). It is refused when parsed; above the CPU cores, one warning line."""
+    limit, named = thread_limit()  # Linux always has kernel.threads-max
+    with pytest.raises(UsageError, match=rf"--num_threads {limit + 1} exceeds this system's "
+                                         rf"limit of {limit} {re.escape(named)}"):
+        parse_config(["--num_threads", str(limit + 1)])
+    with pytest.raises(UsageError, match="--num_threads 2147483648: torch cannot set it"):
+        set_threads(2**31)  # what validate let through where the limit is unknown
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(0) is None and set_threads(1) is None
+        note = set_threads(usable_cores() + 1)
+    finally:
+        torch.set_num_threads(before)
+    assert note.startswith(f"warning: --num_threads {usable_cores() + 1} is more than the "
+                           f"{usable_cores()} CPU cores")
 
 
 def test_bad_values_in_a_config_file_are_refused(tmp_path):

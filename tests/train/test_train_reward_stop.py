@@ -42,6 +42,10 @@ def some_unscored(prompts, completions, **columns):
     return [None if i % 2 else float(len(c) % 3) for i, c in enumerate(completions)]
 
 
+def strings(prompts, completions, **columns):
+    return [str(len(c) % 3) for c in completions]
+
+
 def always_none(prompts, completions, **columns):
     return [None] * len(completions)
 """
@@ -88,6 +92,15 @@ def test_functions_returning_none_everywhere_stop_too(tmp_path, helper):
     assert [r["step"] for r in records(cfg)] == [1] and saved_steps(cfg) == []
 
 
+def test_a_function_returning_strings_stops_with_its_type(tmp_path, helper):
+    """Strings were counted as None: "strings returned None for 16 of 16 completions"."""
+    cfg = tiny_cfg(tmp_path, reward=[f"{helper}:strings"], steps=3, max_unscored_steps=1)
+    with pytest.raises(RewardsFailedError) as info:
+        train(cfg)
+    assert "strings: TypeError: returned a str (" in str(info.value)
+    assert "(16 of 16 not numbers)" in str(info.value)
+
+
 @pytest.mark.parametrize("reward, limit, unscored", [
     (["every_other_step"], 2, [16, 0, 16, 0, 16]),  # fails once at a time: the count resets
     (["some_unscored"], 1, [8] * 5),  # some completions scored in every step
@@ -102,7 +115,10 @@ def test_partial_or_passing_failures_do_not_stop(tmp_path, helper, capsys, rewar
     assert result["step"] == 5 and not result["interrupted"]
     assert [r["unscored"] for r in records(cfg)] == unscored
     assert all("reward_failures" in r for r in records(cfg) if r["unscored"] or "boom" in reward)
-    assert "warning: unscored completions at step 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning: unscored completions at step 1" in out
+    # None is unscored by design: said once per run, not at every step
+    assert out.count("returned None for some completions") == (reward == ["some_unscored"])
 
 
 @pytest.mark.parametrize("limit, saved", [(2, [2, 4]), (0, [1, 2, 3, 4])])

@@ -13,6 +13,7 @@ from grpo_train.rewards import (
     accuracy,
     answers_match,
     combine,
+    explain_none,
     extract_answer,
     format_reward,
     group_advantages,
@@ -161,6 +162,43 @@ def test_a_function_that_returns_no_list_is_named_with_what_it_returned(returned
     assert torch.isnan(rewards).all()
     assert list(failures) == [f"odd: ValueError: returned a {what}; expected a list of 4 "
                               "rewards, one per completion"]
+
+
+@pytest.mark.parametrize("values, named", [
+    (["1.0", "0", "abc", "1"], "returned a str ('1.0') for completion 0 (4 of 4 not numbers)"),
+    ([1.0, None, b"x", 0.0], "returned a bytes (b'x') for completion 2 (1 of 4 not numbers)"),
+    ([1.0, [0.5], 0.0, {}], "returned a list ([0.5]) for completion 1 (2 of 4 not numbers)"),
+    ([1.0, 0.0, 1j, 0.0], "returned a complex (1j) for completion 2 (1 of 4 not numbers)"),
+])
+def test_values_that_are_not_numbers_are_named_with_their_type(values, named):
+    """A function returning strings was logged as returning None ("odd": 4, unscored without a
+    reason), and "1.0" was read as 1.0: a value that is neither a number nor None is now the
+    function failing on the batch, logged with the type it returned."""
+    rewards, failures = score([RewardSpec("odd", lambda **kw: values)], ["p"] * 4, ["a"] * 4,
+                              {})
+    assert torch.isnan(rewards).all()
+    assert list(failures) == [f"odd: TypeError: {named}; expected a number or None (unscored) "
+                              "per completion"]
+    assert f"odd: TypeError: {named}" in str(rewards_failed(failures, 1, 1, 4, None))
+
+
+def test_numbers_of_every_kind_and_none_are_rewards():
+    import numpy as np
+
+    values = [True, 2, np.float32(0.5), np.int64(3), torch.tensor(1.5), None]
+    rewards, failures = score([RewardSpec("ok", lambda **kw: values)], ["p"] * 6, ["a"] * 6, {})
+    assert rewards[:5, 0].tolist() == [1.0, 2.0, 0.5, 3.0, 1.5] and torch.isnan(rewards[5, 0])
+    assert failures == {"ok": 1}
+
+
+def test_none_is_explained_once_per_function():
+    said = set()
+    note = explain_none({"accuracy": 3, "boom: RuntimeError: x": 4}, said)
+    assert note.startswith("note: accuracy returned None for some completions: None means")
+    assert "a row without an answer" in note and "unscored (advantage 0" in note
+    assert explain_none({"accuracy": 5}, said) is None
+    assert explain_none({"accuracy": 1, "mine": 2}, said).startswith("note: mine returned None")
+    assert explain_none({"boom: RuntimeError: x": 4}, said) is None
 
 
 def test_tensors_and_arrays_are_lists_of_rewards():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo_train import logs
+from grpo_train.batching import batch_sizes
 from grpo_train.checkpoint import (
     capture_rng,
     find_checkpoint,
@@ -19,7 +20,7 @@ from grpo_train.checkpoint import (
 )
 from grpo_train.checks import grad_filter_value
 from grpo_train.cli import field_docs, parse_config
-from grpo_train.config import AUTO, TrainConfig, resolve_auto
+from grpo_train.config import AUTO, AUTO_AT_SETUP, TrainConfig, resolve_auto
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
@@ -39,6 +40,9 @@ def test_defaults_are_the_embedded_run_and_trl_for_a_model():
     embedded = parse_config([])
     pretrained = parse_config(["--model", "some/model"])
     for name, (tiny, real) in AUTO.items():
+        if name in AUTO_AT_SETUP:  # a cap, resolved once the processes are known
+            assert getattr(embedded, name) is None and getattr(pretrained, name) is None
+            continue
         assert getattr(embedded, name) == tiny
         assert getattr(pretrained, name) == real
     assert pretrained.beta == 0.0 and pretrained.num_iterations == 1  # TRL's defaults
@@ -85,6 +89,26 @@ def test_grad_filter_flag_reaches_the_loss():
     assert parse_config([]).grad_filter is None
     assert grad_filter_value(parse_config(["--grad_filter", "auto"]).grad_filter) == "auto"
     assert grad_filter_value(parse_config(["--grad_filter", "1e-4"]).grad_filter) == 1e-4
+
+
+def test_automatic_micro_batch_size_divides_the_per_process_batch():
+    """With --model the automatic 8 refused every per-process batch it did not divide (3 prompts
+    x 4 = 12: "--micro_batch_size 8 must divide"); it is now the largest divisor up to 8, said in
+    one line when below 8. A value given that does not divide stays an error."""
+    lines = []
+    sizes = dict(num_prompts=6, num_generations=4)  # 2 processes: 3 x 4 = 12 sequences each
+    assert batch_sizes(parse_config(["--model", "m", "--num_prompts", "6", "--num_generations",
+                                     "4"]), 2, lines.append) == (3, 12, 6)
+    assert len(lines) == 1 and "micro-batches: 6 sequences each" in lines[0]
+    assert "3 x 4 = 12" in lines[0] and "automatic 8" in lines[0]
+    cases = [(dict(num_prompts=3, num_generations=7), 1, 7), (dict(num_prompts=4), 1, 8),
+             (dict(num_prompts=1, num_generations=5), 1, 5), (dict(), 1, 8)]
+    for extra, world, micro in cases:
+        cfg = resolve_auto(TrainConfig(model="m", **extra))
+        assert batch_sizes(cfg, world)[2] == micro, extra
+    assert batch_sizes(resolve_auto(TrainConfig(**sizes)), 2) == (3, 12, 12)  # embedded: all
+    with pytest.raises(UsageError, match="--micro_batch_size 8 must divide .* 3 x 4 = 12"):
+        batch_sizes(resolve_auto(TrainConfig(model="m", micro_batch_size=8, **sizes)), 2)
 
 
 def test_resolve_auto_keeps_explicit_values():
