@@ -225,15 +225,15 @@ def load_policy(cfg, out_dir, train_ex, device, fresh: bool, accel, say, eval_ex
     examples = [*train_ex, *eval_ex]
     if cfg.model:
         model, tokenizer = load_pretrained(cfg.model, cfg)
-        check_positions(model, tokenizer, cfg, examples, say)
+        check_positions(model, tokenizer, cfg, examples, say, render_prompts)
         return model.to(device), tokenizer
     initial = Path(out_dir) / "initial_model"
     if not fresh and initial.is_dir():
         model, tokenizer = load_pretrained(str(initial), cfg, flag="initial model")
-        check_positions(model, tokenizer, cfg, examples, say)
+        check_positions(model, tokenizer, cfg, examples, say, render_prompts)
         return model.to(device), tokenizer
     model, tokenizer = build_embedded(cfg)
-    check_positions(model, tokenizer, cfg, examples, say)
+    check_positions(model, tokenizer, cfg, examples, say, render_prompts)
     if before_write is not None:
         before_write()
     model.to(device)

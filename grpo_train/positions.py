@@ -44,11 +44,10 @@ def position_limit(model) -> tuple[int, str] | None:
     return limit, "rotary" if rotary else "computed"
 
 
-def prompt_lengths(tokenizer, examples: list[dict], cfg) -> list[int]:
+def prompt_lengths(tokenizer, examples: list[dict], cfg, render_prompts) -> list[int]:
     """Each example's prompt length in tokens as generation encodes it (chat template, system
-    prompt, --max_prompt_length's truncation)."""
-    from .models import render_prompts  # models.py calls this module
-
+    prompt, --max_prompt_length's truncation). render_prompts: `models.render_prompts` (given
+    by its caller, which imports this module)."""
     templated = bool(getattr(tokenizer, "chat_template", None))  # as models.encode_prompts
     lengths = []
     for i in range(0, len(examples), CHUNK):
@@ -60,9 +59,10 @@ def prompt_lengths(tokenizer, examples: list[dict], cfg) -> list[int]:
     return lengths
 
 
-def check_positions(model, tokenizer, cfg, examples: list[dict], say) -> None:
+def check_positions(model, tokenizer, cfg, examples: list[dict], say, render_prompts) -> None:
     """Raise a UsageError, or warn with `say`, where a prompt of `examples` (training and
-    held-out) plus --max_new_tokens can pass the model's positions (the module docstring)."""
+    held-out) plus --max_new_tokens can pass the model's positions (the module docstring);
+    render_prompts as `prompt_lengths` takes it."""
     found = position_limit(model)
     if found is None or not examples:
         return
@@ -70,7 +70,7 @@ def check_positions(model, tokenizer, cfg, examples: list[dict], say) -> None:
     new = cfg.max_new_tokens
     if cfg.max_prompt_length is not None and cfg.max_prompt_length + new <= limit:
         return  # no prompt is longer: nothing to tokenize
-    lengths = prompt_lengths(tokenizer, examples, cfg)
+    lengths = prompt_lengths(tokenizer, examples, cfg, render_prompts)
     over = sum(n + new > limit for n in lengths)
     if not over:
         return

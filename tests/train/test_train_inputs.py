@@ -87,16 +87,16 @@ def test_some_prompts_past_rotary_positions_is_a_warning():
     said = []
     cfg = resolve_auto(TrainConfig(max_new_tokens=30))
     assert position_limit(model) == (64, "rotary")
-    check_positions(model, tok, cfg, examples, said.append)
+    check_positions(model, tok, cfg, examples, said.append, render_prompts)
     assert len(said) == 1 and said[0].startswith("warning: 1 of 3 prompts")
     assert "(training and held-out, 4-41 tokens)" in said[0]
     assert "lower --max_new_tokens to 23 or less, or pass --max_prompt_length 34" in said[0]
     said.clear()
     check_positions(model, tok, resolve_auto(TrainConfig(max_new_tokens=30,
                                                          max_prompt_length=34)),
-                    examples, said.append)
+                    examples, said.append, render_prompts)
     check_positions(model, tok, resolve_auto(TrainConfig(max_new_tokens=23)), examples,
-                    said.append)
+                    said.append, render_prompts)
     assert said == []
 
 
@@ -109,7 +109,7 @@ def test_a_learned_table_refuses_even_one_long_prompt(tmp_path):
     with pytest.raises(UsageError, match="1 of 2 prompts .* a learned table of 32 positions.*"
                                          "pass --max_prompt_length 30"):
         check_positions(model, tok, resolve_auto(TrainConfig(model=path, max_new_tokens=2)),
-                        examples, print)
+                        examples, print, render_prompts)
 
 
 # ---- held-out prompts that are training prompts ------------------------------------------
