@@ -72,6 +72,8 @@ def prompt_learning_adapter(model) -> str | None:
     PrefixTuningConfig, ...) where it is a prompt-learning one, else None. Such an adapter
     adds virtual tokens (or per-layer key/value prefixes) before every row of the batch in the
     PEFT model's forward; a packed or shared row holds several sequences."""
+    while not hasattr(model, "active_peft_config") and hasattr(model, "module"):
+        model = model.module  # a DDP or DeepSpeed wrapper around the PEFT model
     config = getattr(model, "active_peft_config", None)  # peft.PeftModel's
     if config is None or not getattr(config, "is_prompt_learning", False):
         return None

@@ -92,3 +92,23 @@ def test_prompt_tuning_training_run_matches_trl(model_dir):
         if "prompt_encoder" in name:
             moved = max(moved, (q - before[name]).abs().max().item())
     assert moved > 1e-4  # the virtual tokens were trained
+
+
+def test_prompt_learning_is_found_behind_a_wrapper():
+    """The layout is decided again on the first batch under ZeRO-3, on the model as TRL hands
+    it (DeepSpeed's engine, whose .module is the PEFT model)."""
+    import types
+
+    from grpo_kernels.trl.model_support import prompt_learning_adapter
+    from grpo_train.tiny import build_tiny_model, build_tokenizer
+
+    def wrapped(config):
+        model = build_tiny_model(build_tokenizer(), hidden_size=32, num_layers=1)
+        return peft.get_peft_model(model, config)
+
+    model = wrapped(ADAPTERS["prompt-tuning"]())
+    assert prompt_learning_adapter(model) == "PromptTuningConfig"
+    assert prompt_learning_adapter(types.SimpleNamespace(module=model)) == "PromptTuningConfig"
+    lora = wrapped(ADAPTERS["lora-embedding"]())
+    assert prompt_learning_adapter(types.SimpleNamespace(module=lora)) is None
+    assert prompt_learning_adapter(lora.get_base_model()) is None
