@@ -23,10 +23,14 @@ class LossBookkeeping:
     """The per-micro-batch bookkeeping of TRL's loss (mixed into the TRL subclass)."""
 
     def _gather_entropies(self, values: torch.Tensor) -> torch.Tensor:
-        """Every process's [B·T] entropies (NaN at padding, and NaN-padded to one length), for
-        the top_entropy_quantile threshold over the whole batch, as TRL takes it."""
-        padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
-        return self.accelerator.gather(padded)
+        """The real tokens' entropies of every process, for the top_entropy_quantile threshold
+        over the whole batch, as TRL takes it. values: this process's [B·T] (or packed [N])
+        entropies, NaN at padding. Only real tokens are exchanged and returned: torch's
+        quantile refuses more than 2**24 values, and TRL's takes the real tokens only."""
+        real = values[~values.isnan()]  # [n] this process's real tokens
+        padded = self.accelerator.pad_across_processes(real, dim=0, pad_index=float("nan"))
+        gathered = self.accelerator.gather(padded)
+        return gathered[~gathered.isnan()]
 
     def _loss_params(self, mode: str, scale, accumulation: int):
         """The GRPOParams of this micro-batch's loss: TRL's, with the entropy bonus's

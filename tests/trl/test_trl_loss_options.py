@@ -208,3 +208,24 @@ def test_fsdp_forward_method_keeps_the_terms_named():
     out = _call_forward(Root(), lambda _: terms, None)
     assert type(out) is GRPOTerms and out.kl is None and out.vespo_phi is None
     assert not out.logp._is_view() and torch.equal(out.logp, x[:, 1:])
+
+
+def test_entropy_quantile_takes_the_real_tokens_only():
+    """torch's quantile refuses more than 2**24 values. TRL's takes the threshold over the real
+    tokens of every process; so must ours, however much padding the [B, T] grid holds (a long
+    max_completion_length, many processes)."""
+    import accelerate
+
+    from grpo_kernels.grpo_options import high_entropy_mask
+    from grpo_kernels.trl.bookkeeping import LossBookkeeping
+
+    trainer = LossBookkeeping()
+    trainer.accelerator = accelerate.Accelerator(cpu=True)
+    B, T = 4, 2**22 + 8  # B·T > 2**24, 30 real tokens
+    g = torch.Generator().manual_seed(0)
+    entropy = torch.zeros(B, T)
+    entropy[:, :10] = torch.rand(B, 10, generator=g) * 3
+    mask = (torch.arange(T)[None] < torch.tensor([10, 3, 0, 7])[:, None]).float()
+    got = high_entropy_mask(entropy, mask, 0.3, gather=trainer._gather_entropies)
+    want = trl.GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask, 1 - 0.3)
+    assert torch.equal(got.bool(), want) and 0 < want.sum() < mask.sum()
