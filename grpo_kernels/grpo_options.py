@@ -87,8 +87,30 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     if values.numel() == 0:  # packed rows of no token anywhere (e.g. every completion truncated
         # under mask_truncated_completions): nanquantile refuses an empty tensor; keep none
         return torch.zeros_like(entropy, dtype=torch.float32)
-    threshold = torch.nanquantile(values, 1.0 - quantile)  # NaN if no real token: keeps none
+    threshold = nanquantile(values, 1.0 - quantile)  # NaN if no real token: keeps none
     return ((entropy * mask.float() >= threshold) & real).float()
+
+
+# torch.quantile and torch.nanquantile refuse inputs of more than 2**24 elements.
+_QUANTILE_LIMIT = 2**24
+
+
+def nanquantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.nanquantile(values, q) (linear interpolation, NaN entries ignored) for a 1-D float
+    tensor of any length: torch's own up to its 2**24-element limit, above it the same steps
+    written out (a sort puts the NaNs last; with n real values the rank q·(n − 1) lies between
+    two sorted entries, and lerp interpolates them). Returns a 0-d tensor, NaN if every entry
+    is NaN. The shapes do not depend on the data, so it traces under torch.compile."""
+    if values.numel() <= _QUANTILE_LIMIT:
+        return torch.nanquantile(values, q)
+    ordered = values.sort().values  # [M], NaN last
+    n = (~values.isnan()).sum()  # 0-d int64: the real values
+    rank = q * (n - 1).clamp(min=0).to(values.dtype)  # 0-d
+    below = rank.floor()
+    lo = below.long().clamp(max=values.numel() - 1)
+    hi = rank.ceil().long().clamp(max=values.numel() - 1)
+    out = torch.lerp(ordered[lo], ordered[hi], rank - below)
+    return torch.where(n > 0, out, torch.nan)
 
 
 def masked_sums(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

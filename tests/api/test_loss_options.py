@@ -254,3 +254,35 @@ def test_entropy_quantile_of_no_token_keeps_none():
 
     got = high_entropy_mask(torch.empty(0), torch.empty(0), 0.5)
     assert got.shape == (0,) and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_nanquantile_above_torchs_limit_equals_torchs(monkeypatch, seed):
+    """The written-out quantile (taken above torch's 2**24-element limit) equals
+    torch.nanquantile bit for bit: random lengths, NaN shares (all NaN included) and q."""
+    from grpo_kernels import grpo_options
+
+    g = torch.Generator().manual_seed(seed)
+    m = int(torch.randint(1, 300, (), generator=g))
+    values = torch.randn(m, generator=g) * 4
+    values[torch.rand(m, generator=g) < seed / 39] = torch.nan  # seed 39: every entry NaN
+    q = (0.0, 1.0, float(torch.rand((), generator=g)))[seed % 3]
+    want = torch.nanquantile(values, q)
+    monkeypatch.setattr(grpo_options, "_QUANTILE_LIMIT", 0)
+    got = grpo_options.nanquantile(values, q)
+    assert torch.equal(got, want) or (got.isnan() and want.isnan()), (got, want)
+
+
+def test_entropy_quantile_of_a_grid_above_torchs_limit():
+    """A [B, T] grid of more than 2**24 entries (long completions, mostly padding): the
+    threshold is the real tokens' quantile, as TRL takes it; torch's quantile would refuse."""
+    from grpo_kernels.grpo_options import high_entropy_mask
+
+    g = torch.Generator().manual_seed(3)
+    entropy = torch.rand(257, 65_536, generator=g) * 3  # 16,842,752 > 2**24 entries
+    mask = torch.zeros_like(entropy)
+    mask[:, :300] = 1.0  # 77,100 real tokens
+    got = high_entropy_mask(entropy, mask, 0.2)
+    threshold = torch.quantile(entropy[:, :300].reshape(-1), 0.8)
+    want = (entropy >= threshold) & mask.bool()
+    assert torch.equal(got.bool(), want) and 0 < got.sum() < mask.sum()
