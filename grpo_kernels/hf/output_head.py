@@ -193,11 +193,18 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
         return bodies[0]  # output_head() raises the error
+    # copies of the last position, taken when each module ran: a forward may change the
+    # tensors in place afterwards (Chameleon masks its image tokens' logits in the head's output)
     seen = {}
-    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: seen.setdefault(i, out))
+
+    def keep(key, x) -> None:  # a hook's None leaves the module's input and output alone
+        if key not in seen:
+            seen[key] = _last_position(x)
+
+    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: keep(i, _last_hidden(out)))
              for i, b in enumerate(bodies)]
-    hooks += [head.register_forward_pre_hook(lambda _m, args: seen.setdefault("head", args[0])),
-              head.register_forward_hook(lambda _m, _a, out: seen.setdefault("head_out", out))]
+    hooks += [head.register_forward_pre_hook(lambda _m, args: keep("head", args[0])),
+              head.register_forward_hook(lambda _m, _a, out: keep("head_out", out))]
     devices = [input_ids.device] if input_ids.is_cuda else []
     try:  # no grad, and no RNG draws visible outside (dropout)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -216,11 +223,8 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
             h.remove()
     ran = next((i for i in range(len(bodies)) if i in seen), 0)
     body = bodies[ran]
-    body_out = _last_hidden(seen[ran])[:, -1:] if ran in seen else None
+    body_out = seen.get(ran)
     head_in = seen.get("head")
-    if isinstance(head_in, torch.Tensor) and head_in.dim() == 3:
-        # the last position: a forward without logits_to_keep (xLSTM) runs the head on all
-        head_in = head_in[:, -1:]
     input_scale = _head_input_scale(inner, head_in, body_out)
     if input_scale is None:
         raise NotImplementedError(
@@ -230,6 +234,14 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     _check_logit_transform(inner, seen.get("head_out"), seen.get("logits"), input_scale)
     _HEAD_CHECKED[inner] = body
     return body
+
+
+def _last_position(x):
+    """A copy of x[:, -1:] for a [B, L, ...] tensor (a forward without logits_to_keep, xLSTM's,
+    runs the head on every position), else x as it is."""
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return x[:, -1:].clone()
+    return x
 
 
 def _head_input_scale(inner: nn.Module, head_in, body_out) -> float | None:
@@ -291,7 +303,18 @@ def _check_logit_transform(inner: nn.Module, head_out, logits, input_scale: floa
     raise NotImplementedError(
         f"{type(inner).__name__}'s logits are not those of its output embedding under the "
         f"logit transform read from its config ({named}){part}: they differ by "
-        f"{errors[0]:.3g}{shape}; a model that transforms its logits otherwise is not supported")
+        f"{errors[0]:.3g}{shape}{_masked(logits)}; a model that transforms its logits otherwise "
+        "is not supported")
+
+
+def _masked(logits: torch.Tensor) -> str:
+    """For the check's error: how many of the last position's logits [1, 1, V] are the dtype's
+    minimum (vocabulary entries the forward masks out), if any."""
+    if not logits.is_floating_point():
+        return ""
+    last = logits[:, -1:]
+    n = int((last == torch.finfo(logits.dtype).min).sum())
+    return f" ({n} of its {last.shape[-1]} logits are masked: the dtype's minimum)" if n else ""
 
 
 def _transform_parts(named: dict, input_scale: float) -> list[dict]:

@@ -10,7 +10,8 @@ model (the wrapper applies the text config's soft cap), Qwen2-VL and Gemma 3 wit
 Vision-language wrappers that leave their text config's logit transform unapplied (Aya Vision
 and Cohere 2 Vision with Cohere 2's default logit_scale, Gemma 3 or LLaVA with a soft cap in
 the text config) are reproduced as their forward runs them, and Inkling's padded head (its
-logits are the first unpadded_vocab_size rows' outputs) as its logits are.
+logits are the first unpadded_vocab_size rows' outputs) as its logits are. Chameleon, which
+masks logits in place in its head's output, is refused.
 """
 
 import logging
@@ -224,6 +225,24 @@ def test_a_transform_no_candidate_explains_is_still_refused():
             check_output_head(model)
     finally:
         hook.remove()
+
+
+def test_logits_masked_in_place_are_refused():
+    """Chameleon's forward sets its image tokens' logits to the dtype's minimum in place, in the
+    tensor its head returned: the check compares the logits with a copy of the head's output
+    taken when the head ran, so the masking shows and the model is refused (the fused softmax
+    would run over the masked entries too: every log-prob a little off)."""
+    if not hasattr(transformers, "ChameleonForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Chameleon")
+    vq = dict(embed_dim=8, num_embeddings=16, base_channels=32, channel_multiplier=[1, 1],
+              num_res_blocks=1, latent_channels=32, resolution=16, attn_resolutions=[])
+    image_tokens = {f"IMGIMG{chr(65 + i)}Z": V - 10 + i for i in range(10)}
+    torch.manual_seed(0)
+    model = transformers.ChameleonForConditionalGeneration(transformers.ChameleonConfig(
+        **TEXT, vq_config=vq, vocabulary_map=image_tokens)).eval()
+    with pytest.raises(NotImplementedError, match="ChameleonForConditionalGeneration's logits "
+                                                  "are not those.*10 of its 96 logits"):
+        check_output_head(model)
 
 
 def test_padded_head_gives_the_unpadded_rows():
