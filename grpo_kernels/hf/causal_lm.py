@@ -263,7 +263,6 @@ def causal_lm_grpo_loss(
     if not isinstance(loss_fn, FusedLinearGRPOLoss):
         raise TypeError(f"loss_fn must be a grpo_kernels.FusedLinearGRPOLoss, got "
                         f"{type(loss_fn).__name__}")
-    loss_fn = _with_model_transform(loss_fn, model)
     packed = isinstance(logits_to_keep, torch.Tensor)
     if packed and (cu_seqlens is None or completion_mask is not None):
         raise ValueError("packed rows (logits_to_keep = positions) need cu_seqlens [S + 1] "
@@ -273,6 +272,8 @@ def causal_lm_grpo_loss(
                          "[N] (see pack_sequences), not an int")
     hidden = completion_hidden_states(model, input_ids, attention_mask, logits_to_keep,
                                       **model_kwargs)
+    # after the forward that checks the model: the transform its logits showed it applies
+    loss_fn = _with_model_transform(loss_fn, model)
     hidden, weight, bias = head_for(hidden, model, head_dtype)
     completion_ids = completion_targets(input_ids, logits_to_keep).to(hidden.device)
     if packed:  # [1, N, D] -> [N, D], [1, N] -> [N]: the losses' packed form

@@ -46,11 +46,14 @@ class LoraTerm:
 @dataclass
 class ResolvedHead:
     """The linear map an output embedding applies: base weight [V, D], bias [V] | None, and the
-    active LoRA terms on top (empty for a plain head)."""
+    active LoRA terms on top (empty for a plain head). rows: V where the model's logits are only
+    the first V of the head's rows (a head padded beyond the vocabulary; weight and bias are
+    then those rows, and the LoRA terms' up-projections are cut to them in `fold_lora`)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     lora: list[LoraTerm] = field(default_factory=list)
+    rows: int | None = None
 
 
 def _peft():
@@ -162,12 +165,13 @@ def fold_lora(resolved: ResolvedHead, body_out: torch.Tensor, hidden: torch.Tens
     if not resolved.lora:
         return hidden, weight, bias
     columns, ups = [hidden], [weight]
+    rows = resolved.rows  # None: all of them
     for term in resolved.lora:
         x = body_out.to(term.down.weight.dtype)  # PEFT casts the input to lora_A's dtype
         columns.append((term.down(term.dropout(x)) * term.scaling).to(hidden.dtype))
-        ups.append(cast(term.up.weight))
+        ups.append(cast(term.up.weight[:rows]))
         if term.up.bias is not None:  # lora_bias: s·b_B adds to the logits
-            extra = cast(term.up.bias) * term.scaling
+            extra = cast(term.up.bias[:rows]) * term.scaling
             bias = extra if bias is None else bias + extra
     return torch.cat(columns, dim=-1), torch.cat(ups, dim=1), bias
 

@@ -3,10 +3,20 @@ inner `PreTrainedModel` (`unwrap_model`), its output embedding's weight, bias an
 (`resolved_head`, `head_for`), the logit transform its forward applies to the head's output
 (`logit_transform`: final-logit soft-capping, a logit scale), and the once-per-model check that
 the body's output, projected and transformed so, gives the model's own logits
-(`check_output_head`)."""
+(`check_output_head`).
+
+The transform is read from the (text) config. Some vision-language wrappers project their text
+model's states with their own head and leave the text config's transform unapplied (Aya Vision
+and Cohere 2 Vision: Cohere 2's logit_scale; Gemma 3 and LLaVA: a soft cap): the check then takes
+the part of it that the model's logits show it applies, and `logit_transform` gives that from
+then on (one INFO line on the "grpo_kernels.hf" logger names what is left out). A model whose
+own (not a sub-) config names a transform its logits do not show is refused. A head padded
+beyond the vocabulary (Inkling's unpadded_vocab_size: the logits are its first rows' outputs)
+is taken as those rows."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -19,6 +29,8 @@ from .zero3 import gathered_head
 
 __all__ = ["check_output_head", "head_for", "logit_transform", "output_head", "resolved_head",
            "unwrap_model"]
+
+_LOG = logging.getLogger("grpo_kernels.hf")
 
 
 def resolved_head(model: nn.Module) -> ResolvedHead:
@@ -41,7 +53,24 @@ def resolved_head(model: nn.Module) -> ResolvedHead:
         raise ValueError(f"the output embedding of {type(inner).__name__} has weight shape "
                          f"{tuple(weight.shape)}, not a full [V, D] matrix (sharded "
                          "parameters are not supported)")
-    return resolved
+    rows = _logit_rows(inner, weight.shape[0])
+    if rows is None:
+        return resolved
+    if type(weight).__name__ == "DTensor":
+        raise NotImplementedError(
+            f"the output embedding of {type(inner).__name__} is sharded along the vocabulary (a "
+            f"DTensor) and padded beyond it: its logits are its first {rows} rows' outputs "
+            "(unpadded_vocab_size), which the fused head takes from whole heads only")
+    bias = None if resolved.bias is None else resolved.bias[:rows]
+    return ResolvedHead(weight[:rows], bias, resolved.lora, rows=rows)
+
+
+def _logit_rows(inner: nn.Module, head_rows: int) -> int | None:
+    """U where the model returns the outputs of its head's first U < head_rows rows only (the
+    (text) config's unpadded_vocab_size: Inkling pads its head beyond the vocabulary), else
+    None."""
+    rows = getattr(_text_config(inner), "unpadded_vocab_size", None)
+    return rows if isinstance(rows, int) and 0 < rows < head_rows else None
 
 
 def logit_transform(model: nn.Module) -> dict:
@@ -53,9 +82,30 @@ def logit_transform(model: nn.Module) -> dict:
     (Granite divides the logits by it, MiniCPM3 the head's input; HyperCLOVA X multiplies) or
     logits_mup_width_multiplier (Inkling divides the head's input). A scale on the head's input
     is one on its output for a head without bias (`_check_head_input` refuses one with a bias).
-    `check_output_head` checks the result against the model's own logits once per model."""
-    config = getattr(unwrap_model(model), "config", None)
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    `check_output_head` checks the result against the model's own logits once per model; where
+    those showed that the model leaves part of it unapplied (see the module docstring), the part
+    it applies."""
+    inner = unwrap_model(model)
+    if inner in _APPLIED:
+        return dict(_APPLIED[inner])
+    return _config_transform(inner)
+
+
+# Models whose forward was seen to leave part of their config's transform unapplied: the part
+# their logits showed they apply (`_check_logit_transform`)
+_APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _text_config(inner: nn.Module):
+    """`inner`'s text config: its config's text sub-config (a vision-language model's), or its
+    config itself."""
+    config = getattr(inner, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _config_transform(inner: nn.Module) -> dict:
+    """The logit transform `inner`'s (text) config names (`logit_transform`)."""
+    cfg = _text_config(inner)
     softcap = _first_set(cfg, ("final_logit_softcapping", "logits_soft_cap",
                                 "output_logit_soft_cap"))
     scale = _first_set(cfg, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
@@ -143,11 +193,18 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
         return bodies[0]  # output_head() raises the error
+    # copies of the last position, taken when each module ran: a forward may change the
+    # tensors in place afterwards (Chameleon masks its image tokens' logits in the head's output)
     seen = {}
-    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: seen.setdefault(i, out))
+
+    def keep(key, x) -> None:  # a hook's None leaves the module's input and output alone
+        if key not in seen:
+            seen[key] = _last_position(x)
+
+    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: keep(i, _last_hidden(out)))
              for i, b in enumerate(bodies)]
-    hooks += [head.register_forward_pre_hook(lambda _m, args: seen.setdefault("head", args[0])),
-              head.register_forward_hook(lambda _m, _a, out: seen.setdefault("head_out", out))]
+    hooks += [head.register_forward_pre_hook(lambda _m, args: keep("head", args[0])),
+              head.register_forward_hook(lambda _m, _a, out: keep("head_out", out))]
     devices = [input_ids.device] if input_ids.is_cuda else []
     try:  # no grad, and no RNG draws visible outside (dropout)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -166,11 +223,8 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
             h.remove()
     ran = next((i for i in range(len(bodies)) if i in seen), 0)
     body = bodies[ran]
-    body_out = _last_hidden(seen[ran])[:, -1:] if ran in seen else None
+    body_out = seen.get(ran)
     head_in = seen.get("head")
-    if isinstance(head_in, torch.Tensor) and head_in.dim() == 3:
-        # the last position: a forward without logits_to_keep (xLSTM) runs the head on all
-        head_in = head_in[:, -1:]
     input_scale = _head_input_scale(inner, head_in, body_out)
     if input_scale is None:
         raise NotImplementedError(
@@ -180,6 +234,14 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     _check_logit_transform(inner, seen.get("head_out"), seen.get("logits"), input_scale)
     _HEAD_CHECKED[inner] = body
     return body
+
+
+def _last_position(x):
+    """A copy of x[:, -1:] for a [B, L, ...] tensor (a forward without logits_to_keep, xLSTM's,
+    runs the head on every position), else x as it is."""
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return x[:, -1:].clone()
+    return x
 
 
 def _head_input_scale(inner: nn.Module, head_in, body_out) -> float | None:
@@ -192,7 +254,7 @@ def _head_input_scale(inner: nn.Module, head_in, body_out) -> float | None:
     body_out = body_out.to(head_in.device)
     if torch.equal(head_in, body_out):
         return 1.0
-    scale = logit_transform(inner)["logit_scale"]
+    scale = _config_transform(inner)["logit_scale"]
     if scale is None or not head_in.is_floating_point():
         return None
     eps = torch.finfo(head_in.dtype).eps
@@ -209,23 +271,75 @@ def _head_input_scale(inner: nn.Module, head_in, body_out) -> float | None:
 
 def _check_logit_transform(inner: nn.Module, head_out, logits, input_scale: float = 1.0
                            ) -> None:
-    """The model's logits [1, 1, V] against `logit_transform`'s z of its head's output, to a
-    few roundings of the logits' dtype (skipped where either was not seen). input_scale: the
-    scale the head's input already carried (`_head_input_scale`), taken out of its output
-    first (the head is linear there) so that the transform applies it once."""
+    """The model's logits [1, 1, V] against the z of its head's output under the transform its
+    config names, to a few roundings of the logits' dtype (skipped where either was not seen);
+    failing that, under a part of it (`_transform_parts`), which is then recorded for
+    `logit_transform`. input_scale: the scale the head's input already carried
+    (`_head_input_scale`), taken out of its output first (the head is linear there) so that the
+    transform applies it once. A padded head's output is cut to its logit rows first."""
     if not isinstance(head_out, torch.Tensor) or not isinstance(logits, torch.Tensor):
         return
-    transform = logit_transform(inner)
-    want = transform_logits(head_out[:, -1:].float() / input_scale, **transform)  # float32
-    got = logits[:, -1:].float().to(want.device)
+    rows = _logit_rows(inner, head_out.shape[-1])
+    y = head_out[:, -1:, :rows].float() / input_scale  # [1, 1, V] float32
+    got = logits[:, -1:].float().to(y.device)
     eps = torch.finfo(logits.dtype).eps if logits.is_floating_point() else 1e-6
-    tol = 8 * eps * max(1.0, want.abs().max().item())
-    if got.shape != want.shape or not bool(((got - want).abs() <= tol).all()):
-        err = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
-        raise NotImplementedError(
-            f"{type(inner).__name__}'s logits are not those of its output embedding under the "
-            f"logit transform read from its config ({transform}): they differ by {err:.3g}; "
-            "a model that transforms its logits otherwise is not supported")
+    named = _config_transform(inner)
+    # a wrapper may leave its text config's transform unapplied; a model whose own config names
+    # one it does not apply is refused (a transform it applies some other way would pass here)
+    wrapped = _text_config(inner) is not getattr(inner, "config", None)
+    errors = []
+    for transform in _transform_parts(named, input_scale) if wrapped else [named]:
+        want = transform_logits(y, **transform)
+        tol = 8 * eps * max(1.0, want.abs().max().item())
+        if got.shape == want.shape and bool(((got - want).abs() <= tol).all()):
+            _record_applied(inner, named, transform)
+            return
+        errors.append((got - want).abs().max().item() if got.shape == want.shape
+                      else float("nan"))
+    shape = "" if got.shape == y.shape else (
+        f" (its logits have shape {tuple(got.shape)}, its output embedding's output "
+        f"{tuple(y.shape)})")
+    part = " or a part of it" if wrapped else ""
+    raise NotImplementedError(
+        f"{type(inner).__name__}'s logits are not those of its output embedding under the "
+        f"logit transform read from its config ({named}){part}: they differ by "
+        f"{errors[0]:.3g}{shape}{_masked(logits)}; a model that transforms its logits otherwise "
+        "is not supported")
+
+
+def _masked(logits: torch.Tensor) -> str:
+    """For the check's error: how many of the last position's logits [1, 1, V] are the dtype's
+    minimum (vocabulary entries the forward masks out), if any."""
+    if not logits.is_floating_point():
+        return ""
+    last = logits[:, -1:]
+    n = int((last == torch.finfo(logits.dtype).min).sum())
+    return f" ({n} of its {last.shape[-1]} logits are masked: the dtype's minimum)" if n else ""
+
+
+def _transform_parts(named: dict, input_scale: float) -> list[dict]:
+    """The transforms a model's logits may show: `named` first, then it without its soft cap,
+    without its scale, without either (a scale the head's input carried stays)."""
+    parts = [named]
+    for cut in (("softcap",), ("logit_scale",), ("softcap", "logit_scale")):
+        if input_scale != 1.0 and "logit_scale" in cut:
+            continue
+        part = {**named, **dict.fromkeys(cut)}
+        if part not in parts:
+            parts.append(part)
+    return parts
+
+
+def _record_applied(inner: nn.Module, named: dict, applied: dict) -> None:
+    """Remember (and log once) the part of its config's transform that `inner` applies."""
+    if applied == named:
+        _APPLIED.pop(inner, None)
+        return
+    _APPLIED[inner] = applied
+    left = {k: v for k, v in named.items() if applied[k] != v}
+    _LOG.info("grpo_kernels: %s does not apply %s from its config to its logits (they are its "
+              "output embedding's output under %s); the fused loss leaves it out too",
+              type(inner).__name__, left, applied)
 
 
 def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -> None:
@@ -244,9 +358,7 @@ def _probe_ids(inner: nn.Module) -> torch.Tensor:
     the padding token: its embedding is zero, and so is a Llama-style body's output on it, the
     head's output and the logits, which the check would then find equal whatever the head."""
     device = next(inner.parameters()).device
-    config = getattr(inner, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None) or 4
+    vocab = getattr(_text_config(inner), "vocab_size", None) or 4
     return (torch.arange(1, 3, device=device) % max(vocab, 1)).unsqueeze(0)
 
 
