@@ -35,7 +35,7 @@ from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, ta
 from .padded_positions import check_padded_positions
 from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt, share_prompts
-from .unwrap import unwrap_model
+from .unwrap import prompt_learning_adapter, unwrap_model
 
 __all__ = ["LayoutChoice", "choose_layout", "plan_rows", "row_inputs"]
 
@@ -67,9 +67,13 @@ def choose_layout(model, *, padding_free: bool = True, share_prompt: bool = True
     (TRL's aux_loss_enabled), which shared rows would change (each prompt counted once, not once
     per completion); routing itself is per token, so MoE models share prompts otherwise. Checks
     run once per model (cached); pass the model before a DDP/FSDP wrapper (a PEFT wrapper is
-    fine)."""
+    fine; a prompt-learning PEFT adapter takes padded rows, `prompt_learning_adapter`)."""
     if not padding_free:
         return LayoutChoice(RowLayout.PADDED, "padding-free rows turned off")
+    if (adapter := prompt_learning_adapter(model)) is not None:
+        return LayoutChoice(RowLayout.PADDED, f"the PEFT adapter {adapter} puts virtual tokens "
+                            "before each row, which in packed or shared rows only the first "
+                            "sequence would follow")
     inner = unwrap_model(model)
     positions = None if padded_position_ids else check_padded_positions(inner)
     packed = check_packed_attention(inner) or positions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["text_vocab_size", "unwrap_model"]
+__all__ = ["prompt_learning_adapter", "text_vocab_size", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -26,3 +26,18 @@ def text_vocab_size(config) -> int:
     top level has none); 2 where neither says. The layout checks draw their tokens from it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
+
+
+def prompt_learning_adapter(model: nn.Module) -> str | None:
+    """The name of the active PEFT adapter's config type (PromptTuningConfig,
+    PrefixTuningConfig, ...) where it is a prompt-learning one, else None. Such an adapter puts
+    virtual tokens (or per-layer key/value prefixes) before every row of the batch in the PEFT
+    model's forward, so a row must hold one sequence: packed or shared rows would give them to
+    the row's first sequence only. Looks through DDP/DeepSpeed `.module` wrappers."""
+    while not hasattr(model, "active_peft_config") and isinstance(
+            getattr(model, "module", None), nn.Module):
+        model = model.module
+    config = getattr(model, "active_peft_config", None)  # peft.PeftModel's
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return None
+    return type(config).__name__

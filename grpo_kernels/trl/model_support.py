@@ -34,7 +34,7 @@ quirk with how it is detected and what is checked, and the row layout that follo
     vision inputs             the batch's image keys            that batch runs padded rows
                               (`model_inputs.MULTIMODAL_KEYS`)  (`ModelSupport.packs`)
     PEFT prompt learning      the active adapter's config       padded rows: the PEFT model's
-      (prompt, prefix, ...)     (`is_prompt_learning`)          forward puts virtual tokens
+      (prompt, prefix, ...)     (`hf.prompt_learning_adapter`)  forward puts virtual tokens
                                                                 before every row, which must
                                                                 hold one sequence
 
@@ -65,19 +65,6 @@ from ..hf.zero3 import zero3_head
 from .padding_free import packable
 
 logger = logging.getLogger("grpo_kernels.trl.trainer")  # the trainer's one log line
-
-
-def prompt_learning_adapter(model) -> str | None:
-    """The name of the active PEFT adapter's config type (PromptTuningConfig,
-    PrefixTuningConfig, ...) where it is a prompt-learning one, else None. Such an adapter
-    adds virtual tokens (or per-layer key/value prefixes) before every row of the batch in the
-    PEFT model's forward; a packed or shared row holds several sequences."""
-    while not hasattr(model, "active_peft_config") and hasattr(model, "module"):
-        model = model.module  # a DDP or DeepSpeed wrapper around the PEFT model
-    config = getattr(model, "active_peft_config", None)  # peft.PeftModel's
-    if config is None or not getattr(config, "is_prompt_learning", False):
-        return None
-    return type(config).__name__
 
 
 class ModelSupport:
@@ -130,10 +117,6 @@ class ModelSupport:
         elif self.fallback is not None:
             layout = RowLayout.PADDED
             reason = f"the model runs TRL's own implementation ({self.fallback})"
-        elif (adapter := prompt_learning_adapter(model)) is not None:
-            layout = RowLayout.PADDED
-            reason = (f"the PEFT adapter {adapter} puts virtual tokens before each row, which "
-                      "in packed or shared rows only the first sequence would follow")
         else:
             # TRL's padded forward passes no position_ids: packed rows must give the same
             # positions (absolute position embeddings, e.g. GPT-2's, do not)

@@ -57,3 +57,27 @@ def test_the_benchmarks_flags_and_rows_use_the_names():
     with pytest.raises(SystemExit) as refused:  # the flag accepts the names only
         capacity.main(["--providers", "fused", "--layouts", "Packed", "--no_record"])
     assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("adapter", ["prompt", "prefix", "lora"])
+def test_choose_layout_keeps_prompt_learning_adapters_padded(adapter):
+    """A PEFT prompt-learning adapter puts virtual tokens before every row in the PEFT model's
+    forward: packed or shared rows would give them to the row's first sequence only, so the
+    layout is padded, with the adapter named; LoRA keeps the richest layout."""
+    peft = pytest.importorskip("peft")
+    from grpo_kernels.hf import choose_layout
+    from grpo_train.tiny import build_tiny_model, build_tokenizer
+
+    config = {"prompt": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                        num_virtual_tokens=3),
+              "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                        num_virtual_tokens=3),
+              "lora": lambda: peft.LoraConfig(r=4, target_modules=["q_proj"])}[adapter]()
+    model = peft.get_peft_model(build_tiny_model(build_tokenizer(), hidden_size=32,
+                                                 num_layers=1), config)
+    choice = choose_layout(model)
+    if adapter == "lora":
+        assert choice.layout is RowLayout.SHARED, choice
+    else:
+        assert choice.layout is RowLayout.PADDED
+        assert f"{adapter.capitalize()}TuningConfig" in choice.reason, choice.reason

@@ -99,7 +99,7 @@ def test_prompt_learning_is_found_behind_a_wrapper():
     it (DeepSpeed's engine, whose .module is the PEFT model)."""
     import types
 
-    from grpo_kernels.trl.model_support import prompt_learning_adapter
+    from grpo_kernels.hf.unwrap import prompt_learning_adapter
     from grpo_train.tiny import build_tiny_model, build_tokenizer
 
     def wrapped(config):
