@@ -303,11 +303,12 @@ def row_offset(lse, kept, pick, lse_sum=None):
 
 
 def reference_sums(m, s, lse):
-    """S [r] = Σ 2^(z - r) over a row, r = lse·log2(e) as the backward's `row_offset` forms it,
-    from the forward's m and s = Σ 2^(z - m) (log2 units; lse the float32 nats output): S =
-    s·2^(m - r), with m - r rounded as the backward's tile rounds z - r at z = m. [r] each."""
-    r = lse.to(m.dtype) * -LOG2E
-    return torch.exp2(r.add_(m)).mul_(s)
+    """S = Σ 2^(z - r) over each row, r = lse·log2(e) as the backward's `row_offset` forms it,
+    from the forward's m and s = Σ 2^(z - m) (log2 units; lse the float32 nats output):
+    S = s·2^(m - r), with m - r rounded as the backward's tile rounds z - r at z = m (one
+    float32 subtraction, exact near the maximum). m, s, lse and S: [n] each."""
+    neg_r = lse.to(m.dtype) * -LOG2E  # the backward's offset, bit for bit
+    return torch.exp2(neg_r.add_(m)).mul_(s)
 
 
 def kept_mode(mode: BackwardMode, kept: dict, idx) -> tuple[BackwardMode, torch.Tensor]:
