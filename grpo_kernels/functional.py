@@ -137,7 +137,7 @@ def selective_logprobs(
         logp, ent, _ = forward_only.linear_logprobs(*head, ids, temperature, "targets",
                                                     *transform)
     else:
-        logp, ent, _ = OPS.linear_logprobs(*head, ids, temperature, eps, backend_for(hidden),
+        logp, ent, *_ = OPS.linear_logprobs(*head, ids, temperature, eps, backend_for(hidden),
                                            "targets", *transform)
     logp = logp.reshape(lead)
     return (logp, ent.reshape(lead)) if return_entropy else logp

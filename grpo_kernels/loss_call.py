@@ -153,7 +153,7 @@ def linear_terms(call: tuple, params: GRPOParams, entropy_gather=None,
         outputs = OPS.linear_grpo_terms(*head, ids, params.temperature, eps, backend,
                                         *terms_args(inputs, params), *transform)
         return _terms_from_op(outputs, inputs, params)
-    logp, ent, _ = OPS.linear_logprobs(*head, ids, params.temperature, eps, backend,
+    logp, ent, *_ = OPS.linear_logprobs(*head, ids, params.temperature, eps, backend,
                                        "completion_ids", *transform)
     return _unfused_terms(logp, ent, inputs, params, entropy_gather)
 

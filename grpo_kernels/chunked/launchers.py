@@ -15,7 +15,9 @@ and each weight tile is read from memory once per pass:
 - backward recomputes each tile, turns it into d z in place and feeds it straight to the two
   GEMMs (d hidden += d z @ W_tile, d W_tile += d z^T @ hidden). Tokens with no gradient (padding)
   are dropped before the tiles, and the target's one-hot term is added outside them (or, given
-  the forward's logp, the target column's d z is written from it: `tiles.target_column`).
+  the forward's logp, the target column's d z is written from it: `tiles.target_column`); given
+  the forward's S = Σ 2^(z - lse·log2(e)) (`lse_sum`), every column's p is 2^(z - lse·log2(e))
+  / S, exact where the lse alone is rounded at its magnitude (`tiles.row_offset`).
 Logits always accumulate in float32 (float64 for float64 inputs), whatever the input dtype: half
 operands are upcast a tile at a time (and hidden once, [N, D]), never the whole [V, D] weight.
 Scratch buffers are allocated once per call, not per tile, and sized to the problem (a logits
@@ -67,6 +69,7 @@ from .tiles import (
     log2_head,
     logits_tile,
     neg_dz_tile,
+    reference_sums,
     row_offset,
     tile_buffer,
     tile_update,
@@ -76,7 +79,7 @@ from .tiles import (
 
 
 def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_elements=None,
-                           keep=None, softcap=None, logit_scale=None):
+                           keep=None, softcap=None, logit_scale=None, lse_sum=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N]
     -> float32 (logp, entropy, lse), each [N].
 
@@ -85,13 +88,15 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     log2 Σ 2^(z - m) [N], for `linear_logprob_backward(kept=...)`: log2 p = tile - log_sum
     without the lse (nats, rounded at its magnitude); it stays empty otherwise (and with a soft
     cap).
+    lse_sum: None, or a float32 [N] tensor that receives S = Σ 2^(z - lse·log2(e)) per token
+    (`tiles.reference_sums`) for `linear_logprob_backward(lse_sum=...)` (not with a soft cap).
     softcap / logit_scale: z = cap(s·y) / τ of the raw logits y (`softcap.py`)."""
     N, V = hidden.shape[0], weight.shape[0]
     out = empty_stats(N, hidden.device)
     if N == 0:
         return out
     temperature, cap = head_transform(temperature, softcap, logit_scale)
-    keep = keep if cap is None else None
+    keep, lse_sum = (keep, lse_sum) if cap is None else (None, None)
     dtype = compute_dtype(hidden, weight, bias)
     rows, cols = _tile_shape(N, V, chunk_elements, buffers=2)
     with torch.no_grad():
@@ -111,8 +116,10 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
                 z.sub_(m[:, None])
                 s, t = exp_sums(z, view(e_buf, r, V))
                 finish_stats(m, s, t, picked, [part(o) for o in out])
+                if lse_sum is not None:  # (finish_stats left m and s as they were)
+                    part(lse_sum).copy_(reference_sums(m, s, part(out[2])))
                 if keep is not None and r == N and N * V <= KEEP_ELEMENTS:
-                    # z - m, and log2 s (finish_stats left s as it was)
+                    # z - m, and log2 s
                     keep.update(tile=z, log_sum=torch.xlogy(LOG2E, s))
             return out
         m, s, t, picked = (torch.zeros(N, dtype=dtype, device=h.device) for _ in range(4))
@@ -129,6 +136,8 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
                 pk.copy_(torch.where(part(inside), z.gather(1, part(col)).squeeze(1), pk))
                 tile_update(z, view(e_buf, r, c), part(m), part(s), part(t), first=v0 == 0)
         finish_stats(m, s, t, picked.sub_(m), out)  # picked: z_target, gathered before the shift
+        if lse_sum is not None:  # (finish_stats left m and s as they were)
+            lse_sum.copy_(reference_sums(m, s, out[2]))
     return out
 
 
@@ -141,7 +150,7 @@ def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
     needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
-    softcap=None, logit_scale=None, shard_targets=False, logp=None,
+    softcap=None, logit_scale=None, shard_targets=False, logp=None, lse_sum=None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see
     `linear_backward_atomic.linear_logprob_backward_atomic`).
@@ -151,6 +160,8 @@ def linear_logprob_backward(
     kept: None or the forward's `keep` dict; its tile is used instead of a GEMM, overwritten and
     taken out of the dict (a dict filled by one forward serves one backward; an empty one means
     recompute).
+    lse_sum: None or the forward's `lse_sum` [N]: a recomputed tile reads p as
+    2^(z - lse·log2(e)) / S, not through the lse alone (`tiles.row_offset`).
 
     Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes
     made with each token's `tiles.row_offset` (log2 p - the tile, from lse or the kept tile):
@@ -184,12 +195,12 @@ def linear_logprob_backward(
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
         g, gh, from_tile = pick(g_logp), pick(g_ent), bool(kept)
-        offset = row_offset(lse, kept, pick)  # [Na], log2 units
+        offset, sums = row_offset(lse, kept, pick, lse_sum)  # [Na] each; sums: S or None
         if b is None and gh is None:
-            mode = fast_mode(h, g, offset, inv_t, alpha, want_dw, pick(logp))
+            mode = fast_mode(h, g, offset, inv_t, alpha, want_dw, pick(logp), sums)
         else:
             ent_a = None if gh is None else pick(ent)
-            mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha, pick(logp))
+            mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha, pick(logp), sums)
         rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=mode.buffers)
         z_buf = None
         if from_tile:  # the forward's z - m [N, V]: the active rows, in one tile

@@ -173,54 +173,81 @@ class BackwardMode(NamedTuple):
     dh_scale: torch.Tensor | None  # [Na, 1]: applied to d hidden once, after the tiles
 
 
-def fast_mode(h, g, offset, inv_t, alpha, want_dw, logp=None) -> BackwardMode:
+def fast_mode(h, g, offset, inv_t, alpha, want_dw, logp=None, sums=None) -> BackwardMode:
     """No bias, no entropy gradient: x = 2^(z + offset) - onehot = p - onehot, σ = -g/τ, with
     z = α·h W^T in log2 units (α = log2(e)/τ) and offset = log2 p - z per token (`row_offset`).
-    The offset rides in the GEMM's bias, so a tile is one addmm, one exp2_, one small scatter and
-    the two gradient GEMMs, in one buffer; σ goes onto hidden (for d W) and onto d hidden at the
-    end, not into the exponent: log2|g| there would round p at ulp(log2|g|), which the one-hot's
-    cancellation (1 - p of a dominant token) would show. h [Na, D]; g, offset [Na]; logp [Na]
-    or None: the forward's log-probs, `target_column`."""
+    Without sums the offset rides in the GEMM's bias, so a tile is one addmm, one exp2_, one
+    small scatter and the two gradient GEMMs, in one buffer; σ goes onto hidden (for d W) and
+    onto d hidden at the end, not into the exponent: log2|g| there would round p at
+    ulp(log2|g|), which the one-hot's cancellation (1 - p of a dominant token) would show.
+    h [Na, D]; g, offset [Na]; logp [Na] or None: the forward's log-probs, `target_column`.
+
+    sums [Na] or None: the forward's S (`reference_sums`), offset = -r: the tile holds
+    2^(z - r) = S·p, so x = S·(p - onehot) (the one-hot's term is -S, the target column's
+    S·(p - 1)) and σ/S goes where σ went: no pass over the tile for 1/S. z - r is then taken
+    after the GEMM (`exact_tile`), not in its bias."""
     row_shift = offset[:, None]  # [Na, 1]
-    dh_scale = (g * -inv_t)[:, None]  # σ
+    sigma = g * -inv_t
+    dh_scale = (sigma if sums is None else sigma / sums)[:, None]  # σ (σ/S)
     h_dw = h * dh_scale if want_dw else None
-    one_hot = torch.full_like(g, -1.0)  # the one-hot's term of x
+    one_hot = torch.full_like(g, -1.0) if sums is None else -sums  # the one-hot's term of x
+    target_x = target_column(logp, None, None, None)
+    if target_x is not None and sums is not None:
+        target_x = target_x * sums
 
     def finish(x, scratch, part):
         return x.exp2_()
 
     def tile(z, part, w, bt, scratch):  # bt is None: no bias in this mode
+        if sums is not None:
+            return exact_tile(part(h), w, None, z, alpha, part(row_shift)).exp2_()
         return torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z).exp2_()
 
     return BackwardMode(buffers=1, scratch=False, shift=row_shift, finish=finish, tile=tile,
-                        one_hot=one_hot, target_x=target_column(logp, None, None, None),
+                        one_hot=one_hot, target_x=target_x,
                         h_dw=h_dw, alpha_dh=1.0, alpha_dw=1.0, dh_scale=dh_scale)
 
 
-def general_mode(h, g, gh, offset, ent, inv_t, alpha, logp=None) -> BackwardMode:
+def general_mode(h, g, gh, offset, ent, inv_t, alpha, logp=None, sums=None) -> BackwardMode:
     """A bias or an entropy gradient: x = p·(g + g_H·(ln p + H)) - g·onehot and σ = -1, which
     goes with 1/τ into the GEMMs' alpha. h [Na, D]; g, offset [Na] (log2 p - z, `row_offset`);
-    gh, ent [Na] or None; logp [Na] or None: the forward's log-probs, `target_column`."""
+    gh, ent [Na] or None; logp [Na] or None: the forward's log-probs, `target_column`.
+
+    sums [Na] or None: the forward's S (`reference_sums`), offset = -r: the shifted tile holds
+    log2(S·p), and 2^(it) = S·p; with g/S and g_H/S as the per-token factors and
+    H·log2(e) - log2 S for the entropy's, x comes out as above without a pass for 1/S."""
     row_shift = offset[:, None]  # without a bias: log2 p straight from addmm
-    g_c = g[:, None]
-    gh_c = None if gh is None else (gh * LN2)[:, None]
-    ent_c = None if gh is None else (ent * LOG2E)[:, None]
+    inv_s = None if sums is None else 1.0 / sums
+    g_c = (g if sums is None else g * inv_s)[:, None]
+    gh_c = None if gh is None else (gh * LN2 if sums is None else gh * LN2 * inv_s)[:, None]
+    ent_c = None
+    if gh is not None:
+        ent_c = ent * LOG2E if sums is None else ent * LOG2E - torch.xlogy(LOG2E, sums)
+        ent_c = ent_c[:, None]
 
     def finish(x, scratch, part):
         return neg_dz_tile(x, scratch, None if gh is None else part(ent_c), part(g_c),
                            None if gh is None else part(gh_c))
 
     def tile(z, part, w, bt, scratch):
-        if bt is None:
+        if bt is None and sums is None:
             x = torch.addmm(part(row_shift), part(h), w.T, alpha=alpha, out=z)
         else:
-            x = torch.addmm(bt, part(h), w.T, alpha=alpha, out=z)
-            x.add_(part(row_shift))
+            x = exact_tile(part(h), w, bt, z, alpha, part(row_shift))
         return finish(x, scratch, part)
 
     return BackwardMode(buffers=2, scratch=gh is not None, shift=row_shift, finish=finish,
                         tile=tile, one_hot=-g, target_x=target_column(logp, g, gh, ent),
                         h_dw=h, alpha_dh=-inv_t, alpha_dw=-inv_t, dh_scale=None)
+
+
+def exact_tile(h, w, b, out, alpha, shift):
+    """out [r, c] = the forward's logits tile (`logits_tile`, the same GEMM: the same bits)
+    plus shift [r, 1], added after the GEMM: z - r is then exact where z is near r (a dominant
+    token's column). In the GEMM's bias the shift would join the sum over D blocks at its
+    start (MKL accumulates a blocked product into its output), and z - r there differs from
+    the forward's by the rounding of z (2e-6 at |z| ≈ 40 nats)."""
+    return logits_tile(h, w, b, out, alpha).add_(shift)
 
 
 def target_column(logp, g, gh, ent):
@@ -258,14 +285,30 @@ def add_target_term(x, col, inside, one_hot, target_x) -> None:
     x.scatter_(1, col, value[:, None])
 
 
-def row_offset(lse, kept, pick):
-    """offset [Na] = log2 p - (what a backward tile holds), per active token, log2 units. A tile
-    recomputed from the head holds z: offset = -lse·log2(e), from the nats lse [N] (rounded at
-    |lse|: 2e-6 at |lse| ≈ 40). The forward's kept tile holds z - m: offset = -log2 s, the
-    forward's own [N] value, which no round trip through lse rounds (kept["log_sum"])."""
+def row_offset(lse, kept, pick, lse_sum=None):
+    """(offset, sums): offset [Na] = log2 p - (what a backward tile holds), or log2(S·p) - it
+    with sums [Na] = S, per active token, log2 units (sums None: S = 1).
+
+    The forward's kept tile holds z - m: offset = -log2 s, the forward's own [N] value
+    (kept["log_sum"]). A tile recomputed from the head holds z: offset = -r, r = lse·log2(e)
+    from the nats lse [N], rounded at |lse| (2e-6 at |lse| ≈ 40): 2^(z - r) is p to that
+    relative error, which a dominant token's d z = g·p (target or not) would carry. The
+    forward's lse_sum [N] (`reference_sums`) is S = Σ 2^(z - r) over its own z and this same r,
+    so 2^(z - r) / S is p to float32's precision: at the dominant token, z - r is the forward's
+    m - r exactly when the backward's GEMM gives the forward's z (`exact_tile`), and
+    2^(m - r) / S = 1 / s."""
     if kept:
-        return -pick(kept.pop("log_sum"))
-    return pick(lse) * -LOG2E
+        return -pick(kept.pop("log_sum")), None
+    return pick(lse) * -LOG2E, pick(lse_sum)
+
+
+def reference_sums(m, s, lse):
+    """S = Σ 2^(z - r) over each row, r = lse·log2(e) as the backward's `row_offset` forms it,
+    from the forward's m and s = Σ 2^(z - m) (log2 units; lse the float32 nats output):
+    S = s·2^(m - r), with m - r rounded as the backward's tile rounds z - r at z = m (one
+    float32 subtraction, exact near the maximum). m, s, lse and S: [n] each."""
+    neg_r = lse.to(m.dtype) * -LOG2E  # the backward's offset, bit for bit
+    return torch.exp2(neg_r.add_(m)).mul_(s)
 
 
 def kept_mode(mode: BackwardMode, kept: dict, idx) -> tuple[BackwardMode, torch.Tensor]:

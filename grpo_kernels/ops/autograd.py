@@ -1,8 +1,10 @@
 """The autograd formulas of the custom operators (registered in `custom_ops.py`).
 
-Forward gives (logp [N], entropy [N], lse [N]). Backward needs only per-token statistics, so only
-those (logp too: the chunked backward takes a dominant target's 1 - p from it) and the inputs
-are saved, never logits (the eager chunked call in `custom_ops.py` may keep
+Forward gives (logp [N], entropy [N], lse [N]; linear_logprobs also lse_sum, the chunked
+forward's S = Σ 2^(z - lse·log2(e)) [N], 1 where it did not run). Backward needs only per-token
+statistics, so only those (logp too: the chunked backward takes a dominant target's 1 - p from
+it; and lse_sum: with it, p of any token to float32's precision) and the inputs are saved, never
+logits (the eager chunked call in `custom_ops.py` may keep
 a small problem's single logits tile on ctx, outside saved_tensors). A token-terms op also
 returns each token's weighted loss t = weight·ℓ(logp) and its derivative c = dt/dlogp (the
 epilogue's, or grpo_math's); t of token n depends on logp[n] alone, so by the chain rule
@@ -58,10 +60,10 @@ def _grads_for(ctx, grads):
     return (*grads, *[None] * (ctx.n_inputs - len(grads)))
 
 
-def linear_grads(ctx, g_logp, g_ent, backward=None):
+def linear_grads(ctx, g_logp, g_ent, backward=None, lse_sum=None):
     """(d hidden, d weight, d bias) from the saved (hidden, weight, bias, targets, lse, ent,
     logp). backward: linear_logprobs_backward's eager body, called directly (default: the
-    operator)."""
+    operator). lse_sum: linear_logprobs' saved output of that name, or None."""
     hidden, weight, bias, targets, lse, ent, logp = ctx.saved_tensors[:7]
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if (g_logp is None and g_ent is None) or not any(needs):
@@ -70,7 +72,8 @@ def linear_grads(ctx, g_logp, g_ent, backward=None):
     g_ent = None if g_ent is None else g_ent.float().contiguous()
     backward = backward or torch.ops.grpo_kernels.linear_logprobs_backward
     grads = backward(hidden, weight, bias, targets, lse, ent, _per_token(g_logp, lse), g_ent,
-                     temperature, grad_filter, backend, needs, softcap, logit_scale, logp=logp)
+                     temperature, grad_filter, backend, needs, softcap, logit_scale, logp=logp,
+                     lse_sum=lse_sum)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -95,18 +98,20 @@ def logits_grads(ctx, g_logp, g_ent, backward=None):
 
 
 def setup_linear(ctx, inputs, output):
+    """Saves (inputs, lse, entropy, logp, lse_sum): lse_sum [N] is the chunked forward's S,
+    with which its backward reads p to float32's precision."""
     hidden, weight, bias, targets, temperature, grad_filter, backend, _, *rest = inputs
-    logp, ent, lse = output
+    logp, ent, lse, lse_sum = output
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, _saved_logp(logp))
+    ctx.mark_non_differentiable(lse, lse_sum)
+    ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, _saved_logp(logp), lse_sum)
     ctx.n_inputs = len(inputs)
     ctx.config = (temperature, grad_filter, backend, *_transform(rest))
 
 
-def linear_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
+def linear_backward(ctx, g_logp, g_ent, _g_lse, _g_lse_sum, backward=None):
     with torch.no_grad():  # the backward op has no autograd formula: nothing to record
-        grads = linear_grads(ctx, g_logp, g_ent, backward)
+        grads = linear_grads(ctx, g_logp, g_ent, backward, lse_sum=ctx.saved_tensors[7])
     return _grads_for(ctx, once_differentiable(grads))
 
 

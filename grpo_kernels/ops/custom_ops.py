@@ -57,22 +57,28 @@ torch.library.define(
     "grpo_kernels::linear_logprobs",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float temperature, "
     f"float? grad_filter, str backend, str ids_name, {TRANSFORM_ARGS}) "
-    "-> (Tensor logp, Tensor entropy, Tensor lse)")
+    "-> (Tensor logp, Tensor entropy, Tensor lse, Tensor lse_sum)")
 torch.library.define(
     "grpo_kernels::linear_logprobs_backward",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, Tensor entropy, "
     "Tensor g_logp, Tensor? g_entropy, float temperature, float? grad_filter, str backend, "
-    f"bool[] needs, {TRANSFORM_ARGS}, Tensor? logp=None) "
+    f"bool[] needs, {TRANSFORM_ARGS}, Tensor? logp=None, Tensor? lse_sum=None) "
     "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
 
 def _linear_logprobs(hidden, weight, bias, targets, temperature, grad_filter, backend, ids_name,
                      softcap=None, logit_scale=None, keep=None):
     """hidden [N, D], weight [V, D], bias [V] | None, targets [N] int64 (contiguous)
-    -> float32 (logp, entropy, lse), each [N]. keep: see `_LinearLogprobs`."""
+    -> float32 (logp, entropy, lse, lse_sum), each [N]. lse_sum: the chunked forward's
+    S = Σ 2^(z - lse·log2(e)) (`chunked.tiles.reference_sums`), with which the chunked backward
+    reads p to float32's precision (the lse alone, rounded at its magnitude, gives p to 2e-6
+    at |lse| ≈ 40); 1 where the chunked launcher does not write it (a Triton forward, a soft
+    cap): p through the lse alone. keep: see `_LinearLogprobs`."""
     check_token_id_values(ids_name, targets, weight.shape[0], "weight.shape[0]")
     op = LinearHeadOp(IMPLS[backend], temperature, grad_filter, softcap, logit_scale)
-    return op.forward(targets, None, hidden, weight, bias, keep=keep)
+    lse_sum = hidden.new_ones(hidden.shape[0], dtype=F32)
+    return (*op.forward(targets, None, hidden, weight, bias, keep=keep, lse_sum=lse_sum),
+            lse_sum)
 
 
 torch.library.impl("grpo_kernels::linear_logprobs", "default", _linear_logprobs)
@@ -80,17 +86,18 @@ torch.library.impl("grpo_kernels::linear_logprobs", "default", _linear_logprobs)
 
 @torch.library.register_fake("grpo_kernels::linear_logprobs")
 def _linear_logprobs_fake(hidden, weight, bias, targets, *args):
-    return tuple(hidden.new_empty(hidden.shape[0], dtype=F32) for _ in range(3))
+    return tuple(hidden.new_empty(hidden.shape[0], dtype=F32) for _ in range(4))
 
 
 def _linear_logprobs_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent,
                               temperature, grad_filter, backend, needs, softcap=None,
-                              logit_scale=None, logp=None, kept=None):
+                              logit_scale=None, logp=None, lse_sum=None, kept=None):
     """(d hidden, d weight, d bias) in the inputs' dtypes; an empty tensor where not needed.
-    logp: the forward's log-probs [N] or None (`LinearHeadOp.backward`)."""
+    logp: the forward's log-probs [N] or None; lse_sum: its S [N] or None
+    (`LinearHeadOp.backward`)."""
     op = LinearHeadOp(IMPLS[backend], temperature, grad_filter, softcap, logit_scale)
     grads = op.backward((hidden, weight, bias), targets, lse, ent, g_logp, g_ent, needs,
-                        kept=kept, logp=logp)
+                        kept=kept, logp=logp, lse_sum=lse_sum)
     return tuple(_empty(hidden) if g is None else g for g in grads)
 
 
@@ -297,10 +304,10 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # as the operator: its backward op has no autograd formula
-    def backward(ctx, g_logp, g_ent, g_lse):
+    def backward(ctx, g_logp, g_ent, g_lse, g_lse_sum):
         kept, ctx.kept = ctx.kept, None
         grads = autograd.linear_backward(
-            ctx, g_logp, g_ent, g_lse,
+            ctx, g_logp, g_ent, g_lse, g_lse_sum,
             backward=functools.partial(_linear_logprobs_backward, kept=kept))
         return *grads, None
 

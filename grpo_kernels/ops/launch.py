@@ -104,8 +104,10 @@ class LinearHeadOp(BoundOp):
         head = "" if weight.dtype == hidden.dtype else "head=" + fallback.dtype_name(weight.dtype)
         return head, "" if bias is None else "bias", *self.transform
 
-    def forward(self, targets, epilogue, hidden, weight, bias, keep=None):
-        """keep: a dict for the chunked launcher's kept logits tile (chunked backend only)."""
+    def forward(self, targets, epilogue, hidden, weight, bias, keep=None, lse_sum=None):
+        """keep: a dict for the chunked launcher's kept logits tile (chunked backend only);
+        lse_sum: a float32 [N] tensor that the chunked launcher writes its S into
+        (`chunked.launchers.linear_logprob_forward`), also when it replaces a Triton kernel."""
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
             return self.impl.linear_logprob_forward(hidden, weight, bias, targets,
                                                     self.temperature, epilogue=epilogue,
@@ -113,15 +115,17 @@ class LinearHeadOp(BoundOp):
         extra = {} if keep is None or self.on_triton else {"keep": keep}
         return self._launch((hidden, weight, bias), "forward", (), "linear_logprob_forward",
                             hidden, weight, bias, targets, self.temperature, **extra,
-                            **self.transform)
+                            **self.transform, torch_kw=_torch_kw(lse_sum=lse_sum))
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None,
-                 shard_targets: bool = False, logp=None):
+                 shard_targets: bool = False, logp=None, lse_sum=None):
         """shard_targets: a vocabulary shard's backward (grpo_kernels/parallel), where an id
         outside [0, V) is another shard's and adds no one-hot term. The Triton kernels compare
         column ids, so only the chunked launcher is told. logp: None or the forward's
         log-probs [N], from which the chunked launcher takes the target column's gradient
-        (precise 1 - p of a dominant target); the Triton kernels read the lse."""
+        (precise 1 - p of a dominant target); the Triton kernels read the lse. lse_sum: None or
+        the chunked forward's S [N], from which it reads every column's p (precise p of a
+        dominant token, target or not)."""
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
         wanted = [n for n, need, x in zip(("hidden", "weight", "bias"), needs, inputs)
@@ -133,7 +137,7 @@ class LinearHeadOp(BoundOp):
                             needs=tuple(needs), grad_filter=self.grad_filter, **extra,
                             **self.transform,
                             torch_kw=_torch_kw(shard_targets=shard_targets or None,
-                                               logp=logp))
+                                               logp=logp, lse_sum=lse_sum))
 
 
 def _torch_kw(**kw) -> dict | None:

@@ -16,8 +16,9 @@ Such a row's d logits of the dominant token is g·(1 - p), a cancellation: p mus
 backward as the forward's statistics define it (2^(z - m) / s), not through the lse in nats,
 whose float32 rounding at |lse| ≈ 40 (2e-6) would show as an error of that size in 1 - p. A
 backward that recomputes the logits takes the target column's gradient from the forward's logp
-(`chunked.tiles.target_column`), so these rows, dominated by their target, are covered; a row
-dominated by a token other than its target still reads that token's p through the lse.
+(`chunked.tiles.target_column`), and every column's p as 2^(z - r) / S with r = lse·log2(e)
+and the forward's S = Σ 2^(z - r) (`chunked.tiles.row_offset`), so rows dominated by a token
+other than their target are covered too (`test_rows_dominated_by_another_token`).
 """
 
 import contextlib
@@ -220,14 +221,12 @@ def test_compiled_selective_logprobs_at_dominated_rows():
     check(errors(compiled, loss(reference.selective_logprobs), hidden, weight))
 
 
-@pytest.mark.parametrize("route", [
-    "kept", *(pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=(
-        "a recomputing backward reads a dominant non-target token's p through the lse")))
-        for r in ROUTES[1:])])
+@pytest.mark.parametrize("route", ROUTES)
 def test_rows_dominated_by_another_token(monkeypatch, route):
     """Rows dominated by a token other than their target: its d logits is g·p, no cancellation,
-    but p ≈ 1 read through the lse carries the lse's rounding (2e-6 at |lse| ≈ 40), ~20x
-    PyTorch's float32 error; only the kept tile's route holds the forward's own statistics."""
+    but p ≈ 1 read through the lse alone would carry the lse's rounding (2e-6 at |lse| ≈ 40),
+    ~20x PyTorch's float32 error; the kept tile holds the forward's m and s, and a recomputing
+    backward reads p as 2^(z - r) / S with the forward's S (`chunked.tiles.row_offset`)."""
     hidden, weight, ids = dominated_head(4096, 1.0)
     ids = (ids + 1) % 4096  # a small logit: the former target dominates the row
     g_logp = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * 1e-3

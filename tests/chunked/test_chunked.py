@@ -47,15 +47,17 @@ def _truth(hidden, weight, bias, ids, temperature, g_logp, g_ent):
 
 
 def _chunked(hidden, weight, bias, ids, temperature, g_logp, g_ent, chunk_elements=None,
-             keep=False):
+             keep=False, lse_sum=None):
     """Forward then backward; with `keep`, the backward starts from the forward's kept logits
-    tile (when it fits one tile) instead of recomputing it."""
+    tile (when it fits one tile) instead of recomputing it; lse_sum (float32 [N]) is written by
+    the forward and read by the backward."""
     kept = {} if keep else None
     logp, ent, lse = chunked.linear_logprob_forward(hidden, weight, bias, ids, temperature,
-                                                    chunk_elements=chunk_elements, keep=kept)
+                                                    chunk_elements=chunk_elements, keep=kept,
+                                                    lse_sum=lse_sum)
     grads = chunked.linear_logprob_backward(hidden, weight, bias, ids, lse, ent, g_logp, g_ent,
                                             temperature, chunk_elements=chunk_elements,
-                                            kept=kept)
+                                            kept=kept, lse_sum=lse_sum)
     assert not kept  # taken by the backward (or never filled)
     return (logp, ent, *grads)
 
@@ -101,6 +103,29 @@ def test_float32_row_blocks_match_truth(chunk_elements, bias, temperature, entro
     truth = _truth(hidden, weight, b, ids, temperature, g_logp, g_ent)
     for name, o, t in zip(["logp", "entropy", "d hidden", "d weight", "d bias"], ours, truth):
         assert (o is None) == (t is None), name
+        if t is not None:
+            assert scaled_err(o, t) < 2e-5, name
+
+
+@pytest.mark.parametrize("chunk_elements,N", [(None, 96), (7 * 96, 96), (256 * 300, 600)])
+@pytest.mark.parametrize("bias,temperature,entropy", [(False, 1.0, False), (True, 0.7, True),
+                                                      (False, 1.0, True)])
+def test_lse_sum_matches_truth(chunk_elements, N, bias, temperature, entropy):
+    """The forward's lse_sum is S = Σ 2^(z - r) of each row, r = lse·log2(e) from the float32
+    lse it returns, on whole rows, vocabulary tiles and row blocks; the backward that reads p
+    as 2^(z - r) / S (fast and general modes) matches the float64 truth as the others do."""
+    hidden, weight, b, ids = _head(torch.float32, bias=bias, N=N, seed=N)
+    g_logp, g_ent = _coefficients(ids.numel(), 3, entropy)
+    lse_sum = torch.full((N,), float("nan"))
+    ours = _chunked(hidden, weight, b, ids, temperature, g_logp, g_ent, chunk_elements,
+                    lse_sum=lse_sum)
+    _, _, lse = chunked.linear_logprob_forward(hidden, weight, b, ids, temperature)
+    z = (hidden.double() @ weight.double().T + (0.0 if b is None else b.double())) / temperature
+    r = (lse * (1.0 / torch.log(torch.tensor(2.0)))).double()  # float32 lse·log2(e)
+    want = torch.exp2(z / torch.log(torch.tensor(2.0, dtype=torch.float64)) - r[:, None]).sum(1)
+    assert (lse_sum.double() - want).abs().max() / want.abs().max() < 1e-5
+    truth = _truth(hidden, weight, b, ids, temperature, g_logp, g_ent)
+    for name, o, t in zip(["logp", "entropy", "d hidden", "d weight", "d bias"], ours, truth):
         if t is not None:
             assert scaled_err(o, t) < 2e-5, name
 

@@ -171,9 +171,9 @@ def test_opcheck_selective_ops(backend):
 def _linear_call(call, head):
     hidden, weight, bias, ids = head
     h, w, b = leaf(hidden.reshape(-1, hidden.shape[-1])), leaf(weight), leaf(bias)
-    logp, ent, lse = call(h, w, b, ids.reshape(-1), 0.7, None, "chunked", "targets")
+    logp, ent, lse, lse_sum = call(h, w, b, ids.reshape(-1), 0.7, None, "chunked", "targets")
     (logp * 0.3 + ent).sum().backward()
-    return [logp, ent, lse, h.grad, w.grad, b.grad], type(logp.grad_fn).__name__
+    return [logp, ent, lse, h.grad, w.grad, b.grad, lse_sum], type(logp.grad_fn).__name__
 
 
 def _logits_call(call, head, inplace):
@@ -233,7 +233,7 @@ def test_eager_linear_op_keeps_its_tile_for_one_backward(monkeypatch):
     with torch.no_grad():
         custom_ops.OPS.linear_logprobs(*args)
     custom_ops.OPS.linear_logprobs(h.detach(), w.detach(), *args[2:])
-    logp, ent, _ = custom_ops.OPS.linear_logprobs(*args)
+    logp, ent, *_ = custom_ops.OPS.linear_logprobs(*args)
     assert seen == [None, None, ["log_sum", "tile"]]
     loss = (logp * 0.3 + ent).sum()
     first = torch.autograd.grad(loss, (h, w), retain_graph=True)
