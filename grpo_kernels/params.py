@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import MISSING, astuple, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import ClassVar
 
 from .loss_specs import (  # noqa: F401
@@ -247,7 +247,9 @@ class TokenLossArgs:
         return 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
 
     def to_op_args(self) -> tuple:
-        return astuple(self)
+        # the fields as they are: dataclasses.astuple deep-copies each, and under torch.compile
+        # the copy's memo guards each float on its object id (a recompile per new value)
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     @classmethod
     def of_op_args(cls, values) -> TokenLossArgs:

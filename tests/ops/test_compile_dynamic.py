@@ -132,3 +132,23 @@ def test_a_changing_num_items_in_batch_compiles_twice(backend):
                                        step(*args, num_items_in_batch=count), rtol=1e-5,
                                        atol=1e-6)
     assert counter.graphs == 2, f"{counter.graphs} graphs for 6 counts"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_equal_hyperparameter_in_a_new_object_compiles_once(backend):
+    """A hyperparameter that a schedule or a config parser builds anew each step, with the same
+    value: one graph (the guards compare values, not the float objects' identities)."""
+    counter = GraphCount()
+    weight, args, _ = batch(3, 6, 0, packed=False)
+
+    def step(beta, epsilon_high, *args):
+        return gk.fused_linear_grpo_loss(args[0], weight, *args[1:], beta=beta,
+                                         epsilon_high=epsilon_high, temperature=0.7)[0]
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    with gk.force_backend(backend):
+        for _ in range(4):
+            beta, epsilon_high = float("0.04"), float("0.28")  # new objects, equal values
+            torch.testing.assert_close(compiled(beta, epsilon_high, *args),
+                                       step(beta, epsilon_high, *args), rtol=1e-5, atol=1e-6)
+    assert counter.graphs == 1, f"{counter.graphs} graphs for one value"
