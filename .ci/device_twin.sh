@@ -4,7 +4,8 @@
 # calls it. Run by hand before a device call (docs/gpu.md, "Rehearsing on the device's versions"):
 # ~13 minutes on 2 cores, too long for .ci/run.
 #   bash .ci/device_twin.sh [OUT]         (OUT default /tmp/device-twin-out)
-#   PY=python3.12 VENV=/tmp/venv-device-twin bash .ci/device_twin.sh
+#   PY=/root/.pyenv/versions/3.12.1/bin/python VENV=/tmp/venv-device-twin bash .ci/device_twin.sh
+#   (PY: a Python 3.12, default python3.12; VENV: made once, then reused)
 # The venv has no system site packages: Python 3.12, torch 2.11.0 (PyPI's CUDA build, ~5 GB with
 # its nvidia-* packages; it runs on a CPU), the Triton it pins (3.6.0), transformers 5.17.0 and
 # what else the image was read to hold (IMAGE below); TRL, datasets, Liger-Kernel, Cut
@@ -27,7 +28,10 @@ if ! ls .whl/*.whl > /dev/null 2>&1; then
   exit 2
 fi
 t0=$(date +%s)
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" || exit 2
+if [ ! -x "$VENV/bin/python" ] && ! "$PY" -m venv "$VENV"; then
+  echo "device_twin: PY=$PY cannot make a venv: set PY to a Python 3.12 interpreter" >&2
+  exit 2
+fi
 have=$("$VENV/bin/python" -c "import torch, triton, transformers; print(
   torch.__version__.split('+')[0], triton.__version__, transformers.__version__)" 2> /dev/null)
 if [ "$have" != "2.11.0 3.6.0 5.17.0" ]; then
