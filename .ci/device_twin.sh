@@ -2,7 +2,7 @@
 # The device twin: every GPU script's dry run (DRY_RUN=1) in a virtual environment made like the
 # lent GPU machine's image, in a copy of the tree without .git, each called as the device plan
 # calls it. Run by hand before a device call (docs/gpu.md, "Rehearsing on the device's versions"):
-# ~13 minutes on 2 cores, too long for .ci/run.
+# 7 to 13 minutes on 2 cores (and 95 s to make the venv), too long for .ci/run.
 #   bash .ci/device_twin.sh [OUT]         (OUT default /tmp/device-twin-out)
 #   PY=/root/.pyenv/versions/3.12.1/bin/python VENV=/tmp/venv-device-twin bash .ci/device_twin.sh
 #   (PY: a Python 3.12, default python3.12; VENV: made once, then reused)
