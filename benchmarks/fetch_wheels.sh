@@ -28,6 +28,8 @@ PEERS=(trl==1.16.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
 # fsspec; pandas -> python-dateutil -> six.
 DEPS=(accelerate==1.15.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
       fsspec==2026.9.0 python-dateutil==2.9.0.post0 six==1.17.0 psutil==7.2.2)
+# gpu_session.sh's benchmark suite needs pytest-benchmark (-> py-cpuinfo; 5.2 fails on pytest 9.2)
+DEPS+=(pytest-benchmark==5.3.1 py-cpuinfo==9.0.0)
 [ "${LEAN:-0}" = 1 ] || DEPS+=(pandas==3.1.1 pyarrow==24.0.0)
 
 # Binary wheels must match the device's interpreter: ask for that ABI and the manylinux tags a

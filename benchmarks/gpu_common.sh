@@ -90,10 +90,15 @@ install_peers() {
 }
 dry_says() { if [ "$DRY_RUN" = 1 ]; then echo " [dry run: $*]"; fi; }
 carry_size() {
-  local tree whl
-  tree=$(git ls-files -z 2> /dev/null | du -cb --files0-from=- 2> /dev/null | tail -n 1 | cut -f1)
+  local tree what="tracked tree" whl
+  if git rev-parse --git-dir > /dev/null 2>&1; then
+    tree=$(git ls-files -z | du -cb --files0-from=- 2> /dev/null | tail -n 1 | cut -f1)
+  else  # a copy of the tree without .git (as a device machine gets it): all of it but .whl/
+    what="tree copy"
+    tree=$(du -sb --exclude=./.whl . 2> /dev/null | cut -f1)
+  fi
   whl=$(du -sb .whl 2> /dev/null | cut -f1)
-  echo "tracked tree $(( ${tree:-0} / 1048576 )) MiB, .whl/ $(( ${whl:-0} / 1048576 )) MiB" \
+  echo "$what $(( ${tree:-0} / 1048576 )) MiB, .whl/ $(( ${whl:-0} / 1048576 )) MiB" \
     "(a device call carries at most 64 MiB in all)"
 }
 

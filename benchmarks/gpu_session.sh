@@ -115,7 +115,10 @@ small selection; gpu-marked tests skip" tests/api/test_fused_linear_grpo.py \
   tests/api/test_logits_grpo.py tests/api/test_selective_logprobs.py \
   tests/api/test_memory_and_properties.py
 
-if step_cap "benchmark suite" "$SUITE_TIMEOUT"; then
+if ! python -c "import pytest_benchmark" 2> /dev/null; then
+  stamp "benchmark suite: skipped, pytest-benchmark not installed (benchmarks/fetch_wheels.sh" \
+    "puts its wheel in .whl/)"
+elif step_cap "benchmark suite" "$SUITE_TIMEOUT"; then
   stamp "benchmark suite: ${SUITE_SELECT[*]} (timeout ${CAP}s)$(dry_says "CPU cases: the gpu \
 cases need CUDA")"
   run_step bench_suite.txt "$CAP" python -m pytest benchmarks/ --benchmark-only -q \

@@ -88,11 +88,9 @@ source benchmarks/gpu_steps.sh  # row, run_step
 
 stamp "environment (DRY_RUN=$DRY_RUN, PARTS=$PARTS)"
 write_env
-if { part loss || part steps; } && { [ "$DRY_RUN" != 1 ] || ls .whl/*.whl > /dev/null 2>&1; }
-then
-  stamp "installing TRL and datasets from .whl/"
-  timeout 60 bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
-fi
+# TRL and datasets from .whl/ (a dry run installs them into a scratch folder: the environment
+# stays as it is, and the next dry run meets the same one)
+if part loss || part steps; then install_peers 60; fi
 
 STEP=(python -m benchmarks.trainer_step "${SHAPE[@]}" --num_generations "$G"
       --completion_tokens "$CAP" --length_profile lognormal --assets "$ASSETS"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the kernel sweep's peers (TRL, Cut Cross-Entropy, Liger-Kernel) from the wheels in
-# .whl/ (benchmarks/fetch_wheels.sh) on a machine without network access, then prints what is
-# importable. Used by gpu_session.sh and gpu_peers.sh; without .whl/ it only reports.
+# .whl/ (benchmarks/fetch_wheels.sh) on a machine without network access, and pytest-benchmark
+# where it is missing, then prints what is importable. Used by gpu_session.sh, gpu_peers.sh and
+# gpu_trainer.sh (through gpu_common.sh's install_peers); without .whl/ it only reports.
 #
 # pip first resolves the peers against what is installed plus .whl/ (--no-index), so only missing
 # or too-old packages come from .whl/ and nothing already there is replaced. If that resolution
@@ -16,6 +17,7 @@ set -uo pipefail
 WHL="${WHL:-.whl}"
 TARGET="${TARGET:-}"
 PEERS=(trl==1.16.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
+TOOLS=(pytest-benchmark)  # gpu_session.sh's benchmark suite; installed only where missing
 
 installed() {  # installed DIST: is this distribution installed (in TARGET too)?
   PYTHONPATH="${TARGET:+$TARGET:}${PYTHONPATH:-}" python -c \
@@ -38,9 +40,17 @@ elif [ -n "$TARGET" ]; then
   mkdir -p "$TARGET"
   echo "install_wheels: into $TARGET (pip --target), missing distributions only"
   missing_one_by_one
-elif ! python -m pip install -q --no-index --find-links "$WHL" "${PEERS[@]}"; then
-  echo "install_wheels: resolution failed; installing missing distributions with --no-deps"
-  missing_one_by_one
+else
+  if ! python -m pip install -q --no-index --find-links "$WHL" "${PEERS[@]}"; then
+    echo "install_wheels: resolution failed; installing missing distributions with --no-deps"
+    missing_one_by_one
+  fi
+  for tool in "${TOOLS[@]}"; do  # a tool whose wheel .whl/ lacks stays missing (said below)
+    if ! installed "$tool"; then
+      python -m pip install -q --no-index --find-links "$WHL" "$tool" \
+        || echo "install_wheels: $tool not installed"
+    fi
+  done
 fi
 
 # What each provider needs: trl's head imports trl.trainer.utils in its backward.
@@ -49,7 +59,8 @@ import importlib
 import importlib.metadata as m
 
 for dist, module in (("trl", "trl.trainer.utils"), ("cut-cross-entropy", "cut_cross_entropy"),
-                     ("liger-kernel", "liger_kernel.chunked_loss")):
+                     ("liger-kernel", "liger_kernel.chunked_loss"),
+                     ("pytest-benchmark", "pytest_benchmark")):
     try:
         importlib.import_module(module)
         print(f"{dist} {m.version(dist)}: import {module} ok")

@@ -204,6 +204,7 @@ def _prefilled_cache(model, prompt_ids, prompt_mask, G: int):
     hf = continuous.base_model(model)
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # [P, Lp - 1]
     cache = _new_cache(hf, DynamicCache)
+    static_decode.values_keep_their_dtype(cache)  # --bf16: bf16 values beside float32 keys
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
         hf.forward).parameters else {}  # the logits are not used: skip [P, Lp - 1, V]
     hf(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,

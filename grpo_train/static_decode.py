@@ -95,12 +95,42 @@ def static_cache(model, run, batch: int, length: int):
     cache = caches.pop(key, None)
     if cache is None:
         cache = StaticCache(config=hf.config.get_text_config(decoder=True), max_cache_len=length)
+        values_keep_their_dtype(cache)
     else:
         cache.reset()
     caches[key] = cache  # most recently used last
     while len(caches) > KEPT_CACHES:
         caches.pop(next(iter(caches)))
     return cache
+
+
+def values_keep_their_dtype(cache) -> None:
+    """Makes each layer of `cache` (a DynamicCache or StaticCache) hold its values in the dtype
+    of the first values written, as transformers 5.24 does.
+
+    Under bf16 autocast with float32 weights the keys leave the rotary embedding in float32 and
+    the values stay bf16. transformers before 5.24 (5.17 among them) allocates a layer's values
+    in the keys' dtype: a DynamicLayer then promotes the prompts' values to float32, and a
+    StaticLayer refuses the decode step's bf16 values (index_copy_ needs one dtype), so the
+    static path failed under --bf16. Where the dtypes already agree this changes nothing."""
+    import torch
+    from transformers.cache_utils import StaticLayer
+
+    for layer in getattr(cache, "layers", ()):
+        init = getattr(layer, "lazy_initialization", None)
+        if init is None:
+            continue
+
+        def lazy_initialization(key_states, value_states, layer=layer, init=init):
+            init(key_states, value_states)
+            if layer.values.dtype != value_states.dtype:  # [B, heads, L, head_dim] or empty
+                layer.values = layer.values.to(value_states.dtype)
+                # a compiled decode step needs the static tensors' addresses fixed, as
+                # transformers marks its own
+                if isinstance(layer, StaticLayer) and not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(layer.values)
+
+        layer.lazy_initialization = lazy_initialization
 
 
 def full_attention_layers(cache) -> str | None:

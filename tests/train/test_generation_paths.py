@@ -120,6 +120,49 @@ def test_forced_lengths_on_the_static_path(tiny):
     assert batch["lengths"].tolist() == [min(n, cfg.max_new_tokens) for n in lengths]
 
 
+def test_static_path_under_bf16_autocast(tiny):
+    """--bf16 (float32 weights, bf16 autocast): the keys leave the rotary embedding in float32,
+    the values stay bf16; the static path runs (no fall back to padded) and its cache holds each
+    in its own dtype."""
+    models, tok, cfg = tiny
+    model = models["qwen2"]
+    log = []
+    ctx = make_ctx(model, tok, cfg, "static", log, static_compile=False, bf16=True, top_k=1)
+    ctx.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    batch = generation.generate(model, VARIED, ctx)
+    assert log == [f"{STATIC} (--generation static); {ONCE}"]
+    (cache,) = ctx.static_caches.values()
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in cache.layers} == {
+        (torch.float32, torch.bfloat16)}
+    assert batch["T"] == cfg.max_new_tokens
+
+
+def test_values_keep_their_dtype_where_a_layer_takes_the_keys_dtype():
+    """A cache layer that allocates its values in the keys' dtype (transformers before 5.24):
+    the values get the dtype of the values written, in the static and the dynamic layer."""
+    from transformers import DynamicCache, StaticCache
+    from transformers.models.qwen2 import Qwen2Config
+
+    config = Qwen2Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=1)
+    keys = torch.randn(2, 1, 3, 8)  # [B, heads, L, head_dim], float32
+    values = keys.to(torch.bfloat16)
+    for cache in (StaticCache(config=config, max_cache_len=8), DynamicCache(config=config)):
+        layer = cache.layers[0]
+
+        def keys_dtype_only(key_states, value_states, layer=layer,
+                            init=layer.lazy_initialization):
+            init(key_states, key_states)  # as transformers 5.17 allocates them
+            layer.values = layer.values.to(key_states.dtype)
+
+        layer.lazy_initialization = keys_dtype_only
+        static_decode.values_keep_their_dtype(cache)
+        k, v = cache.update(keys, values, 0)
+        assert (k.dtype, v.dtype) == (torch.float32, torch.bfloat16), type(cache).__name__
+        assert torch.equal(v[:, :, :3], values)
+
+
 def test_static_refusals_and_failure_fall_back_to_padded(tiny, monkeypatch):
     models, tok, cfg = tiny
     model = models["qwen2"]
