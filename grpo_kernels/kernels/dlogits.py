@@ -56,7 +56,8 @@ def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
     log_p = z - lse[:, None]
     if HAS_LOGP:
         logp = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)
-        log_p = tl.where(at_t, logp[:, None], log_p)
+        if HAS_GENT:  # only the entropy term reads the target's log p and p
+            log_p = tl.where(at_t, logp[:, None], log_p)
         p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
         dz = g[:, None] * tl.where(at_t, -_expm1(logp)[:, None], -p)
     else:

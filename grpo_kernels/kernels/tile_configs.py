@@ -185,8 +185,9 @@ def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None 
     # sm_100: 128 x 128 with the entropy gradient spilled 32 B at 255 registers; sm_90: 8 B
     # (fp16, bias, entropy gradient, V not divisible by 16; the full compile_check set); with
     # a soft cap and the entropy gradient, sm_80 spilled 8-16 B (by tokens, d hidden only); a
-    # soft cap alone, 8 B on sm_86/89 (bf16, by vocabulary) once padding's rows were masked
-    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and (entropy_grad or cc in (86, 89))):
+    # soft cap alone, 8 B on sm_86/89 (bf16, by vocabulary) once padding's rows were masked,
+    # and 32 B on sm_80 with Triton 3.4/3.6 once the target column read the forward's logp
+    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and (entropy_grad or 80 <= cc < 90)):
         return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
 
