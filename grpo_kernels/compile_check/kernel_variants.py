@@ -160,8 +160,7 @@ def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
     h, w = ELEM[hdt], ELEM[wdt]
     dt = h if h == w else f"{h}x{w}"
     vtag = f"V%16={V % 16}"
-    fcfg, fopts = _split_cfg(tile_configs.linear_fwd(N, V, D, hdt, None, arch=arch,
-                                                     weight_dtype=wdt))
+    fcfg, fopts = _split_cfg(tile_configs.linear_fwd(N, V, D, hdt, None, arch=arch))
     n_blocks, n_tiles, S, per_split = forward_grid(arch, N, D, V, hdt)
     heads = dict(h_ptr=Ptr(h), w_ptr=Ptr(w), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"),
                  ent_ptr=Ptr("fp32"), V=V, D=D, stride_hn=D, stride_wv=D, inv_temp=1.0)
@@ -177,9 +176,7 @@ def _linear(arch: int, N: int, D: int, V: int, hdt, wdt, prec: str, quick: bool,
         yield Variant(f"linear_fwd[{dt},{prec},split={split},bias={bias},epi={_tag(epi)},"
                       f"{vtag}{_transform_tag(tr)}]", lin._linear_logprob_fwd_kernel, args,
                       fopts, "linear_fwd", "fwd" in defaults and split == (S > 1))
-    # the backwards as autograd launches them: with the forward's logp (HAS_LOGP)
-    grads = dict(glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"), logp_ptr=Ptr("fp32"),
-                 HAS_LOGP=True, filter_eps=0.0)
+    grads = dict(glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"), filter_eps=0.0)
     # atomic backward (the default only with gradient filtering)
     bcfg, bopts = _split_cfg(
         tile_configs.linear_bwd_atomic(hdt, None, arch=arch, weight_dtype=wdt))

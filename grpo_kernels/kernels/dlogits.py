@@ -11,19 +11,11 @@ and with a logit transform z = cap(s·y) of the raw logits y, d/dy = (d/dz)·dz/
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from .linear_logprobs import logit_tile
 from .logit_transform import softcap_logits_grad
-from .logits_logprobs import _expm1
-
-
-def target_logp(logp: torch.Tensor | None, lse: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The backwards' (logp_ptr, HAS_LOGP) (`dz_tile`): the forward's log-probs [N] float32,
-    or the lse in their place (never read) when they are not given."""
-    return (lse, False) if logp is None else (logp.float().contiguous(), True)
 
 
 @triton.jit
@@ -41,28 +33,17 @@ def token_gradients(glogp_ptr, gent_ptr, offs_n, n_mask, HAS_GENT: tl.constexpr)
 
 
 @triton.jit
-def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
-            inv_temp, HAS_GENT: tl.constexpr, HAS_LOGP: tl.constexpr):
+def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp,
+            HAS_GENT: tl.constexpr):
     """d logits of Σ g·logp + Σ g_H·H for one tile of z = logits / τ:
         dlogp/dz_j = onehot_j - p_j,  dH/dz_j = -p_j·(log p_j + H)
-        d logits = [g·(onehot - p) - g_H·p·(log p + H)] / τ     (zero outside the masks)
-    log p_j = z_j - lse, except at the target column with HAS_LOGP (the forward's logp [N] at
-    logp_ptr): there log p = logp and 1 - p = -expm1(logp), free of the lse's rounding in nats
-    (at a row dominated by its target, 1 - p is far below the lse's ulp). Without it (a
-    vocabulary shard's backward) the target's p is read through the lse."""
+        d logits = [g·(onehot - p) - g_H·p·(log p + H)] / τ     (zero outside the masks)"""
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
-    at_t = offs_v[None, :] == tgt[:, None]
     log_p = z - lse[:, None]
-    if HAS_LOGP:
-        logp = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)
-        if HAS_GENT:  # only the entropy term reads the target's log p and p
-            log_p = tl.where(at_t, logp[:, None], log_p)
-        p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
-        dz = g[:, None] * tl.where(at_t, -_expm1(logp)[:, None], -p)
-    else:
-        p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
-        dz = g[:, None] * (tl.where(at_t, 1.0, 0.0) - p)
+    p = tl.where(v_mask[None, :], tl.exp(log_p), 0.0)
+    onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+    dz = g[:, None] * (onehot - p)
     if HAS_GENT:
         ent = tl.load(ent_ptr + offs_n, mask=n_mask, other=0.0)
         dz -= gh[:, None] * p * (log_p + ent[:, None])
@@ -71,10 +52,10 @@ def dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
 
 @triton.jit
 def transformed_dz(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_n, offs_v, n_mask, v_mask, D,
-                   g, gh, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, inv_temp, logit_mul, softcap,
+                   g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
                    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGP: tl.constexpr):
+                   HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """The backward's d loss / dy tile of the raw logits y = hidden @ weight.T + bias.
     Without a transform: the logit tile at 1/τ and `dz_tile`, as always. With one
     (z = cap(s·y), logits z / τ):
@@ -85,10 +66,10 @@ def transformed_dz(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_n, offs_v, n_mask, 
                        HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
         z, dzdy = softcap_logits_grad(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
         dz = dz_tile(z * inv_temp, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr,
-                     ent_ptr, logp_ptr, inv_temp, HAS_GENT, HAS_LOGP) * dzdy
+                     ent_ptr, inv_temp, HAS_GENT) * dzdy
     else:
         z = logit_tile(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_v, n_mask, v_mask, D, inv_temp,
                        HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
         dz = dz_tile(z, offs_n, offs_v, n_mask, v_mask, g, gh, tgt_ptr, lse_ptr, ent_ptr,
-                     logp_ptr, inv_temp, HAS_GENT, HAS_LOGP)
+                     inv_temp, HAS_GENT)
     return dz

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import tile_configs
-from .dlogits import target_logp, token_gradients, transformed_dz
+from .dlogits import token_gradients, transformed_dz
 from .linear_logprobs import grouped_program, loop_bound
 from .logit_transform import grad_filter_scale, logit_transform_args
 from .precision import dot_precision, head_dot, split_dot, tile_dot
@@ -65,7 +65,7 @@ def _add_tile_grads(
 
 @triton.jit(do_not_specialize=["N", "v_begin", "v_count", "n_blocks", "v_blocks", "filter_eps"])
 def _linear_logprob_bwd_kernel(
-    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, glogp_ptr, gent_ptr,
+    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
     dh_ptr, dw_ptr, db_ptr,  # float32 accumulators: dh [N, D], dw [v_count, D], db [V]
     N, V, D, v_begin, v_count, stride_hn, stride_wv, stride_dh, stride_dw, inv_temp,
     n_blocks, v_blocks, filter_eps, logit_mul, softcap,
@@ -73,7 +73,7 @@ def _linear_logprob_bwd_kernel(
     COMPUTE_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # d hidden = d logits @ weight, d weight = d logits^T @ hidden, d bias = Σ_n d logits, with
     # d logits from dz_tile; each [BLOCK_N, BLOCK_V] tile adds its products with atomics.
@@ -97,9 +97,9 @@ def _linear_logprob_bwd_kernel(
         rows_dh = offs_n.to(tl.int64) * stride_dh
         rows_dw = offs_vl.to(tl.int64) * stride_dw
         dz = transformed_dz(h_ptr, w_ptr, b_ptr, rows_h, rows_w, offs_n, offs_v, n_mask, v_mask,
-                            D, g, gh, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, inv_temp, logit_mul,
-                            softcap, HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC,
-                            HAS_SCALE, HAS_SOFTCAP, HAS_LOGP)
+                            D, g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
+                            HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC, HAS_SCALE,
+                            HAS_SOFTCAP)
         if FILTER:
             # gradient filtering (opt-in, approximate): the tile's products are skipped when
             # every |d logit| in it is <= filter_eps × its token's scale / τ (the launcher
@@ -138,7 +138,6 @@ def linear_logprob_backward_atomic(
     grad_filter: float | None = None,
     softcap: float | None = None,
     logit_scale: float | None = None,
-    logp: torch.Tensor | None = None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
@@ -147,8 +146,6 @@ def linear_logprob_backward_atomic(
     <= eps × (|g_logp| + |g_ent|) / τ of their token (gradient filtering; eps = 0 only skips
     all-zero tiles, which is exact).
     softcap, logit_scale: the logit transform of `linear_logprob_forward` (gradients through it).
-    logp: None or the forward's log-probs [N] float32, from which the target column's gradient
-    is taken (1 - p = -expm1(logp), not through the lse; `dlogits.dz_tile`).
     Returns (d hidden, d weight, d bias), None where not needed, in the inputs' dtypes;
     accumulation is float32 (atomics into float32 buffers).
     """
@@ -172,20 +169,19 @@ def linear_logprob_backward_atomic(
         scratch = torch.empty((v_chunk, D), **f32)
         dw = torch.empty_like(weight)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"]) if N else 0
-    logp, has_logp = target_logp(logp, lse)
     for v0 in range(0, V, v_chunk):
         vc = min(v_chunk, V - v0)
         acc = (lse if dw is None else dw[v0:v0 + vc]) if direct else scratch[:vc].zero_()
         v_blocks = triton.cdiv(vc, BV)
         if n_blocks:
             _linear_logprob_bwd_kernel[(n_blocks * v_blocks,)](
-                hidden, weight, bias if bias is not None else hidden, targets, lse, ent, logp,
+                hidden, weight, bias if bias is not None else hidden, targets, lse, ent,
                 g_logp, g_ent if g_ent is not None else g_logp, dh32, acc, db32,
                 N, V, D, v0, vc, hidden.stride(0), weight.stride(0), D, D,
                 1.0 / temperature, n_blocks, v_blocks,
                 0.0 if grad_filter is None else float(grad_filter) * grad_filter_scale(
                     logit_scale),
-                HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None, HAS_LOGP=has_logp,
+                HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
                 FILTER=grad_filter is not None,
                 COMPUTE_DH=need_dh, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
                 DOT_PREC=dot_precision(hidden.dtype), **cfg,

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from . import tile_configs
 from .accumulate_mm import accumulate_mm
-from .dlogits import target_logp, token_gradients, transformed_dz
+from .dlogits import token_gradients, transformed_dz
 from .linear_logprobs import grouped_program
 from .logit_transform import grad_filter_scale, logit_transform_args
 from .precision import dot_precision
@@ -54,7 +54,7 @@ DZ_LOGITS_FRACTION = 0.05  # of the eager float32 logits N·V·4
 @triton.jit(do_not_specialize=["n0", "n_count", "v0", "v_count", "n_blocks", "v_blocks",
                                "filter_eps"])
 def _linear_dz_kernel(
-    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, glogp_ptr, gent_ptr,
+    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
     dz_ptr,  # [n_count, v_count] (row stride stride_dz): d logits of the chunk
     dbp_ptr,  # [n_blocks, v_count] float32 (row stride stride_dbp): per token block,
               # the column sums of the float32 d logits (d bias partials)
@@ -64,7 +64,7 @@ def _linear_dz_kernel(
     COMPUTE_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGP: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # grouped order: GROUP_N token blocks sweep the chunk's vocabulary together (L2 reuse)
     pid_n, pid_v = grouped_program(tl.program_id(0), n_blocks, v_blocks, GROUP_N)
@@ -86,9 +86,9 @@ def _linear_dz_kernel(
         # d/dy = d/dz · s·(1 - (z/c)²) (or · s) is applied inside (`transformed_dz`)
         dz = transformed_dz(h_ptr, w_ptr, b_ptr, offs_n.to(tl.int64) * stride_hn,
                             offs_v.to(tl.int64) * stride_wv, offs_n, offs_v, live, v_mask, D,
-                            g, gh, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, inv_temp, logit_mul,
-                            softcap, HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC,
-                            HAS_SCALE, HAS_SOFTCAP, HAS_LOGP)
+                            g, gh, tgt_ptr, lse_ptr, ent_ptr, inv_temp, logit_mul, softcap,
+                            HAS_BIAS, HAS_GENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC, HAS_SCALE,
+                            HAS_SOFTCAP)
         if FILTER:
             # gradient filtering, as the atomic backward defines it: a tile whose |d logits|
             # are all <= filter_eps × its token's scale / τ contributes nothing
@@ -136,17 +136,15 @@ def linear_logprob_backward_gemm(
     temperature: float, needs: tuple = (True, True, True), grad_filter: float | None = None,
     buffer_bytes: int | None = None, orientation: str | None = None, config: dict | None = None,
     softcap: float | None = None, logit_scale: float | None = None,
-    logp: torch.Tensor | None = None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H w.r.t. hidden [N, D], weight [V, D], bias [V].
 
     Same contract as `linear_backward_atomic.linear_logprob_backward_atomic`: lse, ent, g_logp,
-    g_ent, logp (None or the forward's) are [N] float32; needs says which of (hidden, weight,
-    bias) want a gradient; returns (d hidden, d weight, d bias) in the inputs' dtypes, None
-    where not needed. grad_filter (None: exact) drops a [BLOCK_N, BLOCK_V] tile's d logits as
-    the atomic backward does (same numbers, no work saved: the GEMMs stay dense). buffer_bytes
-    (default `dz_budget_bytes`) and orientation ("tokens" / "vocab", default from
-    `pick_orientation`) exist for tests.
+    g_ent are [N] float32; needs says which of (hidden, weight, bias) want a gradient; returns
+    (d hidden, d weight, d bias) in the inputs' dtypes, None where not needed. grad_filter
+    (None: exact) drops a [BLOCK_N, BLOCK_V] tile's d logits as the atomic backward does (same
+    numbers, no work saved: the GEMMs stay dense). buffer_bytes (default `dz_budget_bytes`) and
+    orientation ("tokens" / "vocab", default from `pick_orientation`) exist for tests.
     softcap, logit_scale: the forward's logit transform (`logit_transform_args`).
     """
     (N, D), V, dev = hidden.shape, weight.shape[0], hidden.device
@@ -180,7 +178,6 @@ def linear_logprob_backward_gemm(
         acc = summed_out.zero_() if summed_out.dtype == torch.float32 else torch.zeros(
             summed_out.shape, device=dev, dtype=torch.float32)
     h_c, w_c = hidden.to(common), weight.to(common)  # no copy when the dtypes agree
-    logp, has_logp = target_logp(logp, lse)
     # d weight = dz^T·h: padding's dz rows are 0, and 0·h must add 0 where a padded hidden
     # state is NaN or ±inf, so d weight reads h with those rows zeroed: per token chunk (a
     # [rows, D] temporary), or once for all vocabulary chunks (an [N, D] copy)
@@ -192,13 +189,13 @@ def linear_logprob_backward_gemm(
         n_blocks, v_blocks = triton.cdiv(nc, BN), triton.cdiv(vc, BV)
         d = dz[:nc, :vc]
         _linear_dz_kernel[(n_blocks * v_blocks,)](
-            hidden, weight, bias if bias is not None else hidden, targets, lse, ent,
-            logp, g_logp, g_ent if g_ent is not None else g_logp, d, dbp,
+            hidden, weight, bias if bias is not None else hidden, targets, lse, ent, g_logp,
+            g_ent if g_ent is not None else g_logp, d, dbp,
             n0, nc, v0, vc, V, D, hidden.stride(0), weight.stride(0), dz.stride(0),
             dbp.stride(0),
             1.0 / temperature, n_blocks, v_blocks,
             0.0 if grad_filter is None else float(grad_filter) * grad_filter_scale(logit_scale),
-            HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None, HAS_LOGP=has_logp,
+            HAS_BIAS=bias is not None, HAS_GENT=g_ent is not None,
             FILTER=grad_filter is not None, COMPUTE_DB=need_db,
             DOT_PREC=dot_precision(hidden.dtype), **cfg,
             **logit_transform_args(softcap, logit_scale),

@@ -9,14 +9,11 @@ logit scale s (Cohere, z = s·y) and final-logit soft-capping (Gemma 2, cap(v) =
 the scale comes first, then the cap, then the temperature (TRL divides the model's logits by τ).
 Without either (HAS_SCALE = HAS_SOFTCAP = False, the default) the kernels are the plain ones.
 
-Forward streams vocabulary tiles through an online log-sum-exp (running max m, s = Σ e^(z - m))
-and picks the target's logit out of the tile that holds it; logp = (z[target] - m) - log s, so
-that a row dominated by its target (logp near 0) carries no rounding of the lse (|lse| ≈ |z|).
-An optional GRPO epilogue turns logp into the per-token loss and its gradient coefficient in
-the same kernel. The jitted tile helpers here (`logit_tile`, `grouped_program`, `loop_bound`)
-are shared with the two backwards, which recompute each logit tile from hidden and weight and
-turn it into d logits (`dlogits.py`): `linear_backward_gemm.py` (the default) and
-`linear_backward_atomic.py`.
+Forward streams vocabulary tiles through an online log-sum-exp; an optional GRPO epilogue turns
+logp into the per-token loss and its gradient coefficient in the same kernel. The jitted tile
+helpers here (`logit_tile`, `grouped_program`, `loop_bound`) are shared with the two backwards,
+which recompute each logit tile from hidden and weight and turn it into d logits (`dlogits.py`):
+`linear_backward_gemm.py` (the default) and `linear_backward_atomic.py`.
 
 Layout: tile helpers, forward kernel, split-combine kernel, launcher. The custom operators and
 autograd formulas that call these launchers live in `grpo_kernels/ops/`.
@@ -108,27 +105,16 @@ def grouped_program(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
     return first_n + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
-@triton.jit
-def _clamped_target(tgt_ptr, offs_n, n_mask, V):
-    """The target ids [BLOCK_N] int32, clamped into [0, V): an id outside (the caller reports
-    it; nothing here can) reads a column of the row, as in the row kernels."""
-    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
-    return tl.minimum(tl.maximum(tgt, 0), V - 1).to(tl.int32)
-
-
 # The forward works in base-2 units, z2 = z·log2(e), so that each element's exponential is one
 # exp2 (the hardware's ex2) with no extra multiply, and 1/τ is folded into the same FMA; lse and
 # entropy are turned back into nats once per token (LOG2E, LN2 above).
 
 
 @triton.jit
-def _online_softmax_tile(y, scale2, m, s, t, v0, v_mask, tgt_ptr, offs_n, n_mask, V,
-                         c_ptr, m_ptr, MASK_V: tl.constexpr):
+def _online_softmax_tile(y, scale2, m, s, t, v_mask, MASK_V: tl.constexpr):
     """Folds one [BLOCK_N, BLOCK_V] tile of unscaled logits y = hidden @ weight^T + bias into the
     running per-token m = max z2, s = Σ 2^(z2 - m), t = Σ 2^(z2 - m)·(z2 - m) of the base-2
-    logits z2 = y·scale2 (scale2 = log2(e) / τ > 0). For the rows whose target lies in this
-    tile it stores the target's z2 - m (2^that is what the target adds to s) and m at c_ptr
-    and m_ptr [N].
+    logits z2 = y·scale2 (scale2 = log2(e) / τ > 0).
     Full tiles: max z2 = scale2·max y exactly (rounding is monotonic), and z2 - m is one FMA.
     MASK_V (only the last tile, which reaches past V): columns past V get NEG_BIG, so that
     2^(NEG_BIG - m) = 0 and 0·(NEG_BIG - m) stays 0 (with -inf it would be NaN)."""
@@ -140,15 +126,6 @@ def _online_softmax_tile(y, scale2, m, s, t, v0, v_mask, tgt_ptr, offs_n, n_mask
         m_new = tl.maximum(m, tl.max(y, axis=1) * scale2)
         zc = y * scale2 - m_new[:, None]
     p = tl.exp2(zc)
-    # the target's zc, from the tile (a dot of its own would round otherwise): with it, logp =
-    # (zc_target - log2 s)·ln 2 has no rounding of the lse in it, and 2^zc_target is exactly
-    # the target's term of s (whether or not z2 - m was fused into one FMA)
-    tgt = _clamped_target(tgt_ptr, offs_n, n_mask, V)  # read per tile: not held across the sweep
-    col = tgt - v0  # the target's column in this tile, if in [0, BLOCK_V)
-    hit = tl.arange(0, zc.shape[1])[None, :] == col[:, None]
-    here = n_mask & (col >= 0) & (col < zc.shape[1])
-    tl.store(c_ptr + offs_n, tl.sum(tl.where(hit, zc, 0.0), axis=1), mask=here)
-    tl.store(m_ptr + offs_n, m_new, mask=here)
     alpha = tl.exp2(m - m_new)
     # re-centre the running sums on the new max: Σ 2^(z2-m_new)(z2-m_new) over the old tiles
     # = alpha·(t + (m - m_new)·s), plus this tile's terms
@@ -157,11 +134,34 @@ def _online_softmax_tile(y, scale2, m, s, t, v0, v_mask, tgt_ptr, offs_n, n_mask
     return m_new, s, t
 
 
+@triton.jit
+def _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_temp,
+                  logit_mul, softcap,
+                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """z[n, target_n] = cap(s·(hidden[n] · weight[target_n] + bias[target_n])) / τ  [BLOCK_N]
+    float32 (cap(s·y) = y without a transform),
+    once per token instead of a compare and select on every logit of every tile. Products and
+    sums are float32 (the tile's dot sums in another order: the two agree to float32 rounding,
+    and with TF32 tiles this value is the more accurate one)."""
+    rows_t = tgt.to(tl.int64) * stride_wv
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for d0 in range(0, loop_bound(D), BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = n_mask[:, None] & (offs_d < D)[None, :]
+        h = tl.load(h_ptr + rows_h[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + rows_t[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + tgt, mask=n_mask, other=0.0).to(tl.float32)
+    return softcap_logits(acc, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP) * inv_temp
+
+
 @triton.jit(do_not_specialize=["N", "n_blocks", "n_splits", "tiles_per_split"])
 def _linear_logprob_fwd_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,
     part_ptr,  # [3, S, N] float32, base 2: running max m, Σ 2^(z2-m), Σ 2^(z2-m)(z2-m)
-    lse_ptr, ent_ptr, logp_ptr,  # [N] float32; the sweep leaves (z2_target - m, m) in logp, lse
+    lse_ptr, ent_ptr, logp_ptr,  # [N] float32 (split: split 0 leaves the target logit in logp)
     epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
     N, V, D, stride_hn, stride_wv, inv_temp, n_blocks, n_splits, tiles_per_split,
     logit_mul, softcap,  # the logit transform (`softcap_logits`), read only with its flag on
@@ -197,8 +197,7 @@ def _linear_logprob_fwd_kernel(
                        n_mask, every_v, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D,
                        DOT_PREC)  # [BLOCK_N, BLOCK_V]
         y = softcap_logits(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
-        m, s, t = _online_softmax_tile(y, scale2, m, s, t, tile * BLOCK_V, every_v, tgt_ptr,
-                                       offs_n, n_mask, V, logp_ptr, lse_ptr, False)
+        m, s, t = _online_softmax_tile(y, scale2, m, s, t, every_v, False)
     # the last, partial tile (0 or 1)
     for tile in range(loop_bound(tl.maximum(full_hi, tile_lo)), loop_bound(tile_hi)):
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -207,27 +206,28 @@ def _linear_logprob_fwd_kernel(
                        n_mask, v_mask, D, 1.0, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PREC)
         # columns past V: y = 0 (masked loads), so cap(s·0) = 0; the mask below drops them
         y = softcap_logits(y, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
-        m, s, t = _online_softmax_tile(y, scale2, m, s, t, tile * BLOCK_V, v_mask, tgt_ptr,
-                                       offs_n, n_mask, V, logp_ptr, lse_ptr, True)
+        m, s, t = _online_softmax_tile(y, scale2, m, s, t, v_mask, True)
 
-    # the split (or the one program) whose tiles hold a row's target left its z2 - m_split and
-    # m_split in logp and lse (`_online_softmax_tile`)
     if SPLIT:
         base = pid_s * N + offs_n
         plane = n_splits * N
         tl.store(part_ptr + base, m, mask=n_mask)
         tl.store(part_ptr + plane + base, s, mask=n_mask)
         tl.store(part_ptr + 2 * plane + base, t, mask=n_mask)
+        if pid_s == 0:  # one split per token block computes the target logit
+            tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+            z_tgt = _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv,
+                                  inv_temp, logit_mul, softcap, HAS_BIAS, BLOCK_N, BLOCK_D,
+                                  HAS_SCALE, HAS_SOFTCAP)
+            tl.store(logp_ptr + offs_n, z_tgt, mask=n_mask)  # the combine kernel reads it
     else:
-        # barriers: another thread of the program may have stored a row's pair, and may store
-        # its results over the pair before this thread has read it
-        tl.debug_barrier()
-        c = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)
-        c += tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0) - m  # re-centred on the final m
-        tl.debug_barrier()
+        tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=0)
+        z_tgt = _target_logit(h_ptr, w_ptr, b_ptr, tgt, rows_h, n_mask, D, stride_wv, inv_temp,
+                              logit_mul, softcap, HAS_BIAS, BLOCK_N, BLOCK_D, HAS_SCALE,
+                              HAS_SOFTCAP)
         log2_s = tl.log2(s)
         lse = (m + log2_s) * LN2
-        _store_token_results(offs_n, n_mask, lse, (log2_s - t / s) * LN2, (c - log2_s) * LN2,
+        _store_token_results(offs_n, n_mask, lse, (log2_s - t / s) * LN2, z_tgt - lse,
                              lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
@@ -239,8 +239,7 @@ def _combine_splits_kernel(
     EPI_FLAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Merge S vocabulary-split partials [3, S, N] (base 2) into lse, entropy and logp (the
-    # split holding the target left z2_target - m_split in logp, m_split in lse), then the
-    # epilogue.
+    # target logit waits in logp), then the epilogue.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_s = tl.arange(0, BLOCK_S)
@@ -250,8 +249,7 @@ def _combine_splits_kernel(
     m_i = tl.load(part_ptr + idx, mask=msk, other=NEG_BIG)
     s_i = tl.load(part_ptr + plane + idx, mask=msk, other=0.0)
     t_i = tl.load(part_ptr + 2 * plane + idx, mask=msk, other=0.0)
-    c_split = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)
-    m_split = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    z_tgt = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)
     m = tl.max(m_i, axis=1)
     scale = tl.exp2(m_i - m[:, None])
     s = tl.sum(s_i * scale, axis=1)
@@ -259,9 +257,8 @@ def _combine_splits_kernel(
     s = tl.where(n_mask, s, 1.0)  # rows past N have no partials: keep log and t / s finite
     log2_s = tl.log2(s)
     lse = (m + log2_s) * LN2
-    _store_token_results(offs_n, n_mask, lse, (log2_s - t / s) * LN2,
-                         ((c_split + (m_split - m)) - log2_s) * LN2, lse_ptr, ent_ptr, logp_ptr,
-                         epi_tensors, epi_scalars, EPI_FLAGS)
+    _store_token_results(offs_n, n_mask, lse, (log2_s - t / s) * LN2, z_tgt - lse,
+                         lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, EPI_FLAGS)
 
 
 def linear_logprob_forward(
@@ -292,8 +289,7 @@ def linear_logprob_forward(
     lse = torch.empty(N, **f32)
     if N == 0:
         return logp, ent, lse
-    cfg = dict(config or tile_configs.linear_fwd(N, V, D, hidden.dtype, dev,
-                                                 weight_dtype=weight.dtype))
+    cfg = dict(config or tile_configs.linear_fwd(N, V, D, hidden.dtype, dev))
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     n_tiles = triton.cdiv(V, cfg["BLOCK_V"])
     S = splits or tile_configs.num_splits(n_blocks, n_tiles, cfg["GROUP_N"], dev)

@@ -69,9 +69,8 @@ def _small_matmul_tiles(group_n: int) -> dict:
 
 
 def linear_fwd(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device | None,
-               arch: int | None = None, weight_dtype: torch.dtype | None = None) -> dict:
-    """Forward of the linear-head log-prob (`linear_logprobs._linear_logprob_fwd_kernel`);
-    `dtype` is the hidden states', `weight_dtype` the head's when it differs."""
+               arch: int | None = None) -> dict:
+    """Forward of the linear-head log-prob (`linear_logprobs._linear_logprob_fwd_kernel`)."""
     cc = target_arch(device, arch)
     if cc is None:
         return _small_matmul_tiles(2)
@@ -86,11 +85,7 @@ def linear_fwd(N: int, V: int, D: int, dtype: torch.dtype, device: torch.device 
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=16, GROUP_N=16, **_opts(8, 3, cc))
     if cc < 80:  # sm_75 has no bf16 mma (Triton emits FMA for bf16; fp16 uses mma.sync)
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, GROUP_N=16, **_opts(8, 2, cc))
-    # a float32 head under 16-bit hidden (the mixed head) splits each weight tile into two
-    # 16-bit dot operands: at BLOCK_D = 32 its forward spilled 8 B at 255 registers on sm_80
-    # once the target's logit was taken from the tiles; BLOCK_D = 16 compiles without spills
-    block_d = 16 if weight_dtype == torch.float32 and 80 <= cc < 90 else 32
-    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=block_d, GROUP_N=16, **_opts(8, 3, cc))
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=16, **_opts(8, 3, cc))
 
 
 def num_splits(n_blocks: int, n_tiles: int, group_n: int, device: torch.device | None,
@@ -185,9 +180,8 @@ def linear_dz(dtype: torch.dtype, device: torch.device | None, arch: int | None 
     # sm_100: 128 x 128 with the entropy gradient spilled 32 B at 255 registers; sm_90: 8 B
     # (fp16, bias, entropy gradient, V not divisible by 16; the full compile_check set); with
     # a soft cap and the entropy gradient, sm_80 spilled 8-16 B (by tokens, d hidden only); a
-    # soft cap alone, 8 B on sm_86/89 (bf16, by vocabulary) once padding's rows were masked,
-    # and 32 B on sm_80 with Triton 3.4/3.6 once the target column read the forward's logp
-    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and (entropy_grad or 80 <= cc < 90)):
+    # soft cap alone, 8 B on sm_86/89 (bf16, by vocabulary) once padding's rows were masked
+    if cc >= 100 or (cc >= 90 and entropy_grad) or (softcap and (entropy_grad or cc in (86, 89))):
         return dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=32, GROUP_N=8, **_opts(8, 3, cc))
 

@@ -122,10 +122,10 @@ class LinearHeadOp(BoundOp):
         """shard_targets: a vocabulary shard's backward (grpo_kernels/parallel), where an id
         outside [0, V) is another shard's and adds no one-hot term. The Triton kernels compare
         column ids, so only the chunked launcher is told. logp: None or the forward's
-        log-probs [N], from which both backends take the target column's gradient (precise
-        1 - p of a dominant target, not through the lse). lse_sum: None or the chunked forward's
-        S [N], from which the chunked launcher reads every column's p (precise p of a dominant
-        token, target or not); the Triton kernels read the other columns' p through the lse."""
+        log-probs [N], from which the chunked launcher takes the target column's gradient
+        (precise 1 - p of a dominant target); the Triton kernels read the lse. lse_sum: None or
+        the chunked forward's S [N], from which it reads every column's p (precise p of a
+        dominant token, target or not)."""
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
         wanted = [n for n, need, x in zip(("hidden", "weight", "bias"), needs, inputs)
@@ -134,10 +134,10 @@ class LinearHeadOp(BoundOp):
                    "" if self.grad_filter is None else "grad_filter")
         return self._launch(inputs, "backward", options, "linear_logprob_backward", hidden,
                             weight, bias, targets, lse, ent, g_logp, g_ent, self.temperature,
-                            needs=tuple(needs), grad_filter=self.grad_filter, logp=logp,
-                            **extra, **self.transform,
+                            needs=tuple(needs), grad_filter=self.grad_filter, **extra,
+                            **self.transform,
                             torch_kw=_torch_kw(shard_targets=shard_targets or None,
-                                               lse_sum=lse_sum))
+                                               logp=logp, lse_sum=lse_sum))
 
 
 def _torch_kw(**kw) -> dict | None:

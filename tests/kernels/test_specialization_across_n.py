@@ -64,8 +64,8 @@ def _launch_keys(monkeypatch, V=151936, D=64, follow_s=False):
     monkeypatch.setattr(tile_configs, "num_splits",
                         lambda n_blocks, n_tiles, group_n, device: num_splits(
                             n_blocks, n_tiles, group_n, None, sms=132))
-    monkeypatch.setattr(tile_configs, "linear_fwd", lambda N, V, D, dtype, device, **kw: linear_fwd(
-        N, V, D, dtype, None, arch=90, **kw))
+    monkeypatch.setattr(tile_configs, "linear_fwd", lambda N, V, D, dtype, device: linear_fwd(
+        N, V, D, dtype, None, arch=90))
     if follow_s:  # BLOCK_S from this launch's S (the forward's n_splits), as it once was
         combine = tile_configs.combine
         monkeypatch.setattr(tile_configs, "combine", lambda max_splits, device: combine(
