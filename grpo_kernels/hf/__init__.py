@@ -31,11 +31,13 @@ from .padded_positions import check_padded_positions
 from .row_layout import ROW_LAYOUTS, RowLayout, parse_row_layout
 from .row_plan import LayoutChoice, choose_layout, plan_rows, row_inputs
 from .shared_prompt import check_shared_prompt, share_prompts, shared_prompt_mask
+from .unwrap import prompt_learning_adapter
 
 __all__ = [*causal_lm.__all__, "ATTENTION_RULES", "AttentionChoice", "AttentionRule",
            "ROW_LAYOUTS", "LayoutChoice", "RowLayout", "RowWidthRule",
            "add_lora", "choose_layout", "fsdp2_root", "has_tuner_adapter", "PackedBatch",
-           "parse_row_layout", "plan_rows", "row_inputs", "row_width_rule",
+           "parse_row_layout", "plan_rows", "prompt_learning_adapter", "row_inputs",
+           "row_width_rule",
            "check_packed_attention", "check_padded_positions", "check_shared_prompt",
            "choose_attention", "choose_row_width",
            "load_balancing_loss", "pack_sequences", "router_logits_off", "run_as_forward",
