@@ -127,6 +127,8 @@ def loss_and_grads(model, compute):
 
 
 def assert_same_loss(model, fused, eager):
+    """The fused and eager losses and every parameter's gradient agree; returns the fused
+    gradients."""
     loss, grads = loss_and_grads(model, fused)
     want, want_grads = loss_and_grads(model, eager)
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-6)
@@ -134,6 +136,7 @@ def assert_same_loss(model, fused, eager):
     for name, g in grads.items():  # to float32 rounding of the largest entry (sums of V terms)
         err = (g - want_grads[name]).abs().max().item()
         assert err <= 1e-4 * max(1.0, want_grads[name].abs().max().item()), (name, err)
+    return grads
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

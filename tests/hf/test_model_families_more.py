@@ -22,6 +22,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from test_model_families import assert_same_loss  # noqa: E402
+
 from grpo_kernels import FusedLinearGRPOLoss, force_backend, reference  # noqa: E402
 from grpo_kernels.hf import (  # noqa: E402
     causal_lm_grpo_loss,
@@ -134,26 +136,6 @@ def truth(model, ids, am):
                                           return_entropy=True)
 
 
-def grads(model, compute):
-    model.zero_grad()
-    loss = compute()
-    loss.backward()
-    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return loss.detach(), out
-
-
-def assert_same_loss_and_grads(model, fused, eager):
-    loss, got = grads(model, fused)
-    want_loss, want = grads(model, eager)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-6)
-    assert got.keys() == want.keys()
-    for name, g in got.items():  # to float32 rounding of the largest entry
-        err = (g - want[name]).abs().max().item()
-        assert err <= 1e-4 * max(1.0, want[name].abs().max().item()), (name, err)
-    return got
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logprobs_entropy_and_gradients_match_the_models_own(family):
     model = build(family)
@@ -171,7 +153,7 @@ def test_logprobs_entropy_and_gradients_match_the_models_own(family):
     old = torch.where(real, want.float(), 0.0) - 0.05
     ref = old + 0.1 * torch.randn(3, T, generator=g)
     with force_backend("chunked"):
-        assert_same_loss_and_grads(
+        assert_same_loss(
             model,
             lambda: causal_lm_grpo_loss(model, ids, am, T, adv, cm, old, ref,
                                         loss_fn=FusedLinearGRPOLoss(**HP))[0],
@@ -272,7 +254,7 @@ def test_lora_on_a_padded_head_takes_its_rows_too():
         want = reference.logprobs_from_logits(logits, ids[:, -T:], temperature=0.7)
         torch.testing.assert_close(got[cm.bool()], want[cm.bool()], rtol=1e-4, atol=1e-4)
         hp = dict(beta=0.0, temperature=0.7)
-        got_grads = assert_same_loss_and_grads(
+        got_grads = assert_same_loss(
             model,
             lambda: causal_lm_grpo_loss(model, ids, am, T, adv, cm, want - 0.05,
                                         loss_fn=FusedLinearGRPOLoss(**hp))[0],
@@ -303,7 +285,7 @@ def test_gemma3_images_match_the_models_own_logits():
         want = reference.logprobs_from_logits(logits, ids[:, -T:], temperature=0.7)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         hp = dict(beta=0.0, temperature=0.7)
-        got_grads = assert_same_loss_and_grads(
+        got_grads = assert_same_loss(
             model,
             lambda: causal_lm_grpo_loss(model, ids, am, T, adv, cm,
                                         loss_fn=FusedLinearGRPOLoss(**hp), **inputs)[0],
