@@ -22,7 +22,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from test_model_families import assert_same_loss  # noqa: E402
+from test_model_families import _COMMON, assert_same_loss  # noqa: E402
 
 from grpo_kernels import FusedLinearGRPOLoss, force_backend, reference  # noqa: E402
 from grpo_kernels.hf import (  # noqa: E402
@@ -36,9 +36,7 @@ from grpo_kernels.hf import (  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 V = 96
-TEXT = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            pad_token_id=0)
+TEXT = _COMMON  # the tiny text model of test_model_families
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
               image_size=28, patch_size=14)
 SIGLIP = dict(VISION, model_type="siglip_vision_model")
