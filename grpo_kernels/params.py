@@ -98,6 +98,9 @@ class GRPOParams:
                 "epsilon_low and epsilon_high must be >= 0, "
                 f"got {self.epsilon_low}, {self.epsilon_high}"
             )
+        if self.beta < 0:  # a negative KL weight would reward drifting from the reference
+            raise ValueError(f"beta must be >= 0 (the KL weight; 0 turns the KL term off), "
+                             f"got {self.beta}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.delta is not None:

@@ -47,7 +47,9 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
 
 
 def _head_logits(hidden, weight, bias):
-    logits = hidden @ weight.T  # [..., V] in the inputs' dtype, as an eager model computes them
+    # [..., V] in weight's dtype, as an eager model computes them: hidden's own dtype, or float32
+    # for 16-bit hidden with a float32 head (mixed head precision; the cast is exact)
+    logits = hidden.to(weight.dtype) @ weight.T
     return logits if bias is None else logits + bias
 
 

@@ -301,7 +301,12 @@ def check_loss_inputs(
             raise ValueError(f"completion_mask must have shape {shapes.token_text}, "
                              f"got {tuple(completion_mask.shape)}")
         _same_device("completion_mask", completion_mask, device, ref_name)
+        if completion_mask.dtype.is_complex:  # .float() would drop the imaginary part
+            raise TypeError("completion_mask must be a real tensor (bool, integer or floating "
+                            f"point), got {completion_mask.dtype}")
         mask = completion_mask.float()
+        if completion_mask.is_floating_point():  # bool and integer masks are finite
+            mask = value_checks.check_finite_mask(mask)
     adv = per_token("advantages", advantages, allow_seq=True)
     if check_values:
         check_finite_advantages(adv)

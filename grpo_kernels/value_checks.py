@@ -1,18 +1,18 @@
-"""Value checks: every token id inside the vocabulary, every advantage finite, a normalizer
-positive. A check of a value reads it, and on a GPU reading a value on the host waits for the
-whole queue of work before it (the model's forward, the loss's kernels), so there are three ways
-to check:
+"""Value checks: every token id inside the vocabulary, every advantage and mask entry finite, a
+normalizer positive. A check of a value reads it, and on a GPU reading a value on the host waits
+for the whole queue of work before it (the model's forward, the loss's kernels), so there are
+three ways to check:
 
 - on the CPU, or where a host read is paid anyway (the four-pass ops' bodies): read it now and
   raise the error that names the argument (`check_token_id_values`, `check_finite_advantages`);
 - under torch.compile: an in-graph assertion (no host read, no graph break);
 - on CUDA where nothing else reads the device (the three-pass route, a normalizer given as a
-  CUDA tensor): a device check (`defer`). Its flag is copied without blocking into pinned host
-  memory behind an event; the next loss call and the loss's backward raise its error once the
-  event says the copy has landed (`raise_ready`, which never waits unless asked to), and the
-  call that computed it makes its loss NaN where it can (`poison`), so a bad batch never gives
-  a number that looks right. The kernels it feeds clamp the ids they load, so nothing reads out
-  of bounds meanwhile.
+  CUDA tensor, a CUDA completion mask): a device check (`defer`). Its flag is copied without
+  blocking into pinned host memory behind an event; the next loss call and the loss's backward
+  raise its error once the event says the copy has landed (`raise_ready`, which never waits
+  unless asked to), and the call that computed it makes its loss NaN where it can (`poison`),
+  so a bad batch never gives a number that looks right. The kernels it feeds clamp the ids
+  they load, so nothing reads out of bounds meanwhile.
 """
 
 from __future__ import annotations
@@ -57,6 +57,28 @@ def check_finite_advantages(advantages: torch.Tensor) -> None:
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError("advantages contain NaN or inf; use 0 for completions that could not be "
                          "scored (docs/semantics.md: nan_to_num)")
+
+
+def check_finite_mask(mask: torch.Tensor) -> torch.Tensor:
+    """completion_mask [B, T] (or [N]) float32 without NaN or ±inf; returns it. A non-finite
+    entry would reach every token through the normalizers (Σ mask), and the gradient at padded
+    positions through 0·NaN on the routes that compute those rows, so it is refused.
+
+    On the CPU a host read (free); under torch.compile an in-graph assertion; on CUDA a device
+    check (`defer`), the mask then made all NaN (no host read) so that the call's loss is NaN
+    as the error's note says."""
+    message = ("completion_mask contains NaN or inf; it must hold finite token weights (1 for a "
+               "real completion token, 0 for padding)")
+    finite = torch.isfinite(mask).all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(finite, message)
+        return mask
+    if mask.device.type == "cuda":
+        defer(~finite, message)
+        return torch.where(finite, mask, torch.full_like(mask, float("nan")))
+    if not bool(finite):
+        raise ValueError(message)
+    return mask
 
 
 def defer(failed: torch.Tensor, message: str) -> None:

@@ -108,10 +108,11 @@ def backend_for(x: torch.Tensor) -> str:
         triton_ok = False  # the kernels take 16- and 32-bit floats; float64 stays in PyTorch
     if _forced is not None:
         if _forced == "triton" and not triton_ok:
-            raise RuntimeError(
-                f"backend 'triton' cannot run {x.dtype} tensors on {x.device} (CPU needs "
-                "TRITON_INTERPRET=1 set before triton is imported)"
-            )
+            why = ("the kernels take float16, bfloat16 and float32; float64 runs on the chunked "
+                   "backend" if x.dtype == torch.float64
+                   else "CPU needs TRITON_INTERPRET=1 set before triton is imported")
+            raise RuntimeError(f"backend 'triton' cannot run {x.dtype} tensors on {x.device} "
+                               f"({why})")
         return _forced
     return "triton" if triton_ok else "chunked"
 

@@ -171,6 +171,28 @@ def test_non_finite_ratio_at_a_real_token(name, value, delta, monkeypatch):
                   monkeypatch), want_logits)
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("at", [REAL, PAD], ids=["real", "padded"])
+def test_non_finite_mask_is_refused(value, at, monkeypatch):
+    """A NaN or inf completion_mask entry is refused with one error on every route, padded or
+    packed: the normalizers (Σ m) would carry it to every token, and 0·NaN to the gradient of
+    padded rows on the routes that compute those rows and not on the others."""
+    hidden, weight, bias, ids, adv, inputs = batch()
+    inputs["completion_mask"][at] = value
+    kw = hyper("dapo", "token", 0.0, 1.0, None)
+    logits = (hidden @ weight.T + bias).detach()
+    calls = [(r, hidden, weight, bias) for r in ["reference", *ROUTES]]
+    calls += [(r, logits, None, None) for r in ["reference", *LOGITS_ROUTES]]
+    for route, x, w, b in calls:
+        with pytest.raises(ValueError, match="completion_mask contains NaN or inf"):
+            run(route, x, w, b, ids, adv, inputs, kw, monkeypatch)
+        monkeypatch.undo()
+    cu = torch.tensor([0, T, 2 * T])
+    with pytest.raises(ValueError, match="completion_mask contains NaN or inf"):
+        gk.fused_linear_grpo_loss(hidden.reshape(B * T, D), weight, ids.reshape(-1), adv,
+                                  inputs["completion_mask"].reshape(-1), cu_seqlens=cu)
+
+
 @pytest.mark.parametrize("entry", ["bias", "logits"])
 @pytest.mark.parametrize("at_target", [False, True])
 def test_minus_inf_logits(entry, at_target, monkeypatch):

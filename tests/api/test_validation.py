@@ -52,6 +52,10 @@ CASES = [
      "advantages contain NaN or inf"),
     ("mask shape", lambda k: k.update(completion_mask=torch.ones(B, T + 1)), ValueError,
      "completion_mask must have shape"),
+    ("mask nan", lambda k: k.update(completion_mask=torch.ones(B, T).index_fill(1, torch.tensor(
+        [2]), float("nan"))), ValueError, "completion_mask contains NaN or inf"),
+    ("mask complex", lambda k: k.update(completion_mask=torch.ones(B, T, dtype=torch.complex64)),
+     TypeError, "completion_mask must be a real tensor"),
     ("old shape", lambda k: k.update(old_logps=torch.zeros(B)), ValueError,
      "old_logps must have shape"),
     ("unknown loss", lambda k: k.update(loss_type="ppo"), ValueError, "loss_type must be one of"),
@@ -64,6 +68,8 @@ CASES = [
     ("bad temperature", lambda k: k.update(temperature=0.0), ValueError, "temperature"),
     ("nan epsilon", lambda k: k.update(epsilon_low=float("nan")), ValueError, "epsilon_low"),
     ("bad delta", lambda k: k.update(delta=-1.0), ValueError, "delta must be > 0"),
+    ("negative beta", lambda k: k.update(beta=-0.04, ref_logps=torch.zeros(B, T)), ValueError,
+     "beta must be >= 0"),
     ("bias-correction flag a string", lambda k: k.update(use_bias_correction_kl="False"),
      TypeError, "use_bias_correction_kl must be a bool, got 'False'"),
     ("isr shape", lambda k: k.update(importance_sampling_ratio=torch.ones(T)), ValueError,
@@ -117,16 +123,22 @@ def test_mixed_head_precision_is_accepted(hidden_dtype):
     """16-bit hidden with a float32 lm_head (and bias) passes validation on every public entry
     (accuracy: test_selective_logprobs.py / test_fused_linear_grpo.py test_mixed_head_precision)."""
     hidden, weight, _, ids = make_head(B, T, D, V, torch.float32, "cpu")
-    logp = gk.selective_logprobs(hidden.to(hidden_dtype), weight, ids, torch.zeros(V) + 0.1)
+    h, bias, adv = hidden.to(hidden_dtype), torch.zeros(V) + 0.1, torch.randn(B)
+    logp = gk.selective_logprobs(h, weight, ids, bias)
     assert logp.dtype == torch.float32 and bool(torch.isfinite(logp).all())
-    loss, _ = gk.fused_linear_grpo_loss(hidden.to(hidden_dtype), weight, ids, torch.randn(B))
+    loss, _ = gk.fused_linear_grpo_loss(h, weight, ids, adv)
     assert bool(torch.isfinite(loss))
+    # the reference twins take it too: the logits of the float32 head (hidden cast exactly)
+    torch.testing.assert_close(reference.selective_logprobs(h, weight, ids, bias), logp)
+    torch.testing.assert_close(reference.fused_linear_grpo_loss(h, weight, ids, adv)[0], loss)
 
 
 def test_forcing_triton_on_float64_is_refused():
     hidden, weight, _, ids = make_head(B, T, D, V, torch.float64, "cpu")
-    with gk.force_backend("triton"), pytest.raises(RuntimeError, match="cannot run"):
+    with gk.force_backend("triton"), pytest.raises(RuntimeError, match="cannot run") as info:
         gk.selective_logprobs(hidden, weight, ids)
+    # the reason given is the dtype, not the interpreter (which is on here when there is no GPU)
+    assert "float64 runs on the chunked backend" in str(info.value)
     # without forcing, float64 is served by the chunked PyTorch path
     assert gk.selective_logprobs(hidden, weight, ids).dtype == torch.float32
 

@@ -38,6 +38,20 @@ def test_poison_makes_the_loss_nan_only_where_a_check_failed():
     assert value_checks.poison(x, torch.tensor(True)).isnan()
 
 
+@gpu
+def test_a_non_finite_cuda_mask_is_a_device_check():
+    """A NaN in a CUDA completion_mask: that call's loss is NaN (or the call raises, where its
+    own device check finds the flag already landed), and the error names the mask."""
+    hidden, weight, _, ids = make_head(2, 8, 16, 64, torch.float32, "cuda", seed=1)
+    mask = torch.ones(2, 8, device="cuda")
+    mask[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="completion_mask contains NaN or inf"):
+        loss, _ = gk.fused_linear_grpo_loss(leaf(hidden), weight, ids,
+                                            torch.randn(2, device="cuda"), mask)
+        assert loss.isnan()
+        value_checks.raise_ready(wait=True)
+
+
 def _packed_call(device, ids_offset=0):
     hidden, weight, _, ids = make_head(1, 48, 16, 257, torch.bfloat16, device, seed=3)
     h, w = leaf(hidden.reshape(48, 16)), torch.nn.Parameter(weight)

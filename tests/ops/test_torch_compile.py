@@ -134,6 +134,10 @@ def test_no_recompile_for_new_values_and_value_errors_inside_the_op():
     mask, adv, old, ref = grpo
     with pytest.raises(ValueError, match="advantages contain NaN"):
         fn(hidden, weight, bias, ids, mask, adv * float("nan"), old, ref)
+    # the mask's check is an in-graph assertion around the op
+    with pytest.raises(RuntimeError, match="completion_mask contains NaN or inf"):
+        fn(hidden, weight, bias, ids, mask / 0.0, adv, old, ref)
+    assert counts["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("loss_type", gk.ALL_LOSS_TYPES)
