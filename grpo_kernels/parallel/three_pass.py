@@ -6,15 +6,19 @@ Per chunk of C whole rows of this rank's shard (C from the largest shard, `Vocab
 so that every rank runs as many chunks and as many collectives):
 
   1. y = h[c] @ W_r^T (+ b_r)       [C, V_r] float32, a library GEMM (`kernels.gemm.product`)
-  2. the backend's row forward on y (`logits_logprob_forward`, Triton or chunked): lse_r, H_r
-     and the log-prob of the local target id
-  3. one all-gather of [3, C] float32 (`combine.py`): logp, H, lse of the whole vocabulary
+  2. the backend's row forward on y (`logits_logprob_forward`, Triton or chunked): lse_r, H_r,
+     the log-prob of the local target id, and the shard's max m_r and s_r = Σ 2^(z - m_r)
+     (chunked; Triton: r_r = lse_r·log2(e) and 1)
+  3. one all-gather of [4, C] float64 (`combine.py`): logp, H, lse of the whole vocabulary and
+     p's reference (M, S)
   4. the GRPO per-token loss on the combined log-prob and its derivative c = d(weight·ℓ)/dlogp
      (`grpo_math`, through `ops.three_pass._TokenTerms`), the same on every rank
-  5. the backend's row backward from the global lse and H with g_logp = c, g_H = the entropy
+  5. the backend's row backward from the global statistics with g_logp = c, g_H = the entropy
      bonus's weights: d y [C, V_r] in the GEMM dtype, over the logits of step 1
      (`kernels.linear_loss_grad.dlogits_over`), the one-hot term only on the rank that holds
-     the target (ids outside the shard are -1)
+     the target (ids outside the shard are -1); the chunked launcher reads p = 2^(z - M) / S
+     (a dominant token's p to float32's precision, target or not), the Triton kernel
+     e^{z - lse}, with the target column's p - 1 from logp
   6. d hidden[c] = d y @ W_r (a partial sum), d W_r += d y^T @ h[c], d b_r += Σ d y
      (`kernels.linear_loss_grad._Grads`)
 
@@ -36,6 +40,7 @@ import torch
 
 from .. import value_checks
 from ..chunked import launchers as chunked
+from ..chunked.tiles import compute_dtype
 from ..kernels import gemm
 from ..kernels import linear_loss_grad as triton_loss_grad
 from ..kernels import logits_logprobs as triton_rows
@@ -50,7 +55,7 @@ from ..ops.three_pass import (  # the whole head's pieces, shared
     _TokenTerms,
     grad_by_autograd,
 )
-from .combine import all_reduce_, combine, shard_targets
+from .combine import all_reduce_, combine, lse_reference, shard_targets
 from .logprobs import backward as vocab_parallel_backward
 from .logprobs import head_op
 from .shard import VocabShard
@@ -64,26 +69,33 @@ def _scratch(y) -> int:
     return max(y.shape[1], y.numel() // 8)
 
 
-def _row_forward(backend: str, y, ids, temperature, out) -> None:
-    """(logp, entropy, lse) of the rows of y [r, V_r] float32 into out, three [r] float32."""
+def _row_forward(backend: str, y, ids, temperature, out) -> tuple:
+    """(logp, entropy, lse) of the rows of y [r, V_r] float32 into out, three [r] float32;
+    returns the shard's (c_r, s_r) [r] each (`combine`): the chunked launcher's max and sum,
+    on Triton lse_r·log2(e) and 1."""
     y3 = y.view(y.shape[0], 1, y.shape[1])
     if backend == "triton":
         triton_rows.logits_logprob_forward(y3, ids, temperature, out=out)
-        return
-    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature, _scratch(y))):
+        return lse_reference(out[2], F32), torch.ones_like(out[2])
+    keep = {}
+    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature, _scratch(y),
+                                                        keep=keep)):
         o.copy_(x)
+    return keep["max"], keep["sum"]
 
 
-def _row_backward(backend: str, y, ids, lse, ent, c, gh, temperature, d) -> None:
+def _row_backward(backend: str, y, ids, stats, c, gh, temperature, d) -> None:
     """d y [r, V_r] (into d, the GEMM dtype; d is y itself or a narrower view over its rows:
     both launchers read a row's elements before they write over them) of Σ c·logp + Σ gh·H
-    from the global lse and H."""
+    from the global `combine.Stats` of the rows."""
     y3, d3 = y.view(y.shape[0], 1, y.shape[1]), d.view(d.shape[0], 1, d.shape[1])
     if backend == "triton":  # its row kernel compares column ids: -1 matches none
-        triton_rows.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3)
+        triton_rows.logits_logprob_backward(y3, ids, stats.lse, stats.entropy, c, gh,
+                                            temperature, out=d3, logp=stats.logp)
     else:
-        chunked.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3,
-                                        chunk_elements=_scratch(y), shard_targets=True)
+        chunked.logits_logprob_backward(y3, ids, stats.lse, stats.entropy, c, gh, temperature,
+                                        out=d3, chunk_elements=_scratch(y),
+                                        shard_targets=True, kept=stats.kept())
 
 
 def _chunks(shard: VocabShard, Na: int, D: int, backend: str) -> int:
@@ -98,13 +110,14 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
     hidden, weight, bias = head
     pick = lambda x: x if x is None or rows is None else x.index_select(0, rows)  # noqa: E731
     h_all, gh_all = pick(hidden).contiguous(), pick(g_ent)
-    fwd_ids, bwd_ids, inside = (pick(x) for x in shard_targets(ids, shard))
+    fwd_ids, bwd_ids, owner = (pick(x) for x in shard_targets(ids, shard))
     terms = _TokenTerms(grpo_args, rows, grad_by_autograd)
     (Na, D), V = h_all.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype
     C = _chunks(shard, Na, D, backend)
     f32 = dict(device=hidden.device, dtype=F32)
-    logp, ent, lse, coef = (torch.zeros(Na, **f32) for _ in range(4))
+    # lse_sum: S' of each row for a second backward (`logprobs.backward`, the linear launchers)
+    logp, ent, lse, coef, lse_sum = (torch.zeros(Na, **f32) for _ in range(5))
     local = [torch.empty(min(C, Na), **f32) for _ in range(3)]  # the shard's own statistics
     grads = triton_loss_grad._Grads(h_all, weight, bias, needs, several=C < Na)
     if grads.dh is not None and grads.dh.dtype != torch.float64:
@@ -118,14 +131,15 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         h, y = h_all[sl].to(dt), y_buf[:r]
         gemm.product(y, h, weight.T, bias)
         mine = [x[:r] for x in local]
-        _row_forward(backend, y, fwd_ids[sl], temperature, mine)
-        stats = combine(shard, mine[2], mine[1], mine[0], inside[sl])
-        for x, s in zip((logp, ent, lse), stats):
+        ref_r, sum_r = _row_forward(backend, y, fwd_ids[sl], temperature, mine)
+        stats = combine(shard, ref_r, sum_r, mine[0], mine[1], owner[sl])
+        for x, s in zip((logp, ent, lse, lse_sum),
+                        (*stats[:3], stats.lse_sum_at(compute_dtype(hidden, weight, bias)))):
             x[sl] = s
         coef[sl] = terms.d_logp(r0, r, logp[sl])
         if d_buf is not None:
             d = d_buf[:r]
-            _row_backward(backend, y, bwd_ids[sl], lse[sl], ent[sl], coef[sl],
+            _row_backward(backend, y, bwd_ids[sl], stats, coef[sl],
                           None if gh_all is None else gh_all[sl], temperature, d)
             grads.add_chunk(sl, d, h, weight, first=r0 == 0)
     d_hidden, d_weight, d_bias = grads.finish()
@@ -133,15 +147,16 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         if rows is not None:
             d_hidden = d_hidden.new_zeros(hidden.shape).index_copy_(0, rows, d_hidden)
         d_hidden = all_reduce_(shard, d_hidden).to(hidden.dtype)
-    return (logp, ent, lse, coef), (terms.weighted_loss, terms.kl, terms.ratio), (
+    return (logp, ent, lse, coef, lse_sum), (terms.weighted_loss, terms.kl, terms.ratio), (
         d_hidden, d_weight, d_bias)
 
 
 def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: str,
-              temperature: float, compact: bool = True) -> ThreePass:
-    """One vocabulary-parallel three-pass call; arguments and result as
-    `ops.three_pass.loss_grad` (head: this rank's (hidden [N, D], weight [V_r, D], bias [V_r] |
-    None); ids: global [N], checked by `agreement.agreed`)."""
+              temperature: float, compact: bool = True) -> tuple[ThreePass, torch.Tensor]:
+    """One vocabulary-parallel three-pass call: (`ThreePass` as `ops.three_pass.loss_grad`
+    gives it, lse_sum [N]: the S' with which a second backward reads p, `combine.Stats`);
+    head: this rank's (hidden [N, D], weight [V_r, D], bias [V_r] | None); ids: global [N],
+    checked by `agreement.agreed`."""
     hidden = head[0]
     N = hidden.shape[0]
     value_checks.check_finite_advantages(grpo_args[1])  # the same values on every rank
@@ -149,7 +164,7 @@ def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: st
     with torch.no_grad():
         if rows is not None and rows.numel() == 0:  # every token masked: nothing to compute
             z = hidden.new_zeros(0, dtype=F32)
-            stats, terms = (z,) * 4, (z,) * 3
+            stats, terms = (z,) * 5, (z,) * 3
             grads = tuple(torch.zeros_like(x) if x is not None and want else None
                           for x, want in zip(head, needs))
         else:
@@ -162,11 +177,12 @@ def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: st
             stats, terms, grads = (run("chunked") if backend == "chunked" else fallback.run(
                 key, hidden.device, lambda: run("triton"), lambda: run("chunked")))
         full = lambda x, fill=0.0: _full(x, rows, N, fill)  # noqa: E731
-        logp, ent, lse, coef = (full(x) for x in stats)
+        logp, ent, lse, coef = (full(x) for x in stats[:4])
+        lse_sum = full(stats[4], 1.0)
         lossw, kl, ratio = full(terms[0]), full(terms[1]), full(terms[2], 1.0)
         policy = lossw.sum()
         loss = policy.clone() if g_ent is None else policy + (g_ent * ent).sum()
-    return ThreePass(loss, policy, logp, ent, kl, ratio, grads, lse, coef)
+    return ThreePass(loss, policy, logp, ent, kl, ratio, grads, lse, coef), lse_sum
 
 
 @torch.compiler.disable  # collectives and host reads: runs eagerly inside a compiled graph
@@ -178,14 +194,15 @@ def linear_grpo_loss(shard: VocabShard, head, ids, grpo_args, g_ent, backend: st
     if logit_scale is not None:  # s > 0 (the route's condition): a temperature
         temperature = temperature / float(logit_scale)
     needs = [t is not None and t.requires_grad for t in head]
-    out = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature, compact)
-    stats = (out.lse, out.entropy, out.coef)
+    out, lse_sum = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature,
+                             compact)
+    stats, coef = (out.logp, out.entropy, out.lse, lse_sum), out.coef
 
     def recompute(hidden, weight, bias):
         _, bwd_ids, _ = shard_targets(ids, shard)
         op = head_op(backend, temperature)
-        return vocab_parallel_backward(op, shard, (hidden, weight, bias), bwd_ids, stats[0],
-                                       stats[1], stats[2], g_ent, needs)
+        return vocab_parallel_backward(op, shard, (hidden, weight, bias), bwd_ids, stats, coef,
+                                       g_ent, needs)
 
     saved = Saved(out.grads, recompute)
     value, out = out.loss, out._replace(grads=None)

@@ -1,13 +1,15 @@
 """One rank of the vocabulary-parallel tests (torchrun, gloo): `vp_worker.py SUITE OUT_DIR`.
 
 Suites:
-    exact   every case of `vp_cases` on the whole head (this process alone) and on this rank's
-            shard (local form with vocab_group=, or a DTensor with Shard(0)); writes the
-            differences
+    exact   every case of `vp_cases` on this rank's shard (local form with vocab_group=, or a
+            DTensor with Shard(0)); writes its errors against the float64 truth and PyTorch's
+            float32 error (`vp_cases.errors`)
     mesh    a 2-D mesh (data x tensor, 4 ranks): each data rank's half of a global batch on its
             tensor group, the loss and gradients summed over the data dimension, against the
             whole head on the whole batch
     errors  bad inputs on one rank or all: every rank's exception (type, message)
+    dominated  rows dominated by one token: this rank's errors against a float64 truth, and
+            PyTorch's float32 error
 
 Writes OUT_DIR/<suite>-rank<R>.json. A rank that aborts prints every thread's stack
 (faulthandler); the tests run this under a timeout, so a hang fails instead of blocking.
@@ -24,7 +26,7 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
-sys.path[:0] = [HERE, TESTS, os.path.dirname(TESTS)]
+sys.path[:0] = [HERE, TESTS, os.path.join(TESTS, "api"), os.path.dirname(TESTS)]
 faulthandler.enable()
 warnings.simplefilter("ignore")
 
@@ -42,7 +44,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's GPU numerics,
 import vp_cases as vc  # noqa: E402
 from mp_launch import leave_after_barrier  # noqa: E402
 
-from grpo_kernels import force_backend, fused_linear_grpo_loss  # noqa: E402
+import grpo_kernels  # noqa: E402
+from grpo_kernels import force_backend, fused_linear_grpo_loss, reference  # noqa: E402
 
 
 def shard_head(weight, bias, form, rank, tp, mesh):
@@ -85,14 +88,14 @@ def exact(rank, tp):
     log = logging.getLogger("grpo_kernels")
     log.setLevel(logging.INFO)
     for name, opts in vc.loss_cases(tp).items():
-        whole = vc.run_loss(opts)
         batch = vc.make_inputs(opts)
         w, b, kw = shard_head(batch["weight"], batch["bias"], opts.get("form"), rank, tp, mesh)
         routes = Routes()
         log.addHandler(routes)
         mine = vc.run_loss(opts, (w, b), **kw)
         log.removeHandler(routes)
-        diffs = vc.differences(whole, mine, rank, tp, vc.truth_of(opts))
+        truth = vc.reference_of(opts, float64=True)
+        diffs = vc.errors(mine, vc.torch_error(opts, truth, rank, tp), truth, rank, tp)
         # the values themselves, to compare across ranks; the route the call logged (a line is
         # logged the first time a (route, reason) is taken in the process)
         diffs["_values"] = [float(mine["loss"])] + [float(v.double().sum())
@@ -108,14 +111,15 @@ def exact(rank, tp):
             vc.run_loss(opts, (w, b), batch=batch, **kw)
         out[f"largest/{'three' if three else 'four'}"] = seen.largest
     for name, opts in vc.logprob_cases().items():
-        whole = vc.run_logprobs(opts)
         batch = vc.make_inputs(dict(opts, bias=True))
         w, b, kw = shard_head(batch["weight"], batch["bias"], opts["form"], rank, tp, mesh)
         routes = Routes()
         log.addHandler(routes)
         mine = vc.run_logprobs(opts, (w, b), **kw)
         log.removeHandler(routes)
-        out["logprobs/" + name] = vc.differences(whole, mine, rank, tp)
+        truth = vc.reference_of(opts, float64=True)
+        out["logprobs/" + name] = vc.errors(mine, vc.torch_error(opts, truth, rank, tp), truth,
+                                            rank, tp)
         out["logprobs/" + name]["_routes"] = routes.lines
     return out
 
@@ -230,6 +234,24 @@ def errors(rank, tp):
     return out
 
 
+def dominated(rank, tp):
+    """Each dominated case (`vp_cases.dominated_cases`) on this rank's shard: {case: {quantity:
+    (error, PyTorch's float32 error)}}, against the float64 truth (this rank's rows of d W)."""
+    out = {}
+    for name, opts in vc.dominated_cases().items():
+        hidden, weight, _, _ = vc.dominated_head(opts)
+        mine = vc.run_dominated(opts, grpo_kernels, hidden, vc.local_rows(weight, rank, tp),
+                                vocab_group=dist.group.WORLD)
+        truth = vc.run_dominated(opts, reference, hidden.double(), weight.double())
+        torch32 = vc.run_dominated(opts, reference, hidden, weight)
+        out[name] = {}
+        for k, true in truth.items():
+            cut = (lambda x: vc.local_rows(x, rank, tp)) if k == "d_weight" else (lambda x: x)
+            out[name][k] = (vc._diff(mine[k], cut(true))[0],
+                            vc._diff(cut(torch32[k]), cut(true))[0])
+    return out
+
+
 def main():
     suite, out_dir = sys.argv[1], sys.argv[2]
     # the errors suite's calls are tiny: a rank left waiting in a collective (the bug those
@@ -239,7 +261,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     try:
-        result = {"exact": exact, "mesh": mesh_2d, "errors": errors}[suite](rank, world)
+        result = {"exact": exact, "mesh": mesh_2d, "errors": errors,
+                  "dominated": dominated}[suite](rank, world)
     except Exception:
         traceback.print_exc()
         raise
