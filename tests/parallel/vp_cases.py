@@ -266,17 +266,22 @@ def _diff(got, want):
 
 # ---- rows dominated by one token --------------------------------------------------------------
 
-DOMINATED_V = 4096
-
-
 def dominated_cases() -> dict[str, dict]:
     """{name: options}: rows dominated by their target or by another token (p ≈ 1 - e^-12 ..
     1 - e^-40, `test_dominated_rows.dominated_head`), at τ = 1 and at τ = 0.01 with moderate raw
     logits; selective log-probs (the four-pass route) and the GRPO loss on both routes, chunked
-    backend."""
-    return {f"{who}-{what}-t{t:g}": dict(who=who, what=what, temperature=t)
-            for who in ("target", "other") for what in ("logprobs", "four", "three")
-            for t in (1.0, 0.01)}
+    backend, V = 4096; and the Triton three-pass route's row kernels (V = 64, in the
+    interpreter) at rows dominated by their target, which they take from logp (the Triton
+    linear forward and a row dominated by another token read p through the lse, as on a whole
+    head: tests/api/test_dominated_rows_routes.py)."""
+    cases = {f"{who}-{what}-t{t:g}": dict(who=who, what=what, temperature=t, V=4096,
+                                          backend="chunked")
+             for who in ("target", "other") for what in ("logprobs", "four", "three")
+             for t in (1.0, 0.01)}
+    cases.update({f"triton-target-three-t{t:g}": dict(who="target", what="three", temperature=t,
+                                                      V=64, backend="triton")
+                  for t in (1.0, 0.01)})
+    return cases
 
 
 def dominated_head(opts: dict):
@@ -284,9 +289,9 @@ def dominated_head(opts: dict):
     per-token gradient of the log-probs (small, either sign, as a token-mean loss gives)."""
     from test_dominated_rows import dominated_head as head
 
-    hidden, weight, ids = head(DOMINATED_V, opts["temperature"])
+    hidden, weight, ids = head(opts["V"], opts["temperature"])
     if opts["who"] == "other":  # a small logit: the former target dominates the row
-        ids = (ids + 1) % DOMINATED_V
+        ids = (ids + 1) % opts["V"]
     g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * 1e-3
     return hidden, weight, ids, g
 
@@ -300,7 +305,7 @@ def run_dominated(opts: dict, module, hidden, weight, **kw) -> dict:
     t = opts["temperature"]
     os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if opts["what"] == "three" else "0"
     out = {}
-    with force_backend("chunked"):
+    with force_backend(opts["backend"]):
         if opts["what"] == "logprobs":
             logp = module.selective_logprobs(h, w, ids, temperature=t, **kw)
             out["logp"] = logp.detach()
