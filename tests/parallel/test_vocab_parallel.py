@@ -126,11 +126,13 @@ def test_no_rank_holds_tokens_by_vocabulary(exact2, exact4, tp):
 
 @pytest.mark.parametrize("case", ["chunked-four", "chunked-three", "triton-three"])
 def test_data_by_tensor_mesh_equals_one_process(tmp_path_factory, case, request):
+    """The loss summed over the data dimension, d hidden and d W (summed over it) against
+    PyTorch's float64 reference on the whole batch, within the loss cases' bound."""
     results = request.getfixturevalue("mesh")
     for rank, r in enumerate(results):
-        for what in ("loss", "d_hidden", "d_weight"):
-            diff, scale = r[case][what]
-            assert diff <= 2e-5 * scale + 1e-6, (rank, case, what, diff, scale)
+        for what, (ours, torch32, scale) in r[case].items():
+            bound = K * torch32 + FLOOR_ULPS * EPS32 * scale
+            assert ours <= bound, (rank, case, what, ours, torch32, bound)
 
 
 @pytest.fixture(scope="module")

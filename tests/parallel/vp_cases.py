@@ -204,18 +204,24 @@ def reference_of(opts: dict, float64: bool, draw: int = 0) -> dict:
     run = functools.partial(run_loss, fn=fn)
     if logprobs:
         run = functools.partial(run_logprobs, fn=reference.selective_logprobs)
+    return in_another_order(lambda b: run(dict(opts, backend="chunked"), batch=b), batch, draw)
+
+
+def in_another_order(run, batch: dict, draw: int) -> dict:
+    """run(batch) with the head's hidden and vocabulary dimensions in the order of `draw`
+    (seeded; 0: as given), its d_hidden, d_weight and d_bias put back in the batch's order.
+    batch: hidden [..., D], weight [V, D], bias [V] | None, ids [...]."""
     if not draw:
-        return run(dict(opts, backend="chunked"), batch=batch)
-    g = torch.Generator().manual_seed(1000 + draw)
-    pd, pv = torch.randperm(D, generator=g), torch.randperm(V, generator=g)
+        return run(batch)
+    (Vb, Db), g = batch["weight"].shape, torch.Generator().manual_seed(1000 + draw)
+    pd, pv = torch.randperm(Db, generator=g), torch.randperm(Vb, generator=g)
     inv_v = torch.argsort(pv)  # new id of vocabulary entry v
-    batch.update(hidden=batch["hidden"][..., pd], weight=batch["weight"][pv][:, pd],
-                 bias=None if batch["bias"] is None else batch["bias"][pv],
-                 ids=inv_v[batch["ids"]])
-    out = run(dict(opts, backend="chunked"), batch=batch)
+    out = run(dict(batch, hidden=batch["hidden"][..., pd], weight=batch["weight"][pv][:, pd],
+                   bias=None if batch["bias"] is None else batch["bias"][pv],
+                   ids=inv_v[batch["ids"]]))
     inv_d = torch.argsort(pd)
     out.update(d_hidden=out["d_hidden"][..., inv_d], d_weight=out["d_weight"][inv_v][:, inv_d],
-               d_bias=None if out["d_bias"] is None else out["d_bias"][inv_v])
+               d_bias=None if out.get("d_bias") is None else out["d_bias"][inv_v])
     return out
 
 

@@ -132,6 +132,9 @@ def mesh_2d(rank, world):
 
 
 def _mesh_case(mesh, backend: str, three: bool) -> dict:
+    """{quantity: (error, PyTorch's float32 error, magnitude)} of the loss summed over the data
+    dimension, this rank's d hidden rows and d W summed over it, against PyTorch's float64
+    reference on the whole batch (`vp_cases.errors`, `torch_error`'s yardstick)."""
     dp, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     g = torch.Generator().manual_seed(7)
     Bg, T, D, V = 4, 5, 16, 37
@@ -141,28 +144,39 @@ def _mesh_case(mesh, backend: str, three: bool) -> dict:
     adv = torch.randn(Bg, generator=g)
     mask = (torch.rand(Bg, T, generator=g) > 0.2).float()
     os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if three else "0"
-
-    def loss_of(h, w, rows):  # dapo: every data rank divides by the global token count
-        with force_backend(backend):
-            return fused_linear_grpo_loss(h, w, ids[rows], adv[rows], mask[rows],
-                                          num_items_in_batch=mask.sum(), loss_type="dapo")[0]
-
-    h_all = hidden.clone().requires_grad_()
-    w_all = torch.nn.Parameter(weight.clone())
-    whole = loss_of(h_all, w_all, slice(0, Bg))
-    whole.backward()
     rows = slice(dp * Bg // 2, (dp + 1) * Bg // 2)
+
+    def loss_of(fn, h, w, ids, rows):  # dapo: every data rank divides by the global token count
+        return fn(h, w, ids[rows], adv[rows].to(h.dtype), mask[rows].to(h.dtype),
+                  num_items_in_batch=mask.sum(), loss_type="dapo")[0]
+
+    def whole(batch):  # PyTorch's reference on the whole batch
+        h, w = (batch[k].clone().requires_grad_() for k in ("hidden", "weight"))
+        loss = loss_of(reference.fused_linear_grpo_loss, h, w, batch["ids"], slice(0, Bg))
+        loss.backward()
+        return dict(loss=loss.detach(), d_hidden=h.grad[rows], d_weight=w.grad)
+
+    batch = dict(hidden=hidden, weight=weight, bias=None, ids=ids)
+    truth = whole({k: v.double() if k in ("hidden", "weight") else v for k, v in batch.items()})
+    yardstick = {}
+    for draw in range(4):
+        out = vc.in_another_order(whole, batch, draw)
+        for k in ("loss", "d_hidden", "d_weight"):
+            cut = vc.local_rows if k == "d_weight" else lambda x, *_: x
+            yardstick[k] = max(yardstick.get(k, 0.0),
+                               vc._diff(cut(out[k], tp_rank, 2), cut(truth[k], tp_rank, 2))[0])
     h = hidden[rows].clone().requires_grad_()
     w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate(), Shard(0)]))
-    loss = loss_of(h, w, rows)
+    with force_backend(backend):
+        loss = loss_of(fused_linear_grpo_loss, h, w, ids, rows)
     loss.backward()
     dp_group = mesh.get_group("dp")
     total = loss.detach().clone()
     dist.all_reduce(total, group=dp_group)
     d_w = w.grad.to_local().clone()
     dist.all_reduce(d_w, group=dp_group)  # the data-parallel gradient sum
-    return dict(loss=vc._diff(total, whole.detach()), d_hidden=vc._diff(h.grad, h_all.grad[rows]),
-                d_weight=vc._diff(d_w, vc.local_rows(w_all.grad, tp_rank, 2)))
+    mine = dict(loss=total, d_hidden=h.grad, d_weight=d_w)
+    return vc.errors(mine, yardstick, truth, tp_rank, 2)
 
 
 def errors(rank, tp):
