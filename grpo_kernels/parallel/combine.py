@@ -11,9 +11,9 @@ log2 units for c and s, nats for the rest):
     logp_r      z_target - lse_r where the target falls in shard r (its launcher's, which at a
                 dominated row keeps float32's relative precision: ln2·(z_t - m) - ln s)
 
-One all-gather of [4, n] float64 per rank (the float32 values exactly) gives every rank all of
-them, and then, identically on every rank, in float64 (t: the target's shard, from the global
-ids, which every rank holds):
+One all-gather of [4, n] float64 per rank (the launchers' values, sent exactly) gives every
+rank all of them, and then, identically on every rank, in float64 (t: the target's shard,
+from the global ids, which every rank holds):
 
     M      = max_r c_r
     S      = Σ_r s_r·2^(c_r - M)                    (= Σ_v 2^(z_v·log2(e) - M))

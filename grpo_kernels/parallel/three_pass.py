@@ -40,7 +40,6 @@ import torch
 
 from .. import value_checks
 from ..chunked import launchers as chunked
-from ..chunked.tiles import compute_dtype
 from ..kernels import gemm
 from ..kernels import linear_loss_grad as triton_loss_grad
 from ..kernels import logits_logprobs as triton_rows
@@ -116,8 +115,7 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype
     C = _chunks(shard, Na, D, backend)
     f32 = dict(device=hidden.device, dtype=F32)
-    # lse_sum: S' of each row for a second backward (`logprobs.backward`, the linear launchers)
-    logp, ent, lse, coef, lse_sum = (torch.zeros(Na, **f32) for _ in range(5))
+    logp, ent, lse, coef = (torch.zeros(Na, **f32) for _ in range(4))
     local = [torch.empty(min(C, Na), **f32) for _ in range(3)]  # the shard's own statistics
     grads = triton_loss_grad._Grads(h_all, weight, bias, needs, several=C < Na)
     if grads.dh is not None and grads.dh.dtype != torch.float64:
@@ -133,8 +131,7 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         mine = [x[:r] for x in local]
         ref_r, sum_r = _row_forward(backend, y, fwd_ids[sl], temperature, mine)
         stats = combine(shard, ref_r, sum_r, mine[0], mine[1], owner[sl])
-        for x, s in zip((logp, ent, lse, lse_sum),
-                        (*stats[:3], stats.lse_sum_at(compute_dtype(hidden, weight, bias)))):
+        for x, s in zip((logp, ent, lse), stats):
             x[sl] = s
         coef[sl] = terms.d_logp(r0, r, logp[sl])
         if d_buf is not None:
@@ -147,16 +144,15 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         if rows is not None:
             d_hidden = d_hidden.new_zeros(hidden.shape).index_copy_(0, rows, d_hidden)
         d_hidden = all_reduce_(shard, d_hidden).to(hidden.dtype)
-    return (logp, ent, lse, coef, lse_sum), (terms.weighted_loss, terms.kl, terms.ratio), (
+    return (logp, ent, lse, coef), (terms.weighted_loss, terms.kl, terms.ratio), (
         d_hidden, d_weight, d_bias)
 
 
 def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: str,
-              temperature: float, compact: bool = True) -> tuple[ThreePass, torch.Tensor]:
-    """One vocabulary-parallel three-pass call: (`ThreePass` as `ops.three_pass.loss_grad`
-    gives it, lse_sum [N]: the S' with which a second backward reads p, `combine.Stats`);
-    head: this rank's (hidden [N, D], weight [V_r, D], bias [V_r] | None); ids: global [N],
-    checked by `agreement.agreed`."""
+              temperature: float, compact: bool = True) -> ThreePass:
+    """One vocabulary-parallel three-pass call; arguments and result as
+    `ops.three_pass.loss_grad` (head: this rank's (hidden [N, D], weight [V_r, D], bias [V_r] |
+    None); ids: global [N], checked by `agreement.agreed`)."""
     hidden = head[0]
     N = hidden.shape[0]
     value_checks.check_finite_advantages(grpo_args[1])  # the same values on every rank
@@ -164,7 +160,7 @@ def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: st
     with torch.no_grad():
         if rows is not None and rows.numel() == 0:  # every token masked: nothing to compute
             z = hidden.new_zeros(0, dtype=F32)
-            stats, terms = (z,) * 5, (z,) * 3
+            stats, terms = (z,) * 4, (z,) * 3
             grads = tuple(torch.zeros_like(x) if x is not None and want else None
                           for x, want in zip(head, needs))
         else:
@@ -177,12 +173,11 @@ def loss_grad(shard: VocabShard, head, ids, grpo_args, g_ent, needs, backend: st
             stats, terms, grads = (run("chunked") if backend == "chunked" else fallback.run(
                 key, hidden.device, lambda: run("triton"), lambda: run("chunked")))
         full = lambda x, fill=0.0: _full(x, rows, N, fill)  # noqa: E731
-        logp, ent, lse, coef = (full(x) for x in stats[:4])
-        lse_sum = full(stats[4], 1.0)
+        logp, ent, lse, coef = (full(x) for x in stats)
         lossw, kl, ratio = full(terms[0]), full(terms[1]), full(terms[2], 1.0)
         policy = lossw.sum()
         loss = policy.clone() if g_ent is None else policy + (g_ent * ent).sum()
-    return ThreePass(loss, policy, logp, ent, kl, ratio, grads, lse, coef), lse_sum
+    return ThreePass(loss, policy, logp, ent, kl, ratio, grads, lse, coef)
 
 
 @torch.compiler.disable  # collectives and host reads: runs eagerly inside a compiled graph
@@ -194,9 +189,11 @@ def linear_grpo_loss(shard: VocabShard, head, ids, grpo_args, g_ent, backend: st
     if logit_scale is not None:  # s > 0 (the route's condition): a temperature
         temperature = temperature / float(logit_scale)
     needs = [t is not None and t.requires_grad for t in head]
-    out, lse_sum = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature,
-                             compact)
-    stats, coef = (out.logp, out.entropy, out.lse, lse_sum), out.coef
+    out = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature, compact)
+    # the recompute's linear launchers read p through the lse (no S': theirs would be formed
+    # against their own GEMM's logits, which round unlike this route's), the target column's
+    # p - 1 from logp
+    stats, coef = (out.logp, out.entropy, out.lse, None), out.coef
 
     def recompute(hidden, weight, bias):
         _, bwd_ids, _ = shard_targets(ids, shard)
