@@ -299,7 +299,14 @@ def row_offset(lse, kept, pick, lse_sum=None):
     2^(m - r) / S = 1 / s."""
     if kept:
         return -pick(kept.pop("log_sum")), None
-    return pick(lse) * -LOG2E, pick(lse_sum)
+    return neg_lse_reference(pick(lse)), pick(lse_sum)
+
+
+def neg_lse_reference(lse):
+    """-r = -lse·log2(e) [n] in lse's dtype: the reference a recomputing backward reads p
+    against (`row_offset`), and that `reference_sums` forms S against, bit for bit; a
+    vocabulary shard's statistics are combined against it too (grpo_kernels/parallel)."""
+    return lse * -LOG2E
 
 
 def reference_sums(m, s, lse):
@@ -307,7 +314,7 @@ def reference_sums(m, s, lse):
     from the forward's m and s = Σ 2^(z - m) (log2 units; lse the float32 nats output):
     S = s·2^(m - r), with m - r rounded as the backward's tile rounds z - r at z = m (one
     float32 subtraction, exact near the maximum). m, s, lse and S: [n] each."""
-    neg_r = lse.to(m.dtype) * -LOG2E  # the backward's offset, bit for bit
+    neg_r = neg_lse_reference(lse.to(m.dtype))  # the backward's offset, bit for bit
     return torch.exp2(neg_r.add_(m)).mul_(s)
 
 

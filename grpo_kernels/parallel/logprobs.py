@@ -1,17 +1,21 @@
 """Selective log-probs of a vocabulary-parallel head, differentiable: the four-pass route.
 
     forward   this rank's launcher forward over its rows [V_r, D] (the backend's, Triton or
-              chunked, with its fallback): lse_r, H_r and the log-prob of the local target id,
-              then one all-gather of [3, N] (`combine.py`): logp, H, lse of the whole vocabulary,
-              equal on every rank
-    backward  this rank's launcher backward from the global lse and H: its d-logits
-              p_v·(...) with p_v = e^{z_v - lse} on its own columns, and the target's one-hot
-              term only where the target is its own (ids outside the shard are -1); d W and
-              d bias stay local, and the d hidden partial sums are all-reduced over the group:
-              the column-parallel linear's own backward, so d hidden is what the whole head gives
+              chunked, with its fallback): lse_r, H_r, the log-prob of the local target id and
+              S_r = Σ 2^(z·log2(e) - r_r) against r_r = lse_r·log2(e) (the chunked launcher's
+              `lse_sum`; 1 on Triton), then one all-gather of [4, N] (`combine.py`): logp, H,
+              lse of the whole vocabulary and p's reference (M, S), equal on every rank
+    backward  this rank's launcher backward from the global lse, H, logp and S' = Σ_v
+              2^(z_v·log2(e) - r) (`Stats.lse_sum_at`): its d-logits p_v·(...) with
+              p_v = 2^(z_v·log2(e) - r) / S' on its own columns (float32's precision at a
+              dominant token, where e^{z - lse} would carry the lse's rounding), and the
+              target's term, from logp, only where the target is its own (ids outside the shard
+              are -1); d W and d bias stay local, and the d hidden partial sums are all-reduced
+              over the group: the column-parallel linear's own backward, so d hidden is what the
+              whole head gives
 
 No rank holds [N, V] logits; the launchers hold [tokens x vocabulary] tiles of their own shard.
-Collectives: the all-gather of 3·N float32 per rank in the forward, an all-reduce of [N, D] in
+Collectives: the all-gather of 4·N float64 per rank in the forward, an all-reduce of [N, D] in
 the backward (hidden's dtype) when hidden requires grad.
 """
 
@@ -20,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..chunked.tiles import compute_dtype
 from ..ops.backends import IMPLS
 from ..ops.launch import LinearHeadOp
-from .combine import all_reduce_, combine, shard_targets
+from .combine import all_reduce_, combine, lse_reference, shard_targets
 from .shard import VocabShard
 
 
@@ -32,31 +37,43 @@ class VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, shard: VocabShard, op: LinearHeadOp):
-        fwd_ids, bwd_ids, inside = shard_targets(ids, shard)
-        logp_r, ent_r, lse_r = op.forward(fwd_ids, None, hidden, weight, bias)
-        logp, ent, lse = combine(shard, lse_r, ent_r, logp_r, inside)
+        fwd_ids, bwd_ids, owner = shard_targets(ids, shard)
+        stats = shard_forward(op, (hidden, weight, bias), fwd_ids, shard, owner)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, bwd_ids, lse, ent)
+        # logp saved as a copy: the caller may change the output in place
+        ctx.save_for_backward(hidden, weight, bias, bwd_ids, stats[0].clone(), *stats[1:])
         ctx.shard, ctx.op = shard, op
-        return logp, ent
+        return stats[0], stats[1]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, bwd_ids, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, bwd_ids, *stats = ctx.saved_tensors
         needs = [bool(n) for n in ctx.needs_input_grad[:3]]
         if (g_logp is None and g_ent is None) or not any(needs):
             return (None,) * 6
-        grads = backward(ctx.op, ctx.shard, (hidden, weight, bias), bwd_ids, lse, ent,
-                         torch.zeros_like(lse) if g_logp is None else g_logp.float().contiguous(),
+        g_logp = torch.zeros_like(stats[0]) if g_logp is None else g_logp.float().contiguous()
+        grads = backward(ctx.op, ctx.shard, (hidden, weight, bias), bwd_ids, stats, g_logp,
                          None if g_ent is None else g_ent.float().contiguous(), needs)
         return (*grads, None, None, None)
 
 
-def backward(op: LinearHeadOp, shard: VocabShard, head, bwd_ids, lse, ent, g_logp, g_ent,
+def shard_forward(op: LinearHeadOp, head, fwd_ids, shard: VocabShard, owner) -> tuple:
+    """(logp, entropy, lse, lse_sum) [N] float32 of the whole vocabulary: this rank's launcher
+    forward, then `combine`; lse_sum is the S' its backward reads p with (`Stats.lse_sum_at`,
+    against r as the launcher's compute dtype forms it)."""
+    lse_sum_r = head[0].new_ones(head[0].shape[0], dtype=torch.float32)  # 1: not written
+    logp_r, ent_r, lse_r = op.forward(fwd_ids, None, *head, lse_sum=lse_sum_r)
+    dtype = compute_dtype(*head)
+    stats = combine(shard, lse_reference(lse_r, dtype), lse_sum_r, logp_r, ent_r, owner)
+    return stats.logp, stats.entropy, stats.lse, stats.lse_sum_at(dtype)
+
+
+def backward(op: LinearHeadOp, shard: VocabShard, head, bwd_ids, stats, g_logp, g_ent,
              needs) -> tuple:
     """(d hidden summed over the group, d weight [V_r, D], d bias [V_r]) of Σ g_logp·logp +
-    Σ g_ent·H, from the whole vocabulary's lse and H [N]; None where not needed.
+    Σ g_ent·H, from the whole vocabulary's (logp, entropy, lse, lse_sum) [N] (`shard_forward`);
+    None where not needed.
 
     A mixed head (16-bit hidden, float32 weight) on the chunked backend, which computes in
     float32 either way, runs its backward on the hidden states as float32 (the same values, so
@@ -68,7 +85,9 @@ def backward(op: LinearHeadOp, shard: VocabShard, head, bwd_ids, lse, ent, g_log
     dtype = hidden.dtype
     if dtype != weight.dtype and needs[0] and not op.on_triton:
         head = (hidden.float(), weight, bias)
-    grads = op.backward(head, bwd_ids, lse, ent, g_logp, g_ent, needs, shard_targets=True)
+    logp, ent, lse, lse_sum = stats
+    grads = op.backward(head, bwd_ids, lse, ent, g_logp, g_ent, needs, shard_targets=True,
+                        logp=logp, lse_sum=lse_sum)
     grads = tuple(g if need else None for g, need in zip(grads, needs))
     d_hidden = all_reduce_(shard, grads[0])
     return (None if d_hidden is None else d_hidden.to(dtype), *grads[1:])

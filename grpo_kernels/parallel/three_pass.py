@@ -6,15 +6,19 @@ Per chunk of C whole rows of this rank's shard (C from the largest shard, `Vocab
 so that every rank runs as many chunks and as many collectives):
 
   1. y = h[c] @ W_r^T (+ b_r)       [C, V_r] float32, a library GEMM (`kernels.gemm.product`)
-  2. the backend's row forward on y (`logits_logprob_forward`, Triton or chunked): lse_r, H_r
-     and the log-prob of the local target id
-  3. one all-gather of [3, C] float32 (`combine.py`): logp, H, lse of the whole vocabulary
+  2. the backend's row forward on y (`logits_logprob_forward`, Triton or chunked): lse_r, H_r,
+     the log-prob of the local target id, and the shard's max m_r and s_r = Σ 2^(z - m_r)
+     (chunked; Triton: r_r = lse_r·log2(e) and 1)
+  3. one all-gather of [4, C] float64 (`combine.py`): logp, H, lse of the whole vocabulary and
+     p's reference (M, S)
   4. the GRPO per-token loss on the combined log-prob and its derivative c = d(weight·ℓ)/dlogp
      (`grpo_math`, through `ops.three_pass._TokenTerms`), the same on every rank
-  5. the backend's row backward from the global lse and H with g_logp = c, g_H = the entropy
+  5. the backend's row backward from the global statistics with g_logp = c, g_H = the entropy
      bonus's weights: d y [C, V_r] in the GEMM dtype, over the logits of step 1
      (`kernels.linear_loss_grad.dlogits_over`), the one-hot term only on the rank that holds
-     the target (ids outside the shard are -1)
+     the target (ids outside the shard are -1); the chunked launcher reads p = 2^(z - M) / S
+     (a dominant token's p to float32's precision, target or not), the Triton kernel
+     e^{z - lse}, with the target column's p - 1 from logp
   6. d hidden[c] = d y @ W_r (a partial sum), d W_r += d y^T @ h[c], d b_r += Σ d y
      (`kernels.linear_loss_grad._Grads`)
 
@@ -50,7 +54,7 @@ from ..ops.three_pass import (  # the whole head's pieces, shared
     _TokenTerms,
     grad_by_autograd,
 )
-from .combine import all_reduce_, combine, shard_targets
+from .combine import all_reduce_, combine, lse_reference, shard_targets
 from .logprobs import backward as vocab_parallel_backward
 from .logprobs import head_op
 from .shard import VocabShard
@@ -64,26 +68,33 @@ def _scratch(y) -> int:
     return max(y.shape[1], y.numel() // 8)
 
 
-def _row_forward(backend: str, y, ids, temperature, out) -> None:
-    """(logp, entropy, lse) of the rows of y [r, V_r] float32 into out, three [r] float32."""
+def _row_forward(backend: str, y, ids, temperature, out) -> tuple:
+    """(logp, entropy, lse) of the rows of y [r, V_r] float32 into out, three [r] float32;
+    returns the shard's (c_r, s_r) [r] each (`combine`): the chunked launcher's max and sum,
+    on Triton lse_r·log2(e) and 1."""
     y3 = y.view(y.shape[0], 1, y.shape[1])
     if backend == "triton":
         triton_rows.logits_logprob_forward(y3, ids, temperature, out=out)
-        return
-    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature, _scratch(y))):
+        return lse_reference(out[2], F32), torch.ones_like(out[2])
+    keep = {}
+    for o, x in zip(out, chunked.logits_logprob_forward(y3, ids, temperature, _scratch(y),
+                                                        keep=keep)):
         o.copy_(x)
+    return keep["max"], keep["sum"]
 
 
-def _row_backward(backend: str, y, ids, lse, ent, c, gh, temperature, d) -> None:
+def _row_backward(backend: str, y, ids, stats, c, gh, temperature, d) -> None:
     """d y [r, V_r] (into d, the GEMM dtype; d is y itself or a narrower view over its rows:
     both launchers read a row's elements before they write over them) of Σ c·logp + Σ gh·H
-    from the global lse and H."""
+    from the global `combine.Stats` of the rows."""
     y3, d3 = y.view(y.shape[0], 1, y.shape[1]), d.view(d.shape[0], 1, d.shape[1])
     if backend == "triton":  # its row kernel compares column ids: -1 matches none
-        triton_rows.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3)
+        triton_rows.logits_logprob_backward(y3, ids, stats.lse, stats.entropy, c, gh,
+                                            temperature, out=d3, logp=stats.logp)
     else:
-        chunked.logits_logprob_backward(y3, ids, lse, ent, c, gh, temperature, out=d3,
-                                        chunk_elements=_scratch(y), shard_targets=True)
+        chunked.logits_logprob_backward(y3, ids, stats.lse, stats.entropy, c, gh, temperature,
+                                        out=d3, chunk_elements=_scratch(y),
+                                        shard_targets=True, kept=stats.kept())
 
 
 def _chunks(shard: VocabShard, Na: int, D: int, backend: str) -> int:
@@ -98,7 +109,7 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
     hidden, weight, bias = head
     pick = lambda x: x if x is None or rows is None else x.index_select(0, rows)  # noqa: E731
     h_all, gh_all = pick(hidden).contiguous(), pick(g_ent)
-    fwd_ids, bwd_ids, inside = (pick(x) for x in shard_targets(ids, shard))
+    fwd_ids, bwd_ids, owner = (pick(x) for x in shard_targets(ids, shard))
     terms = _TokenTerms(grpo_args, rows, grad_by_autograd)
     (Na, D), V = h_all.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype
@@ -118,14 +129,14 @@ def _compute(shard, backend, head, ids, grpo_args, g_ent, rows, needs, temperatu
         h, y = h_all[sl].to(dt), y_buf[:r]
         gemm.product(y, h, weight.T, bias)
         mine = [x[:r] for x in local]
-        _row_forward(backend, y, fwd_ids[sl], temperature, mine)
-        stats = combine(shard, mine[2], mine[1], mine[0], inside[sl])
+        ref_r, sum_r = _row_forward(backend, y, fwd_ids[sl], temperature, mine)
+        stats = combine(shard, ref_r, sum_r, mine[0], mine[1], owner[sl])
         for x, s in zip((logp, ent, lse), stats):
             x[sl] = s
         coef[sl] = terms.d_logp(r0, r, logp[sl])
         if d_buf is not None:
             d = d_buf[:r]
-            _row_backward(backend, y, bwd_ids[sl], lse[sl], ent[sl], coef[sl],
+            _row_backward(backend, y, bwd_ids[sl], stats, coef[sl],
                           None if gh_all is None else gh_all[sl], temperature, d)
             grads.add_chunk(sl, d, h, weight, first=r0 == 0)
     d_hidden, d_weight, d_bias = grads.finish()
@@ -179,13 +190,16 @@ def linear_grpo_loss(shard: VocabShard, head, ids, grpo_args, g_ent, backend: st
         temperature = temperature / float(logit_scale)
     needs = [t is not None and t.requires_grad for t in head]
     out = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature, compact)
-    stats = (out.lse, out.entropy, out.coef)
+    # the recompute's linear launchers read p through the lse (no S': theirs would be formed
+    # against their own GEMM's logits, which round unlike this route's), the target column's
+    # p - 1 from logp
+    stats, coef = (out.logp, out.entropy, out.lse, None), out.coef
 
     def recompute(hidden, weight, bias):
         _, bwd_ids, _ = shard_targets(ids, shard)
         op = head_op(backend, temperature)
-        return vocab_parallel_backward(op, shard, (hidden, weight, bias), bwd_ids, stats[0],
-                                       stats[1], stats[2], g_ent, needs)
+        return vocab_parallel_backward(op, shard, (hidden, weight, bias), bwd_ids, stats, coef,
+                                       g_ent, needs)
 
     saved = Saved(out.grads, recompute)
     value, out = out.loss, out._replace(grads=None)

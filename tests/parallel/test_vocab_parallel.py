@@ -13,6 +13,8 @@ import torch
 import vp_cases as vc
 from mp_launch import torchrun
 
+from grpo_kernels.parallel.combine import STATS_ROWS
+
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow  # several processes, a few tens of seconds each
 
@@ -33,31 +35,45 @@ def exact4(tmp_path_factory):
     return run_suite("exact", 4, tmp_path_factory.mktemp("exact4"))
 
 
-def _check(results: list[dict], key: str, half_hidden: bool) -> None:
-    """Every rank's results of one case within float32 rounding of the whole head's (a 16-bit
-    hidden state's gradient: within its own rounding, 2^-7 of its largest value), or, where a
-    cancelling sum amplifies the rounding of the log-probs (vespo's sequence weights), at least
-    as close to the float64 truth as the whole head's."""
-    for rank, result in enumerate(results):
-        for what, value in result[key].items():
-            if what.startswith("_"):
-                continue
-            diff, scale, whole_err, mine_err = value
-            if what == "d_hidden" and half_hidden:
-                tol = 2.0**-7 * scale
-            else:
-                tol = 2e-5 * scale + 1e-6
-            as_good = mine_err <= 2 * whole_err + tol and whole_err > 0
-            assert diff <= tol or as_good, (
-                f"rank {rank}, {key}, {what}: {diff:.3g} from the whole head's (scale "
-                f"{scale:.3g}); errors against float64: whole head {whole_err:.3g}, "
-                f"shards {mine_err:.3g}")
+# The bound on a loss case's quantities (loss, metrics, gradients): this route's error against
+# a float64 truth (PyTorch's reference in float64) within K times PyTorch's own float32 error
+# (`vp_cases.torch_error`: the largest over a few equally valid float32 evaluation orders, so
+# that one lucky rounding does not set the bar) plus a floor of FLOOR_ULPS float32 roundings at
+# the quantity's magnitude: a float32 result is rounded at its magnitude at least once (half an
+# ulp), and a sum's last additions round there too, so no float32 computation can be held to
+# less. K: the whole head on one process is within 3.6x of PyTorch on these cases (vespo's
+# sequence-level gradients, where a sum over the sequence's tokens cancels), so 4.
+K, FLOOR_ULPS = 4.0, 4.0
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _check(results: list[dict], key: str, mixed: bool, backend: str) -> None:
+    """Each quantity's largest error over every rank (over every rank's rows of d W and d b)
+    within K·PyTorch's float32 error + FLOOR_ULPS·eps·max|truth|. A mixed head's (bfloat16
+    hidden states): their gradient is rounded to bfloat16 (2^-9 relative) once, and on Triton
+    once more per rank (its partial sums travel in bfloat16): (tp + 1)·2^-9 of its magnitude
+    more; and on Triton, whose split dot reads the float32 weight in two bfloat16 pieces,
+    1e-4 of each quantity's magnitude more, the bound the whole head is held to
+    (tests/api/test_fused_linear_grpo.py, test_mixed_head_precision)."""
+    tp = len(results)
+    for what in results[0][key]:
+        if what.startswith("_"):
+            continue
+        ours, torch32, scale = (max(r[key][what][i] for r in results) for i in range(3))
+        floor = FLOOR_ULPS * EPS32 * scale
+        if mixed and what == "d_hidden":
+            floor += (tp + 1) * 2.0**-9 * scale
+        if mixed and backend == "triton":
+            floor += 1e-4 * scale
+        assert ours <= K * torch32 + floor, (
+            f"{key}, {what}: error {ours:.3g} against float64 (magnitude {scale:.3g}); "
+            f"PyTorch float32's {torch32:.3g}, bound {K * torch32 + floor:.3g}")
 
 
 def _check_case(results, tp: int, name: str) -> None:
     opts = vc.loss_cases(tp)[name]
     key = "loss/" + name
-    _check(results, key, opts.get("mixed", False))
+    _check(results, key, opts.get("mixed", False), opts["backend"])
     values = [r[key]["_values"] for r in results]
     assert all(v == values[0] for v in values), f"ranks disagree on {name}: {values}"
     routes = [line for r in results for line in r[key]["_routes"]]
@@ -77,7 +93,8 @@ def test_loss_tp4_equals_whole_head(exact4, name):
 @pytest.mark.parametrize("name", list(vc.logprob_cases()))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_selective_logprobs_equal_whole_head(exact2, exact4, tp, name):
-    _check(exact2 if tp == 2 else exact4, "logprobs/" + name, "mixed" in name)
+    opts = vc.logprob_cases()[name]
+    _check(exact2 if tp == 2 else exact4, "logprobs/" + name, opts["mixed"], opts["backend"])
 
 
 def test_routes_are_logged_with_the_shards(exact2):
@@ -100,19 +117,22 @@ def test_no_rank_holds_tokens_by_vocabulary(exact2, exact4, tp):
     """The largest tensor any operator returns in a call (forward and backward, both routes)
     holds at most N x V_r elements, the shard's own logits: never N x V."""
     N, largest_shard = vc.B * vc.T, max(vc.shard_sizes(tp))
+    stats = tp * STATS_ROWS * N  # every rank's gathered per-token statistics
     for r in exact2 if tp == 2 else exact4:
         for route in ("four", "three"):
             # (the hidden states [N, D] and their gradient are larger at tp = 4)
-            assert r[f"largest/{route}"] <= max(N * largest_shard, N * vc.D) < N * vc.V
+            assert r[f"largest/{route}"] <= max(N * largest_shard, N * vc.D, stats) < N * vc.V
 
 
 @pytest.mark.parametrize("case", ["chunked-four", "chunked-three", "triton-three"])
 def test_data_by_tensor_mesh_equals_one_process(tmp_path_factory, case, request):
+    """The loss summed over the data dimension, d hidden and d W (summed over it) against
+    PyTorch's float64 reference on the whole batch, within the loss cases' bound."""
     results = request.getfixturevalue("mesh")
     for rank, r in enumerate(results):
-        for what in ("loss", "d_hidden", "d_weight"):
-            diff, scale = r[case][what]
-            assert diff <= 2e-5 * scale + 1e-6, (rank, case, what, diff, scale)
+        for what, (ours, torch32, scale) in r[case].items():
+            bound = K * torch32 + FLOOR_ULPS * EPS32 * scale
+            assert ours <= bound, (rank, case, what, ours, torch32, bound)
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,18 @@
-"""The cases of the vocabulary-parallel tests: what each computes on one process with the whole
-head and on every rank with its shard, and the differences the tests bound. Imported by the
-worker (`vp_worker.py`, run under torchrun) and by the tests (for their parameters)."""
+"""The cases of the vocabulary-parallel tests: what each computes on every rank with its shard,
+and through PyTorch's reference on the whole head in float64 (the truth) and in float32 (the
+yardstick), whose errors the tests bound. Imported by the worker (`vp_worker.py`, run under
+torchrun) and by the tests (for their parameters)."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import itertools
 import os
 
 import torch
 
-from grpo_kernels import force_backend, fused_linear_grpo_loss, selective_logprobs
+from grpo_kernels import force_backend, fused_linear_grpo_loss, reference, selective_logprobs
 from grpo_kernels.loss_specs import spec_of
 from grpo_kernels.params import ALL_LOSS_TYPES
 
@@ -55,9 +58,9 @@ def logprob_cases() -> dict[str, dict]:
             for mixed in (False, True)}
 
 
-def shard_sizes(tp: int) -> list[int]:
+def shard_sizes(tp: int, rows: int = V) -> list[int]:
     """torch.chunk's split of V (DTensor's Shard(0)): every rank but the last ceil(V / tp)."""
-    return [len(c) for c in torch.arange(V).chunk(tp)]
+    return [len(c) for c in torch.arange(rows).chunk(tp)]
 
 
 def make_inputs(opts: dict, seed: int = 0) -> dict:
@@ -91,26 +94,44 @@ def make_inputs(opts: dict, seed: int = 0) -> dict:
 
 
 def local_rows(tensor, rank: int, tp: int):
-    sizes = shard_sizes(tp)
+    """This rank's rows of a whole head's [V, ...] tensor (None stays None)."""
+    if tensor is None:
+        return None
+    sizes = shard_sizes(tp, tensor.shape[0])
     start = sum(sizes[:rank])
-    return None if tensor is None else tensor[start:start + sizes[rank]]
+    return tensor[start:start + sizes[rank]]
 
 
-def _loss(batch, weight, bias, opts, **kw):
+def _loss(batch, weight, bias, opts, fn=fused_linear_grpo_loss, **kw):
     hyper = dict(loss_type=opts["loss_type"], importance_sampling_level=opts["level"],
                  beta=opts.get("beta", 0.0), temperature=opts.get("temperature", 1.0),
                  entropy_coef=opts.get("entropy_coef", 0.0), max_completion_length=T,
                  epsilon_high=5.0 if opts["loss_type"] == "cispo" else 0.28)
-    return fused_linear_grpo_loss(
-        batch["hidden"], weight, batch["ids"], batch["adv"], batch["mask"], batch["old"],
-        batch["ref"] if hyper["beta"] else None, bias, cu_seqlens=batch["cu_seqlens"],
-        return_terms=opts.get("return_terms", False), **hyper, **kw)
+    if opts.get("return_terms"):
+        kw["return_terms"] = True
+    return fn(batch["hidden"], weight, batch["ids"], batch["adv"], batch["mask"], batch["old"],
+              batch["ref"] if hyper["beta"] else None, bias, cu_seqlens=batch["cu_seqlens"],
+              **hyper, **kw)
+
+
+def _reference_terms(hidden, weight, ids, adv, mask, old, ref, bias, *, cu_seqlens,
+                     return_terms, **hyper):
+    """What the return_terms case reads of `GRPOTerms` (policy_loss, entropy, logp, ratio; a
+    token-level loss on a padded batch, entropy_coef 0), from PyTorch's reference."""
+    assert cu_seqlens is None and hyper["importance_sampling_level"] == "token"
+    policy = reference.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old, ref, bias,
+                                              **hyper)[0]
+    logp, ent = reference.selective_logprobs(hidden, weight, ids, bias,
+                                             temperature=hyper["temperature"],
+                                             return_entropy=True)
+    ratio = torch.where(mask > 0, torch.exp(logp - old), 1.0)  # 1 at padding, as GRPOTerms
+    return argparse.Namespace(policy_loss=policy, entropy=ent, logp=logp, ratio=ratio)
 
 
 def run_loss(opts: dict, head=None, batch=None, **kw) -> dict:
     """Loss, metrics and gradients of one case; head = (weight, bias) as this rank passes them
     (default: the whole head, on one process); batch: `make_inputs(opts)` made beforehand.
-    kw: vocab_group= for the local form."""
+    kw: vocab_group= for the local form, fn= another implementation (`reference_of`)."""
     batch = dict(make_inputs(opts) if batch is None else batch)
     batch["hidden"] = batch["hidden"].clone().requires_grad_()
     weight, bias = head if head is not None else (batch["weight"], batch["bias"])
@@ -131,16 +152,19 @@ def run_loss(opts: dict, head=None, batch=None, **kw) -> dict:
                 d_bias=None if bias is None else _local(bias.grad))
 
 
-def run_logprobs(opts: dict, head=None, **kw) -> dict:
-    batch = make_inputs(dict(opts, bias=True))
+def run_logprobs(opts: dict, head=None, batch=None, fn=selective_logprobs, **kw) -> dict:
+    """Selective log-probs, entropies and the gradients of a weighted sum of them; arguments
+    as `run_loss`'s (the batch: `make_inputs(dict(opts, bias=True))`)."""
+    batch = make_inputs(dict(opts, bias=True)) if batch is None else batch
     hidden = batch["hidden"].clone().requires_grad_()
     weight, bias = head if head is not None else (batch["weight"], batch["bias"])
     if not _is_dtensor(weight):
         weight, bias = (torch.nn.Parameter(x.detach().clone()) for x in (weight, bias))
     with force_backend(opts["backend"]):
-        logp, ent = selective_logprobs(hidden, weight, batch["ids"], bias, temperature=0.8,
-                                       return_entropy=True, **kw)
-        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp) + 0.1 * ent).sum().backward()
+        logp, ent = fn(hidden, weight, batch["ids"], bias, temperature=0.8,
+                       return_entropy=True, **kw)
+        g = torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)
+        (logp * g + 0.1 * ent).sum().backward()
     return dict(logp=logp.detach(), entropy=ent.detach(), d_hidden=hidden.grad,
                 d_weight=_local(weight.grad), d_bias=_local(bias.grad))
 
@@ -153,34 +177,151 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def truth_of(opts: dict) -> dict:
-    """The case on the whole head in float64 (the chunked backend): what both are compared to
-    where they differ by more than float32 rounding."""
-    return run_loss(dict(opts, float64=True, mixed=False, backend="chunked"),
-                    batch=make_inputs(dict(opts, float64=True)))
+def reference_of(opts: dict, float64: bool, draw: int = 0) -> dict:
+    """The case through PyTorch's reference (`grpo_kernels.reference`: [N, V] logits and
+    torch's log_softmax) on the whole head, in float32 (the yardstick: PyTorch's own float32
+    error) or float64 (the truth). A mixed head's 16-bit hidden states are read as float32
+    (the same values, as the mixed head reads them).
+
+    draw > 0: the same head with its hidden and vocabulary dimensions in another (seeded)
+    order, the results put back in the case's order. In exact arithmetic nothing changes; in
+    float32 every sum over D and over V is taken in another order: another equally valid
+    float32 result, whose error against the truth is as much PyTorch's as draw 0's.
+
+    A mixed head on Triton reads its float32 weight with about 16 significant bits
+    (`kernels.precision.split_dot`: w = hi + lo + r, hi = bf16(w), lo = bf16(w - hi), the dot
+    takes hi + lo): PyTorch's yardstick there is its float32 error on the weight as that head
+    reads it, hi + lo."""
+    logprobs = "loss_type" not in opts  # a `logprob_cases` case
+    batch = make_inputs(dict(opts, float64=float64, mixed=False, bias=logprobs or opts.get(
+        "bias")))
+    if opts.get("mixed"):
+        batch["hidden"] = batch["hidden"].bfloat16().to(batch["weight"].dtype)
+        if opts["backend"] == "triton" and not float64:
+            hi = batch["weight"].bfloat16().float()
+            batch["weight"] = hi + (batch["weight"] - hi).bfloat16().float()
+    fn = _reference_terms if opts.get("return_terms") else reference.fused_linear_grpo_loss
+    run = functools.partial(run_loss, fn=fn)
+    if logprobs:
+        run = functools.partial(run_logprobs, fn=reference.selective_logprobs)
+    return in_another_order(lambda b: run(dict(opts, backend="chunked"), batch=b), batch, draw)
 
 
-def differences(whole: dict, mine: dict, rank: int, tp: int, truth: dict | None = None) -> dict:
-    """{quantity: (max |mine - whole|, max |whole|, max |whole - truth|, max |mine - truth|)}
-    (the last two 0 without a truth); the whole head's weight and bias gradients are cut to
-    this rank's rows."""
+def in_another_order(run, batch: dict, draw: int) -> dict:
+    """run(batch) with the head's hidden and vocabulary dimensions in the order of `draw`
+    (seeded; 0: as given), its d_hidden, d_weight and d_bias put back in the batch's order.
+    batch: hidden [..., D], weight [V, D], bias [V] | None, ids [...]."""
+    if not draw:
+        return run(batch)
+    (Vb, Db), g = batch["weight"].shape, torch.Generator().manual_seed(1000 + draw)
+    pd, pv = torch.randperm(Db, generator=g), torch.randperm(Vb, generator=g)
+    inv_v = torch.argsort(pv)  # new id of vocabulary entry v
+    out = run(dict(batch, hidden=batch["hidden"][..., pd], weight=batch["weight"][pv][:, pd],
+                   bias=None if batch["bias"] is None else batch["bias"][pv],
+                   ids=inv_v[batch["ids"]]))
+    inv_d = torch.argsort(pd)
+    out.update(d_hidden=out["d_hidden"][..., inv_d], d_weight=out["d_weight"][inv_v][:, inv_d],
+               d_bias=None if out.get("d_bias") is None else out["d_bias"][inv_v])
+    return out
+
+
+def torch_error(opts: dict, truth: dict, rank: int, tp: int, draws: int = 4) -> dict:
+    """{quantity: PyTorch's float32 error}: the largest of `draws` equally valid float32
+    results (`reference_of`) against the truth, so that the yardstick is PyTorch's error on
+    this case and not one lucky rounding (one draw's error on a loss value varies tenfold)."""
     out = {}
-    for k, want in whole.items():
-        if want is None:
+    zero = _Zero()
+    for d in range(draws):
+        draw = reference_of(opts, False, d)
+        draw.update({k: local_rows(draw[k], rank, tp) for k in ("d_weight", "d_bias")})
+        for k, (err, _, _) in errors(draw, zero, truth, rank, tp).items():
+            out[k] = max(out.get(k, 0.0), err)
+    return out
+
+
+class _Zero(dict):
+    """{any quantity: 0.0}: `errors` without a yardstick."""
+
+    def __missing__(self, key):
+        return 0.0
+
+
+def errors(mine: dict, torch32: dict, truth: dict, rank: int, tp: int) -> dict:
+    """{quantity: (max |mine - truth|, PyTorch's float32 error, max |truth|)}: this rank's
+    results (the shard's weight and bias gradients) against the float64 truth (the whole
+    head's, cut to this rank's rows); torch32: `torch_error`'s."""
+    out = {}
+    for k, true in truth.items():
+        if true is None:
             continue
-        cut = (lambda x: local_rows(x, rank, tp)) if k in ("d_weight", "d_bias") else (
-            lambda x: x)
-        pairs = want.items() if isinstance(want, dict) else [(None, want)]
-        for m, w in pairs:
-            got = mine[k] if m is None else mine[k][m]
-            true = None if truth is None else truth[k] if m is None else truth[k][m]
-            w, got, true = cut(w), got, None if true is None else cut(true)
-            out[k if m is None else f"metric/{m}"] = (
-                *_diff(got, w), *((0.0, 0.0) if true is None else (_diff(w, true)[0],
-                                                                   _diff(got, true)[0])))
+        whole = k in ("d_weight", "d_bias") and mine[k].shape != true.shape
+        cut = (lambda x: local_rows(x, rank, tp)) if whole else (lambda x: x)
+        pairs = true.items() if isinstance(true, dict) else [(None, true)]
+        for m, t in pairs:
+            name = k if m is None else f"metric/{m}"
+            t = cut(t)
+            out[name] = (_diff(mine[k] if m is None else mine[k][m], t)[0], torch32[name],
+                         float(t.double().abs().max()) if t.numel() else 0.0)
     return out
 
 
 def _diff(got, want):
     return (float((got.double() - want.double()).abs().max()) if want.numel() else 0.0,
             float(want.double().abs().max()) if want.numel() else 0.0)
+
+
+# ---- rows dominated by one token --------------------------------------------------------------
+
+def dominated_cases() -> dict[str, dict]:
+    """{name: options}: rows dominated by their target or by another token (p ≈ 1 - e^-12 ..
+    1 - e^-40, `test_dominated_rows.dominated_head`), at τ = 1 and at τ = 0.01 with moderate raw
+    logits; selective log-probs (the four-pass route) and the GRPO loss on both routes, chunked
+    backend, V = 4096; and the Triton three-pass route's row kernels (V = 64, in the
+    interpreter) at rows dominated by their target, which they take from logp (the Triton
+    linear forward and a row dominated by another token read p through the lse, as on a whole
+    head: tests/api/test_dominated_rows_routes.py)."""
+    cases = {f"{who}-{what}-t{t:g}": dict(who=who, what=what, temperature=t, V=4096,
+                                          backend="chunked")
+             for who in ("target", "other") for what in ("logprobs", "four", "three")
+             for t in (1.0, 0.01)}
+    cases.update({f"triton-target-three-t{t:g}": dict(who="target", what="three", temperature=t,
+                                                      V=64, backend="triton")
+                  for t in (1.0, 0.01)})
+    return cases
+
+
+def dominated_head(opts: dict):
+    """(hidden [2, 6, 16], weight [V, 16], ids [2, 6], g [2, 6]) of a dominated case; g: the
+    per-token gradient of the log-probs (small, either sign, as a token-mean loss gives)."""
+    from test_dominated_rows import dominated_head as head
+
+    hidden, weight, ids = head(opts["V"], opts["temperature"])
+    if opts["who"] == "other":  # a small logit: the former target dominates the row
+        ids = (ids + 1) % opts["V"]
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * 1e-3
+    return hidden, weight, ids, g
+
+
+def run_dominated(opts: dict, module, hidden, weight, **kw) -> dict:
+    """logp (selective log-probs only), d hidden and d weight of a dominated case through
+    `module` (grpo_kernels or its reference) on the head given (the whole head, or this rank's
+    shard with vocab_group=); hidden and weight in the dtype to compute in."""
+    _, _, ids, g = dominated_head(opts)
+    h, w = (x.detach().clone().requires_grad_(True) for x in (hidden, weight))
+    t = opts["temperature"]
+    os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if opts["what"] == "three" else "0"
+    out = {}
+    with force_backend(opts["backend"]):
+        if opts["what"] == "logprobs":
+            logp = module.selective_logprobs(h, w, ids, temperature=t, **kw)
+            out["logp"] = logp.detach()
+            loss = (logp * g.to(logp.dtype)).sum()
+        else:
+            with torch.no_grad():  # the same reference log-probs in every call
+                h64, w64 = (x.double() for x in dominated_head(opts)[:2])
+                ref = reference.selective_logprobs(h64, w64, ids, temperature=t).float() + 0.1
+            loss = module.fused_linear_grpo_loss(
+                h, w, ids, torch.tensor([1.0, -0.7], dtype=h.dtype), loss_type="dapo",
+                beta=0.04, temperature=t, ref_logps=ref.to(h.dtype), **kw)[0]
+        loss.backward()
+    return dict(out, d_hidden=h.grad, d_weight=_local(w.grad))

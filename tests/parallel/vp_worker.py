@@ -1,13 +1,15 @@
 """One rank of the vocabulary-parallel tests (torchrun, gloo): `vp_worker.py SUITE OUT_DIR`.
 
 Suites:
-    exact   every case of `vp_cases` on the whole head (this process alone) and on this rank's
-            shard (local form with vocab_group=, or a DTensor with Shard(0)); writes the
-            differences
+    exact   every case of `vp_cases` on this rank's shard (local form with vocab_group=, or a
+            DTensor with Shard(0)); writes its errors against the float64 truth and PyTorch's
+            float32 error (`vp_cases.errors`)
     mesh    a 2-D mesh (data x tensor, 4 ranks): each data rank's half of a global batch on its
             tensor group, the loss and gradients summed over the data dimension, against the
             whole head on the whole batch
     errors  bad inputs on one rank or all: every rank's exception (type, message)
+    dominated  rows dominated by one token: this rank's errors against a float64 truth, and
+            PyTorch's float32 error
 
 Writes OUT_DIR/<suite>-rank<R>.json. A rank that aborts prints every thread's stack
 (faulthandler); the tests run this under a timeout, so a hang fails instead of blocking.
@@ -24,7 +26,7 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
-sys.path[:0] = [HERE, TESTS, os.path.dirname(TESTS)]
+sys.path[:0] = [HERE, TESTS, os.path.join(TESTS, "api"), os.path.dirname(TESTS)]
 faulthandler.enable()
 warnings.simplefilter("ignore")
 
@@ -42,7 +44,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's GPU numerics,
 import vp_cases as vc  # noqa: E402
 from mp_launch import leave_after_barrier  # noqa: E402
 
-from grpo_kernels import force_backend, fused_linear_grpo_loss  # noqa: E402
+import grpo_kernels  # noqa: E402
+from grpo_kernels import force_backend, fused_linear_grpo_loss, reference  # noqa: E402
 
 
 def shard_head(weight, bias, form, rank, tp, mesh):
@@ -85,14 +88,14 @@ def exact(rank, tp):
     log = logging.getLogger("grpo_kernels")
     log.setLevel(logging.INFO)
     for name, opts in vc.loss_cases(tp).items():
-        whole = vc.run_loss(opts)
         batch = vc.make_inputs(opts)
         w, b, kw = shard_head(batch["weight"], batch["bias"], opts.get("form"), rank, tp, mesh)
         routes = Routes()
         log.addHandler(routes)
         mine = vc.run_loss(opts, (w, b), **kw)
         log.removeHandler(routes)
-        diffs = vc.differences(whole, mine, rank, tp, vc.truth_of(opts))
+        truth = vc.reference_of(opts, float64=True)
+        diffs = vc.errors(mine, vc.torch_error(opts, truth, rank, tp), truth, rank, tp)
         # the values themselves, to compare across ranks; the route the call logged (a line is
         # logged the first time a (route, reason) is taken in the process)
         diffs["_values"] = [float(mine["loss"])] + [float(v.double().sum())
@@ -108,14 +111,15 @@ def exact(rank, tp):
             vc.run_loss(opts, (w, b), batch=batch, **kw)
         out[f"largest/{'three' if three else 'four'}"] = seen.largest
     for name, opts in vc.logprob_cases().items():
-        whole = vc.run_logprobs(opts)
         batch = vc.make_inputs(dict(opts, bias=True))
         w, b, kw = shard_head(batch["weight"], batch["bias"], opts["form"], rank, tp, mesh)
         routes = Routes()
         log.addHandler(routes)
         mine = vc.run_logprobs(opts, (w, b), **kw)
         log.removeHandler(routes)
-        out["logprobs/" + name] = vc.differences(whole, mine, rank, tp)
+        truth = vc.reference_of(opts, float64=True)
+        out["logprobs/" + name] = vc.errors(mine, vc.torch_error(opts, truth, rank, tp), truth,
+                                            rank, tp)
         out["logprobs/" + name]["_routes"] = routes.lines
     return out
 
@@ -128,6 +132,9 @@ def mesh_2d(rank, world):
 
 
 def _mesh_case(mesh, backend: str, three: bool) -> dict:
+    """{quantity: (error, PyTorch's float32 error, magnitude)} of the loss summed over the data
+    dimension, this rank's d hidden rows and d W summed over it, against PyTorch's float64
+    reference on the whole batch (`vp_cases.errors`, `torch_error`'s yardstick)."""
     dp, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     g = torch.Generator().manual_seed(7)
     Bg, T, D, V = 4, 5, 16, 37
@@ -137,28 +144,39 @@ def _mesh_case(mesh, backend: str, three: bool) -> dict:
     adv = torch.randn(Bg, generator=g)
     mask = (torch.rand(Bg, T, generator=g) > 0.2).float()
     os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if three else "0"
-
-    def loss_of(h, w, rows):  # dapo: every data rank divides by the global token count
-        with force_backend(backend):
-            return fused_linear_grpo_loss(h, w, ids[rows], adv[rows], mask[rows],
-                                          num_items_in_batch=mask.sum(), loss_type="dapo")[0]
-
-    h_all = hidden.clone().requires_grad_()
-    w_all = torch.nn.Parameter(weight.clone())
-    whole = loss_of(h_all, w_all, slice(0, Bg))
-    whole.backward()
     rows = slice(dp * Bg // 2, (dp + 1) * Bg // 2)
+
+    def loss_of(fn, h, w, ids, rows):  # dapo: every data rank divides by the global token count
+        return fn(h, w, ids[rows], adv[rows].to(h.dtype), mask[rows].to(h.dtype),
+                  num_items_in_batch=mask.sum(), loss_type="dapo")[0]
+
+    def whole(batch):  # PyTorch's reference on the whole batch
+        h, w = (batch[k].clone().requires_grad_() for k in ("hidden", "weight"))
+        loss = loss_of(reference.fused_linear_grpo_loss, h, w, batch["ids"], slice(0, Bg))
+        loss.backward()
+        return dict(loss=loss.detach(), d_hidden=h.grad[rows], d_weight=w.grad)
+
+    batch = dict(hidden=hidden, weight=weight, bias=None, ids=ids)
+    truth = whole({k: v.double() if k in ("hidden", "weight") else v for k, v in batch.items()})
+    yardstick = {}
+    for draw in range(4):
+        out = vc.in_another_order(whole, batch, draw)
+        for k in ("loss", "d_hidden", "d_weight"):
+            cut = vc.local_rows if k == "d_weight" else lambda x, *_: x
+            yardstick[k] = max(yardstick.get(k, 0.0),
+                               vc._diff(cut(out[k], tp_rank, 2), cut(truth[k], tp_rank, 2))[0])
     h = hidden[rows].clone().requires_grad_()
     w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate(), Shard(0)]))
-    loss = loss_of(h, w, rows)
+    with force_backend(backend):
+        loss = loss_of(fused_linear_grpo_loss, h, w, ids, rows)
     loss.backward()
     dp_group = mesh.get_group("dp")
     total = loss.detach().clone()
     dist.all_reduce(total, group=dp_group)
     d_w = w.grad.to_local().clone()
     dist.all_reduce(d_w, group=dp_group)  # the data-parallel gradient sum
-    return dict(loss=vc._diff(total, whole.detach()), d_hidden=vc._diff(h.grad, h_all.grad[rows]),
-                d_weight=vc._diff(d_w, vc.local_rows(w_all.grad, tp_rank, 2)))
+    mine = dict(loss=total, d_hidden=h.grad, d_weight=d_w)
+    return vc.errors(mine, yardstick, truth, tp_rank, 2)
 
 
 def errors(rank, tp):
@@ -230,6 +248,24 @@ def errors(rank, tp):
     return out
 
 
+def dominated(rank, tp):
+    """Each dominated case (`vp_cases.dominated_cases`) on this rank's shard: {case: {quantity:
+    (error, PyTorch's float32 error)}}, against the float64 truth (this rank's rows of d W)."""
+    out = {}
+    for name, opts in vc.dominated_cases().items():
+        hidden, weight, _, _ = vc.dominated_head(opts)
+        mine = vc.run_dominated(opts, grpo_kernels, hidden, vc.local_rows(weight, rank, tp),
+                                vocab_group=dist.group.WORLD)
+        truth = vc.run_dominated(opts, reference, hidden.double(), weight.double())
+        torch32 = vc.run_dominated(opts, reference, hidden, weight)
+        out[name] = {}
+        for k, true in truth.items():
+            cut = (lambda x: vc.local_rows(x, rank, tp)) if k == "d_weight" else (lambda x: x)
+            out[name][k] = (vc._diff(mine[k], cut(true))[0],
+                            vc._diff(cut(torch32[k]), cut(true))[0])
+    return out
+
+
 def main():
     suite, out_dir = sys.argv[1], sys.argv[2]
     # the errors suite's calls are tiny: a rank left waiting in a collective (the bug those
@@ -239,7 +275,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     try:
-        result = {"exact": exact, "mesh": mesh_2d, "errors": errors}[suite](rank, world)
+        result = {"exact": exact, "mesh": mesh_2d, "errors": errors,
+                  "dominated": dominated}[suite](rank, world)
     except Exception:
         traceback.print_exc()
         raise
