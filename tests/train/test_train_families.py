@@ -1,9 +1,10 @@
 """grpo_train on tiny saved Mixture-of-Experts models, as a user runs it (`--model <dir>`): the run
 logs shared rows (grpo_train adds no auxiliary loss, and routing is per token) and its step
-equals the padded run's (loss, gradient norm, entropy, KL), with completions of different
-lengths. A config that asks for router logits (`output_router_logits: true`, as checkpoints
-trained with the auxiliary loss are saved) shares prompts too, with the fused loss and with the
-materialized-logits reference (`--loss reference`, a full forward on shared rows)."""
+equals the padded run's (loss, gradient norm, entropy, KL), with prompts and completions of
+different lengths. A config that asks for router logits (`output_router_logits: true`, as
+checkpoints trained with the auxiliary loss are saved) generates from padded prompts and shares
+prompts too, with the fused loss and with the materialized-logits reference (`--loss
+reference`, a full forward on shared rows)."""
 
 import json
 import textwrap
@@ -49,8 +50,10 @@ def run(tmp_path, capsys, model_dir, name, *flags):
     """One step of `python -m grpo_train --model model_dir` (in this process), completions of
     1 to 7 tokens; (the step's metrics record, the micro-batch layout line)."""
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": f"#### {a + b}"}) + "\n"
-                            for a in range(4) for b in range(4)))
+    # prompts of different lengths (left padding): a config's router logits in a decode step
+    # cover the new token while its attention mask covers the cache
+    data.write_text("".join(json.dumps({"question": "+".join("1" * n), "answer": str(n)}) + "\n"
+                            for n in range(1, 17)))
     reward = tmp_path / "length_reward.py"
     reward.write_text(textwrap.dedent(LENGTH_REWARD))
     out = tmp_path / name
