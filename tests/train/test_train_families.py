@@ -87,3 +87,31 @@ def test_moe_model_runs_shared_rows_equal_to_padded(tmp_path, capsys, name, loss
     assert padded["grad_norm"] > 0 and 1 < padded["completion_length"] < 6
     for key in ("reward", "completion_length", "loss", "grad_norm", "entropy", "kl"):
         assert shared[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("path", ["padded", "static", "continuous"])
+def test_router_logits_config_generates_from_padded_prompts(tmp_path, path):
+    """A config asking for router logits generates on every path from prompts of different
+    lengths, greedy tokens equal to each prompt generated alone (no padding), and keeps its
+    setting."""
+    from grpo_train.config import TrainConfig, resolve_auto
+    from grpo_train.generation import generate
+    from tests.train.test_generation import VARIED, make_ctx
+
+    save_model(tmp_path, "mixtral-router-logits")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    cfg = resolve_auto(TrainConfig(max_new_tokens=4, min_new_tokens=4, num_generations=2,
+                                   static_compile=False))
+    log = []
+    batch = generate(model, VARIED, make_ctx(model, tok, cfg, path, log), greedy=True)
+    assert not any("failed" in line for line in log), log  # the path asked for ran
+    for row, example in zip(batch["input_ids"][:, -batch["T"]:], VARIED):
+        ids = tok.apply_chat_template([{"role": "user", "content": example["prompt"]}],
+                                      add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():  # one unpadded prompt: the model's own generate runs
+            alone = model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4,
+                                   pad_token_id=tok.pad_token_id)
+        assert torch.equal(row, alone[0, ids.shape[1]:]), example
+    assert model.config.output_router_logits
