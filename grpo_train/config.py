@@ -26,7 +26,8 @@ class TrainConfig:
     whose default is "auto" hold None until `resolve_auto` (see AUTO): one value for the embedded
     tiny run, TRL's for --model."""
 
-    seed: int = option(0, "seeds the embedded model, the task split, prompt order and sampling")
+    seed: int = option(0, "seeds the embedded model, the LoRA adapters, the task split, prompt "
+                          "order and sampling")
 
     model: str = option("",
         "Local directory or hub id of any AutoModelForCausalLM (+ its tokenizer and chat "

@@ -213,6 +213,27 @@ def _prefilled_cache(model, prompt_ids, prompt_mask, G: int):
     return cache
 
 
+@contextlib.contextmanager
+def _router_logits_off(model):
+    """A Mixture-of-Experts config saved with `output_router_logits: true` makes every forward
+    add the auxiliary loss over the attention mask it is given; in a decode step that mask is
+    [B, cache + 1] while the router logits cover the new token only, and the loss fails (a shape
+    error) whenever a prompt is padded. Generation needs no router logits: turned off in the
+    config for the call, so that every path (continuous batching's engine takes no keyword from
+    here) and the prompt prefill run without them."""
+    config = continuous.base_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    asking = [c for c in {id(c): c for c in (config, text)}.values()
+              if getattr(c, "output_router_logits", False)]
+    for c in asking:
+        c.output_router_logits = False
+    try:
+        yield
+    finally:
+        for c in asking:
+            c.output_router_logits = True
+
+
 @torch.no_grad()
 def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
     """G sampled completions per prompt (1 greedy one with greedy=True), with EOS handling.
@@ -233,7 +254,8 @@ def generate(model, examples: list[dict], run, greedy: bool = False) -> dict:
     model.eval()
     completion_ids = None  # [B, T], right-padded with pad_token_id
     try:
-        with sharding.full_parameters(model), run.autocast:  # FSDP: gathered once per call
+        # FSDP: gathered once per call
+        with sharding.full_parameters(model), run.autocast, _router_logits_off(model):
             if _path(model, run, sampled) == "continuous":
                 completion_ids = _continuous(model, prompts, G, sampling, lengths, run, device)
             if completion_ids is None:  # padded or static (or continuous batching failed)

@@ -83,8 +83,11 @@ def add_lora_adapters(model, cfg, say=print):
     try:
         from grpo_kernels.hf.head_adapters import add_lora
 
-        model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                         head=cfg.lora_head)
+        # the adapters' random init from --seed, not from whatever the process drew before
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha,
+                             dropout=cfg.lora_dropout, head=cfg.lora_head)
     except ImportError as err:
         raise UsageError(f"--lora_r needs PEFT: pip install 'grpo-kernels[lora]' ({err})") \
             from err

@@ -201,7 +201,8 @@ def _advantages(run: RunState, rewards_per_func):
 def _scoring_logprobs(run: RunState, mbs):
     """(reference, old) log-probs of each micro-batch ([b, T] or [N], float32, no grad, no
     logits), None where beta = 0 / num_iterations = 1. The policy in train mode, as in the loss,
-    so the first ratio is exactly 1."""
+    so the first ratio is exactly 1 (under a config's dropout, GPT-2's 0.1, only in expectation:
+    each forward draws its own masks)."""
     cfg = run.cfg
     run.model.train()
     with run.autocast:

@@ -1,9 +1,10 @@
 """grpo_train on tiny saved Mixture-of-Experts models, as a user runs it (`--model <dir>`): the run
 logs shared rows (grpo_train adds no auxiliary loss, and routing is per token) and its step
-equals the padded run's (loss, gradient norm, entropy, KL), with completions of different
-lengths. A config that asks for router logits (`output_router_logits: true`, as checkpoints
-trained with the auxiliary loss are saved) shares prompts too, with the fused loss and with the
-materialized-logits reference (`--loss reference`, a full forward on shared rows)."""
+equals the padded run's (loss, gradient norm, entropy, KL), with prompts and completions of
+different lengths. A config that asks for router logits (`output_router_logits: true`, as
+checkpoints trained with the auxiliary loss are saved) generates from padded prompts and shares
+prompts too, with the fused loss and with the materialized-logits reference (`--loss
+reference`, a full forward on shared rows)."""
 
 import json
 import textwrap
@@ -49,8 +50,10 @@ def run(tmp_path, capsys, model_dir, name, *flags):
     """One step of `python -m grpo_train --model model_dir` (in this process), completions of
     1 to 7 tokens; (the step's metrics record, the micro-batch layout line)."""
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": f"#### {a + b}"}) + "\n"
-                            for a in range(4) for b in range(4)))
+    # prompts of different lengths (left padding): a config's router logits in a decode step
+    # cover the new token while its attention mask covers the cache
+    data.write_text("".join(json.dumps({"question": "+".join("1" * n), "answer": str(n)}) + "\n"
+                            for n in range(1, 17)))
     reward = tmp_path / "length_reward.py"
     reward.write_text(textwrap.dedent(LENGTH_REWARD))
     out = tmp_path / name
@@ -84,3 +87,31 @@ def test_moe_model_runs_shared_rows_equal_to_padded(tmp_path, capsys, name, loss
     assert padded["grad_norm"] > 0 and 1 < padded["completion_length"] < 6
     for key in ("reward", "completion_length", "loss", "grad_norm", "entropy", "kl"):
         assert shared[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("path", ["padded", "static", "continuous"])
+def test_router_logits_config_generates_from_padded_prompts(tmp_path, path):
+    """A config asking for router logits generates on every path from prompts of different
+    lengths, greedy tokens equal to each prompt generated alone (no padding), and keeps its
+    setting."""
+    from grpo_train.config import TrainConfig, resolve_auto
+    from grpo_train.generation import generate
+    from tests.train.test_generation import VARIED, make_ctx
+
+    save_model(tmp_path, "mixtral-router-logits")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    cfg = resolve_auto(TrainConfig(max_new_tokens=4, min_new_tokens=4, num_generations=2,
+                                   static_compile=False))
+    log = []
+    batch = generate(model, VARIED, make_ctx(model, tok, cfg, path, log), greedy=True)
+    assert not any("failed" in line for line in log), log  # the path asked for ran
+    for row, example in zip(batch["input_ids"][:, -batch["T"]:], VARIED):
+        ids = tok.apply_chat_template([{"role": "user", "content": example["prompt"]}],
+                                      add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():  # one unpadded prompt: the model's own generate runs
+            alone = model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4,
+                                   pad_token_id=tok.pad_token_id)
+        assert torch.equal(row, alone[0, ids.shape[1]:]), example
+    assert model.config.output_router_logits

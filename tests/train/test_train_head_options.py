@@ -38,6 +38,19 @@ def test_lora_without_head_adapter_leaves_the_head_alone(tmp_path):
     assert moved and not any("lm_head" in k for k in moved), sorted(moved)
 
 
+def test_lora_init_follows_the_seed(tmp_path):
+    """The adapters' random init is a function of --seed: two runs with the same settings start
+    from the same adapters whatever the process drew before them."""
+    starts = []
+    for draw in (1, 2):
+        torch.manual_seed(draw)  # the process' generator as earlier work left it
+        model = train(tiny_cfg(tmp_path / str(draw), steps=0, lora_r=4))["model"]
+        starts.append({k: v.detach().clone() for k, v in model.named_parameters()
+                       if "lora_A" in k})
+    assert starts[0] and starts[0].keys() == starts[1].keys()
+    assert all(torch.equal(starts[0][k], starts[1][k]) for k in starts[0])
+
+
 def test_fp32_head_under_bf16_autocast_trains(tmp_path):
     result = train(tiny_cfg(tmp_path, fp32_lm_head=True, bf16=True, backend="triton"))
     head = result["model"].get_output_embeddings()
