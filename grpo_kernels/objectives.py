@@ -49,10 +49,21 @@ class ObjectiveMath(NamedTuple):
     flags: Callable | None = None
 
 
+def clamp(x: torch.Tensor, low=None, high=None) -> torch.Tensor:
+    """torch.clamp(x, low, high) by hyperparameters. Under torch.compile the bounds go in as 0-d
+    tensors of x's dtype: torch.clamp by a Python number fixes a symbolic float (a
+    hyperparameter that changes between calls of a compiled step) to its value, a recompile per
+    value (torch 2.13), where a product keeps it symbolic."""
+    if torch.compiler.is_compiling():
+        one = x.new_ones(())
+        low, high = (None if b is None else one * b for b in (low, high))
+    return torch.clamp(x, low, high)
+
+
 def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
     """The ratio of the unclipped term: capped at `delta` (two-sided clipping) when set; dppo's
     truncated ratio coefficient."""
-    return ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
+    return ratio if params.delta is None else clamp(ratio, high=params.delta)
 
 
 def _low_high_region(low: torch.Tensor, high: torch.Tensor) -> tuple:
@@ -63,7 +74,7 @@ def _low_high_region(low: torch.Tensor, high: torch.Tensor) -> tuple:
 
 
 def _clipped_loss(v: TokenView) -> torch.Tensor:
-    clipped = torch.clamp(v.w, *v.params.clip_range)
+    clipped = clamp(v.w, *v.params.clip_range)
     return -torch.minimum(capped_ratio(v.w, v.params) * v.A, clipped * v.A)
 
 
@@ -78,7 +89,7 @@ def _clipped_flags(ratio, A, params, old_logps) -> tuple:
 
 
 def _cispo_loss(v: TokenView) -> torch.Tensor:
-    return -torch.clamp(v.w, max=v.params.epsilon_high).detach() * v.A * v.logp
+    return -clamp(v.w, high=v.params.epsilon_high).detach() * v.A * v.logp
 
 
 def _cispo_flags(ratio, A, params, old_logps) -> tuple:
@@ -148,7 +159,7 @@ def gmpo_sequence_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: 
     ratio [B, T] enters as its geometric mean over the sequence, [B, 1] as it is."""
     A = layout.expand(advantages)
     sign = torch.sign(A)
-    clipped = torch.clamp(log_ratio, -params.epsilon_low, params.epsilon_high)
+    clipped = clamp(log_ratio, -params.epsilon_low, params.epsilon_high)
     m = sign * torch.minimum(sign * log_ratio, sign * clipped)
     count = layout.seq_sum(mask).clamp(min=1.0)  # [B, 1]
     ratio = torch.exp(layout.seq_sum(m * mask) / count)

@@ -214,7 +214,9 @@ VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_
 FIELD_NAMES = tuple(f.name for f in fields(GRPOParams))
 
 # Field annotation -> torch.library schema type (the annotations are strings: `from __future__`).
-_SCHEMA_TYPES = {"float": "float", "float | None": "float?", "str": "str", "bool": "bool"}
+# Floats travel as 0-d float64 tensors, so that a compiled step takes a new value without a
+# recompile (ops/op_scalars.py).
+_SCHEMA_TYPES = {"float": "Tensor", "float | None": "Tensor?", "str": "str", "bool": "bool"}
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,9 @@ class TokenLossArgs:
     and flags (`kernels.epilogue.epilogue_args`), the hyperparameter arguments of the token-terms
     custom operators, and what `grpo_math.per_token_loss` reads on their chunked path. Built
     from a validated GRPOParams (`GRPOParams.token_loss_args`), once per call; the operator
-    gets it as plain arguments (`to_op_args`, in `op_schema`'s order) and rebuilds it
-    (`of_op_args`). Its attribute names are GRPOParams', so grpo_math reads either."""
+    gets it as arguments (`to_op_args`, in `op_schema`'s order; the floats as 0-d tensors on
+    the operator call, ops/op_scalars.py) and rebuilds it (`of_op_args`, from Python values).
+    Its attribute names are GRPOParams', so grpo_math reads either."""
 
     loss_type: str  # a type with a per-token epilogue (its spec's kernel_code is set)
     epsilon_low: float

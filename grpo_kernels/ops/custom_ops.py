@@ -12,15 +12,17 @@ A token-terms op is the selective log-prob op plus, per token, the GRPO epilogue
 Sequence-level ratios and the chunked backend call the selective log-prob op and run
 `grpo_math` around it as ordinary (traceable) PyTorch.
 
-Every op ends with the logit transform, `float? softcap=None, float? logit_scale=None`
+Every op ends with the logit transform, `Tensor? softcap=None, Tensor? logit_scale=None`
 (z = cap(s·y) before the temperature, kernels/logit_transform.py): defaults, so that a call
-without them is the call it was before they existed.
+without them is the call it was before they existed. The temperature, the transform's values and
+the float hyperparameters are 0-d float64 CPU tensors (`op_scalars.py`: a compiled step takes a
+new value without a recompile); the bodies read them back as Python floats.
 
 The public functions keep the checks that need only shapes and dtypes in Python (traceable);
 value checks (token ids in range, finite advantages) run inside the ops' eager implementations
 (or, for code traced around them, as in-graph assertions), so nothing reads a tensor's value
 while tracing. A token-terms op's hyperparameters are only what the per-token loss reads, the
-plain str/float/bool arguments of `params.TokenLossArgs` (its `op_schema`), which the public
+str/float/bool fields of `params.TokenLossArgs` (its `op_schema`), which the public
 function builds once from its GRPOParams; the temperature is the op's own argument, as in the
 selective log-prob ops.
 
@@ -42,9 +44,10 @@ from ..value_checks import check_finite_advantages, check_token_id_values
 from . import autograd
 from .backends import IMPLS
 from .launch import LinearHeadOp, LogitsOp, grpo_token_terms
+from .op_scalars import WithScalars, of_op
 
 F32 = torch.float32
-TRANSFORM_ARGS = "float? softcap=None, float? logit_scale=None"  # every op's last arguments
+TRANSFORM_ARGS = "Tensor? softcap=None, Tensor? logit_scale=None"  # every op's last arguments
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -55,13 +58,13 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 torch.library.define(
     "grpo_kernels::linear_logprobs",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float temperature, "
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor temperature, "
     f"float? grad_filter, str backend, str ids_name, {TRANSFORM_ARGS}) "
     "-> (Tensor logp, Tensor entropy, Tensor lse, Tensor lse_sum)")
 torch.library.define(
     "grpo_kernels::linear_logprobs_backward",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor lse, Tensor entropy, "
-    "Tensor g_logp, Tensor? g_entropy, float temperature, float? grad_filter, str backend, "
+    "Tensor g_logp, Tensor? g_entropy, Tensor temperature, float? grad_filter, str backend, "
     f"bool[] needs, {TRANSFORM_ARGS}, Tensor? logp=None, Tensor? lse_sum=None) "
     "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
@@ -116,10 +119,10 @@ def _linear_logprobs_backward_fake(hidden, weight, bias, targets, lse, ent, g_lo
 
 torch.library.define(
     "grpo_kernels::logits_logprobs",
-    "(Tensor logits, Tensor targets, float temperature, str backend, str ids_name, "
+    "(Tensor logits, Tensor targets, Tensor temperature, str backend, str ids_name, "
     f"bool inplace, {TRANSFORM_ARGS}) -> (Tensor logp, Tensor entropy, Tensor lse)")
 LOGITS_BWD_ARGS = ("Tensor targets, Tensor lse, Tensor entropy, Tensor g_logp, "
-                   f"Tensor? g_entropy, float temperature, str backend, {TRANSFORM_ARGS}, "
+                   f"Tensor? g_entropy, Tensor temperature, str backend, {TRANSFORM_ARGS}, "
                    "Tensor? logp=None")
 torch.library.define("grpo_kernels::logits_logprobs_backward",
                      f"(Tensor logits, {LOGITS_BWD_ARGS}) -> Tensor")
@@ -187,11 +190,11 @@ TERMS_OUT = ("(Tensor logp, Tensor entropy, Tensor lse, Tensor token_loss, Tenso
              "Tensor kl, Tensor ratio)")
 torch.library.define(
     "grpo_kernels::linear_grpo_terms",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float temperature, "
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor temperature, "
     f"float? grad_filter, str backend, {TERMS_ARGS}, {TRANSFORM_ARGS}) -> {TERMS_OUT}")
 torch.library.define(
     "grpo_kernels::logits_grpo_terms",
-    "(Tensor logits, Tensor targets, float temperature, str backend, bool inplace, "
+    "(Tensor logits, Tensor targets, Tensor temperature, str backend, bool inplace, "
     f"{TERMS_ARGS}, "
     f"{TRANSFORM_ARGS}) -> {TERMS_OUT}")
 
@@ -199,7 +202,7 @@ torch.library.define(
 def _terms(op, targets, tensors, grpo_args):
     weights, advantages, old, ref, isr, *values = grpo_args
     check_finite_advantages(advantages)
-    rule = TokenLossArgs.of_op_args(values)
+    rule = TokenLossArgs.of_op_args([of_op(v) for v in values])
     return grpo_token_terms(op, targets, tensors, rule, weights, advantages, old, ref, isr)
 
 
@@ -363,14 +366,17 @@ class _EagerFirst:
 
 class _Operators:
     """`torch.ops.grpo_kernels` as the public functions call it: the selective log-prob ops
-    through `_EagerFirst`, every other name the operator itself."""
+    through `_EagerFirst`, these four taking Python numbers for their hyperparameter tensors
+    (`op_scalars.WithScalars`), every other name the operator itself."""
 
     def __init__(self, ops):
         self._ops = ops
-        self.linear_logprobs = _EagerFirst(ops.linear_logprobs, _LinearLogprobs, 6, 4)
-        self.logits_logprobs = _EagerFirst(ops.logits_logprobs, _LogitsLogprobs, 3, 2)
-        self.linear_grpo_terms = ops.linear_grpo_terms
-        self.logits_grpo_terms = ops.logits_grpo_terms
+        self.linear_logprobs = _EagerFirst(WithScalars(ops.linear_logprobs), _LinearLogprobs, 6,
+                                           4)
+        self.logits_logprobs = _EagerFirst(WithScalars(ops.logits_logprobs), _LogitsLogprobs, 3,
+                                           2)
+        self.linear_grpo_terms = WithScalars(ops.linear_grpo_terms)
+        self.logits_grpo_terms = WithScalars(ops.logits_grpo_terms)
 
     def __getattr__(self, name):
         return getattr(self._ops, name)

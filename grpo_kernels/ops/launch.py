@@ -29,6 +29,7 @@ from ..kernels.epilogue import (
 )
 from ..params import TokenLossArgs
 from . import fallback
+from .op_scalars import of_op
 
 
 class BoundOp:
@@ -42,10 +43,12 @@ class BoundOp:
 
     def __init__(self, impl, temperature: float, softcap: float | None = None,
                  logit_scale: float | None = None):
-        self.impl, self.temperature = impl, temperature
+        # an operator's body gets the values as 0-d tensors, an eager call as floats
+        self.impl, self.temperature = impl, of_op(temperature)
         # the logit transform z = cap(s·y) before the temperature (kernels/logit_transform.py);
         # given to the launchers only when set, so that they keep their plain calls otherwise
-        self.transform = {k: v for k, v in (("softcap", softcap), ("logit_scale", logit_scale))
+        self.transform = {k: of_op(v) for k, v in (("softcap", softcap),
+                                                   ("logit_scale", logit_scale))
                           if v is not None}
 
     @property

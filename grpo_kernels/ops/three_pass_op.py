@@ -19,6 +19,7 @@ import torch
 
 from .autograd import N_GRPO_ARGS
 from .custom_ops import TERMS_ARGS, direct
+from .op_scalars import WithScalars, of_op
 from .three_pass import (
     Saved,
     ThreePass,
@@ -33,15 +34,17 @@ F32 = torch.float32
 torch.library.define(
     "grpo_kernels::linear_grpo_loss_grad",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor? entropy_weights, "
-    f"float temperature, str backend, bool[] needs, bool compact, {TERMS_ARGS}, "
-    "float? logit_scale=None) -> (Tensor loss, Tensor policy_loss, Tensor logp, Tensor entropy, "
+    f"Tensor temperature, str backend, bool[] needs, bool compact, {TERMS_ARGS}, "
+    "Tensor? logit_scale=None) -> (Tensor loss, Tensor policy_loss, Tensor logp, Tensor entropy, "
     "Tensor kl, Tensor ratio, Tensor d_hidden, Tensor d_weight, Tensor d_bias)")
 
 
 @torch.library.impl("grpo_kernels::linear_grpo_loss_grad", "default")
 def _linear_grpo_loss_grad(hidden, weight, bias, targets, entropy_weights, temperature, backend,
                            needs, compact, *args):
-    grpo_args, logit_scale = tuple(args[:N_GRPO_ARGS]), (tuple(args[N_GRPO_ARGS:]) + (None,))[0]
+    # five [N] tensors, then the hyperparameters as 0-d tensors (op_scalars.py): their values
+    grpo_args = (*args[:5], *(of_op(a) for a in args[5:N_GRPO_ARGS]))
+    temperature, logit_scale = of_op(temperature), of_op((tuple(args[N_GRPO_ARGS:]) + (None,))[0])
     out = loss_grad((hidden, weight, bias), targets, grpo_args, entropy_weights, needs, backend,
                     temperature, logit_scale, compact, differentiate=grad_in_op_body)
     grads = tuple(hidden.new_empty(0) if g is None else g for g in out.grads)
@@ -76,6 +79,7 @@ def _backward(ctx, g, *_):
 
 torch.library.register_autograd("grpo_kernels::linear_grpo_loss_grad", _backward,
                                 setup_context=_setup)
+LOSS_GRAD_OP = WithScalars(torch.ops.grpo_kernels.linear_grpo_loss_grad)  # Python numbers in
 
 
 def linear_grpo_loss(head, ids, grpo_args, g_ent, backend: str, temperature: float,
@@ -88,7 +92,7 @@ def linear_grpo_loss(head, ids, grpo_args, g_ent, backend: str, temperature: flo
     grad = torch.is_grad_enabled()  # off: the forward-only route (no d-logits, no products)
     needs = [grad and t is not None and t.requires_grad for t in head]
     if not direct(hidden, weight, bias):
-        outputs = torch.ops.grpo_kernels.linear_grpo_loss_grad(
+        outputs = LOSS_GRAD_OP(
             hidden, weight, bias, ids, g_ent, temperature, backend, needs, compact, *grpo_args,
             logit_scale)
         return ThreePass(*outputs[:6], None, None, None)

@@ -248,24 +248,25 @@ def test_custom_ops_take_the_transform(backend):
     h, w, b = leaf(hidden[0]), leaf(weight), leaf(bias)
     tests = ["test_schema", "test_faketensor", "test_autograd_registration",
              "test_aot_dispatch_dynamic"]
-    cases = [(OPS.linear_logprobs.default,
+    # .args: the hyperparameters as the operators take them (0-d tensors)
+    cases = [(OPS.linear_logprobs,
               (h, w, b, ids[0], 0.7, None, backend, "targets", CAP, 0.5)),
-             (OPS.logits_logprobs.default,
+             (OPS.logits_logprobs,
               (leaf(hidden @ weight.T), ids[0], 0.7, backend, "targets", False, CAP, None))]
     if backend == "triton":
         mask, adv, old, ref = _batch(hidden, weight, bias, ids, 13, softcap=CAP)
         params = GRPOParams(beta=0.04, entropy_coef=0.01)
         grpo = _terms_args(LossInputs(mask, adv.reshape(-1, 1), old, ref, None, None), params)
-        cases.append((OPS.linear_grpo_terms.default,
+        cases.append((OPS.linear_grpo_terms,
                       (h, w, b, ids[0], 1.0, None, backend, *grpo, CAP, None)))
     for op, args in cases:
-        result = torch.library.opcheck(op, args, test_utils=tests)
+        result = torch.library.opcheck(op.default, op.args(*args), test_utils=tests)
         assert all(v == "SUCCESS" for v in result.values()), (op, result)
 
 
 def test_compiled_loss_with_cap_matches_eager():
     """torch.compile(fullgraph=True) of the fused loss with a soft cap: the ops take it as a
-    plain float argument (chunked backend: no interpreter inside the graph)."""
+    0-d tensor argument (chunked backend: no interpreter inside the graph)."""
     hidden, weight, bias, ids = _head(seed=14)
     mask, adv, old, _ = _batch(hidden, weight, bias, ids, 14, softcap=CAP)
 

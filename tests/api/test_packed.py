@@ -305,8 +305,8 @@ def test_opcheck_packed_loss_op():
     inputs = check_loss_inputs(1, 3, torch.device("cpu"), params, None, packed["adv"],
                                packed["old"], packed["ref"], None, None,
                                cu_seqlens=packed["cu_seqlens"])
-    args = (leaf(packed["hidden"]), leaf(weight), leaf(b), packed["ids"], 1.0, None, "triton",
-            *_terms_args(inputs, params))
+    args = OPS.linear_grpo_terms.args(leaf(packed["hidden"]), leaf(weight), leaf(b), packed["ids"],
+                                      1.0, None, "triton", *_terms_args(inputs, params))
     tests = ["test_schema", "test_faketensor", "test_autograd_registration",
              "test_aot_dispatch_dynamic"]
     result = torch.library.opcheck(OPS.linear_grpo_terms.default, args, test_utils=tests)

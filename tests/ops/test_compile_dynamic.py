@@ -3,15 +3,20 @@ another number of sequences and another completion length): the fused losses tra
 symbolic sizes, so a compiled step compiles twice (once for the first sizes, once with dynamic
 sizes) and never again. Code on the traced path that fixes a size to its value (a size in a
 formatted string, a shape compared in a way Dynamo cannot decide) would recompile it at every
-new size, and with fullgraph=True fail once Dynamo's recompile limit (8) is reached.
+new size, and with fullgraph=True fail once Dynamo's recompile limit (8) is reached. Float
+hyperparameters that change from step to step (a schedule) are traced as symbolic floats the
+same way: the operators take them as tensors, which keeps them symbolic.
 
 Runs on both backends: the Triton kernels in the interpreter and the chunked PyTorch path."""
+
+import dataclasses
 
 import pytest
 import torch
 from helpers import make_grpo_batch, make_head
 
 import grpo_kernels as gk
+from grpo_kernels.params import GRPOParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BACKENDS = ["triton", "chunked"]
@@ -152,3 +157,72 @@ def test_an_equal_hyperparameter_in_a_new_object_compiles_once(backend):
             torch.testing.assert_close(compiled(beta, epsilon_high, *args),
                                        step(beta, epsilon_high, *args), rtol=1e-5, atol=1e-6)
     assert counter.graphs == 1, f"{counter.graphs} graphs for one value"
+
+
+# A hyperparameter schedule: every float a custom operator takes changes at every step (beta,
+# the clip range, delta, the temperature, the logit transform), and the entropy coefficient as
+# the TRL subclass gives it (its adaptive coefficient / (accumulation · the loss scale), new at
+# every micro-batch). Dynamo makes a float that changes a symbolic one; a `float` operator
+# argument would specialize it again (a graph per value, and an error at the recompile limit),
+# so the operators take them as 0-d tensors.
+SCHEDULE = [dict(beta=0.04 + 0.01 * i, epsilon_low=0.2 - 0.02 * i, epsilon_high=0.28 + 0.01 * i,
+                 delta=2.0 + 0.5 * i, temperature=0.7 + 0.1 * i, logit_scale=1.0 - 0.1 * i,
+                 entropy_coef=float(0.01 + 0.002 * i) / (2 * float(1.0 + 0.1 * i)))
+            for i in range(4)]
+CAPPED = [dict(step, softcap=20.0 + 5 * i) for i, step in enumerate(SCHEDULE)]  # four passes
+
+
+def graphs_for(step, calls, dynamic=None):
+    """The graphs torch.compile(step) builds (AOTAutograd, where a float operator argument is
+    specialized) over `calls`, each (args, kwargs); each call's loss and d hidden (args[0])
+    equal the eager call's."""
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for args, kw in calls:
+        outs = []
+        for fn in (compiled, step):
+            h = args[0].detach().requires_grad_()
+            loss = fn(h, *args[1:], **kw)
+            outs.append((loss, *torch.autograd.grad(loss, h)))
+        for ours, want in zip(*outs):
+            torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    return counts["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("schedule", [SCHEDULE, CAPPED], ids=["three-pass", "four-pass"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hyperparameter_schedule_compiles_twice(backend, schedule):
+    """Four steps with new values of every float hyperparameter an operator takes: two graphs
+    (the first values, then symbolic floats), each step's loss and d hidden equal eager's. The
+    chunked four-pass route traces grpo_math around its operator: its clamps by the clip range
+    and delta keep them symbolic too (`objectives.clamp`)."""
+    weight, args, _ = batch(3, 6, 0, packed=False)
+
+    def step(*args, **kw):
+        return gk.fused_linear_grpo_loss(args[0], weight, *args[1:], **kw)[0]
+
+    with gk.force_backend(backend):
+        graphs = graphs_for(step, [(args, kw) for kw in schedule])
+    assert graphs == 2, f"{graphs} graphs for {len(schedule)} steps"
+
+
+def test_a_hyperparameter_schedule_compiles_once_with_dynamic_true():
+    """dynamic=True: the floats are symbolic from the first call: one graph for the logits
+    loss (its token-terms op on Triton) over three steps of the schedule, each step's GRPOParams
+    made as the TRL subclass makes them (dataclasses.replace of the trainer's)."""
+    weight, args, _ = batch(3, 6, 0, packed=False)
+    base = GRPOParams(loss_type="dapo")
+
+    def step(hidden, *args, params, logit_scale):
+        return gk.grpo_loss(hidden @ weight.T, *args, params=params, logit_scale=logit_scale)[0]
+
+    def kwargs(kw):  # logit_scale is the function's argument, the rest GRPOParams fields
+        kw = dict(kw)
+        scale = kw.pop("logit_scale")
+        return {"params": dataclasses.replace(base, **kw), "logit_scale": scale}
+
+    calls = [(args, kwargs(kw)) for kw in SCHEDULE[:3]]
+    with gk.force_backend("triton"):
+        graphs = graphs_for(step, calls, dynamic=True)
+    assert graphs == 1, f"{graphs} graphs for {len(calls)} steps"

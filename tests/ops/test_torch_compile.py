@@ -17,6 +17,8 @@ from grpo_kernels.chunked import launchers as chunked
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
 from grpo_kernels.loss_call import terms_args as _terms_args
 from grpo_kernels.ops import custom_ops
+from grpo_kernels.ops.op_scalars import WithScalars
+from grpo_kernels.ops.three_pass_op import LOSS_GRAD_OP
 from grpo_kernels.params import GRPOParams
 from grpo_kernels.validation import LossInputs
 
@@ -165,11 +167,13 @@ def test_opcheck_selective_ops(backend):
     h, w, b = (leaf(x).reshape(-1, x.shape[-1]) if x.dim() > 1 else leaf(x)
                for x in (hidden, weight, bias))
     flat = ids.reshape(-1)
-    _opcheck(custom_ops.OPS.linear_logprobs.default,
-             (h.detach().requires_grad_(), w, b, flat, 0.7, None, backend, "targets"))
+    ops = custom_ops.OPS  # .args: the hyperparameters as the operators take them (0-d tensors)
+    _opcheck(ops.linear_logprobs.default,
+             ops.linear_logprobs.args(h.detach().requires_grad_(), w, b, flat, 0.7, None,
+                                      backend, "targets"))
     logits = leaf(hidden @ weight.T).detach().requires_grad_()
-    _opcheck(custom_ops.OPS.logits_logprobs.default,
-             (logits, flat, 0.7, backend, "targets", False))
+    _opcheck(ops.logits_logprobs.default,
+             ops.logits_logprobs.args(logits, flat, 0.7, backend, "targets", False))
 
 
 def _linear_call(call, head):
@@ -198,6 +202,7 @@ def test_eager_selective_ops_match_the_operators(inplace, monkeypatch):
     a dispatch mode the operator itself runs."""
     head, _ = problem(seed=5)
     ops = torch.ops.grpo_kernels
+    op = {name: WithScalars(getattr(ops, name)) for name in ("linear_logprobs", "logits_logprobs")}
     calls = {"linear_logprobs": _linear_call,
              "logits_logprobs": functools.partial(_logits_call, inplace=inplace)}
     kept = {name: call(getattr(custom_ops.OPS, name), head)[0] for name, call in calls.items()}
@@ -208,7 +213,7 @@ def test_eager_selective_ops_match_the_operators(inplace, monkeypatch):
                         lambda *args, keep=None, **kw: logits_forward(*args, **kw))
     for name, call in calls.items():
         fast, fast_node = call(getattr(custom_ops.OPS, name), head)
-        want, op_node = call(getattr(ops, name), head)
+        want, op_node = call(op[name], head)
         assert "GeneratedBackwardFor" in op_node and "GeneratedBackwardFor" not in fast_node
         for a, b in zip(fast, want):
             assert torch.equal(a, b)
@@ -254,11 +259,14 @@ def test_opcheck_loss_ops(backend):
     grpo = _terms_args(inputs, params)
     h = leaf(hidden.reshape(-1, 4))
     fused = True
-    _opcheck(custom_ops.OPS.linear_grpo_terms.default,
-             (h, leaf(weight), leaf(bias), ids.reshape(-1), 1.0, None, backend, *grpo), fused)
+    ops = custom_ops.OPS
+    _opcheck(ops.linear_grpo_terms.default,
+             ops.linear_grpo_terms.args(h, leaf(weight), leaf(bias), ids.reshape(-1), 1.0, None,
+                                        backend, *grpo), fused)
     logits = leaf(hidden @ weight.T)
-    _opcheck(custom_ops.OPS.logits_grpo_terms.default,
-             (logits, ids.reshape(-1), 1.0, backend, False, *grpo), fused)
+    _opcheck(ops.logits_grpo_terms.default,
+             ops.logits_grpo_terms.args(logits, ids.reshape(-1), 1.0, backend, False, *grpo),
+             fused)
 
 
 def test_reference_and_unfused_paths_compile_with_in_graph_checks():
@@ -315,9 +323,10 @@ def test_opcheck_three_pass_op():
     inputs = LossInputs(mask, adv.reshape(-1, 1), old, ref, None, None)
     g_ent = torch.full((4,), -0.01 / 4)
     for backend in BACKENDS:
-        _opcheck(torch.ops.grpo_kernels.linear_grpo_loss_grad.default,
-                 (leaf(hidden.reshape(-1, 4)), leaf(weight), leaf(bias), ids.reshape(-1), g_ent,
-                  1.0, backend, [True, True, True], True, *_terms_args(inputs, params)))
+        _opcheck(LOSS_GRAD_OP.default,
+                 LOSS_GRAD_OP.args(leaf(hidden.reshape(-1, 4)), leaf(weight), leaf(bias),
+                                   ids.reshape(-1), g_ent, 1.0, backend, [True, True, True],
+                                   True, *_terms_args(inputs, params)))
 
 
 FRESH = """
