@@ -139,6 +139,15 @@ def _inputs(N: int, D: int, V: int, rank: int, tp: int):
     return hidden, weight, ids, adv
 
 
+def chunk_mib(rows: int, V: int, D: int) -> str:
+    """GRPO_KERNELS_CHUNK_MIB's text for exactly `rows` rows per chunk of a [V, D] shard
+    (`kernels.linear_loss_grad.chunk_rows`; half a row more, so that the MiB text's rounding
+    never drops a row)."""
+    from grpo_kernels.kernels.linear_loss_grad import row_bytes
+
+    return f"{(rows + 0.5) * row_bytes(V, D) / MiB:.6f}"
+
+
 def _cell(provider: str, route: str, N: int, D: int, V: int, reps: int, chunk_rows: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -149,8 +158,7 @@ def _cell(provider: str, route: str, N: int, D: int, V: int, reps: int, chunk_ro
     hidden, full, ids, adv = _inputs(N, D, V, rank, tp)
     os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if route == "three-pass" else "0"
     Vr = V // tp
-    budget = chunk_rows * (Vr * 8 + D * 8)  # kernels.linear_loss_grad.chunk_rows' bytes per row
-    os.environ["GRPO_KERNELS_CHUNK_MIB"] = f"{budget / MiB:.6f}"
+    os.environ["GRPO_KERNELS_CHUNK_MIB"] = chunk_mib(chunk_rows, Vr, D)
     mask = torch.ones(N)
     if provider == "gathered":
         weight = full[rank * Vr:(rank + 1) * Vr].clone().requires_grad_()

@@ -72,6 +72,11 @@ class LossGrad(NamedTuple):
     d_bias: torch.Tensor | None  # [V] in bias's dtype
 
 
+def row_bytes(V: int, D: int) -> int:
+    """The bytes one chunk row takes in `chunk_rows`' budget (its docstring says which)."""
+    return V * 4 + D * 8
+
+
 def chunk_rows(n: int, V: int, D: int, budget_bytes: int) -> int:
     """Rows per chunk for n rows: the largest count whose buffers fit `budget_bytes`, at least
     1 and at most n (1 for n = 0), a multiple of ALIGN_ROWS when at least ALIGN_ROWS and < n.
@@ -79,8 +84,7 @@ def chunk_rows(n: int, V: int, D: int, budget_bytes: int) -> int:
     Bytes per row: V·4 (float32 logits, with the d logits written over them: `dlogits_over`)
     + D·8 (at most two [rows, D] float32 temporaries: the mixed head's upcast hidden chunk and
     its d hidden before rounding, or the CPU emulation's partial sums)."""
-    per_row = V * 4 + D * 8
-    rows = int(budget_bytes) // per_row
+    rows = int(budget_bytes) // row_bytes(V, D)
     if rows >= ALIGN_ROWS:
         rows -= rows % ALIGN_ROWS
     return max(1, min(rows, n))
