@@ -7,7 +7,8 @@ Gemma 3n: per-layer token embeddings beside the body's input, AltUp and LAuReL b
 sliding-window layers, a final-logit soft cap. DeepSeek V2 and V3: multi-head latent attention
 (low-rank queries and keys/values, a rotary part of each head) and a Mixture-of-Experts with
 shared experts after a first dense layer (V3 routes by sigmoid scores with a bias). DBRX: a
-fused QKV projection clipped to clip_qkv and a Mixture-of-Experts of its own.
+fused QKV projection clipped to clip_qkv and a Mixture-of-Experts of its own, whose auxiliary
+loss the helpers reproduce.
 
 And two layers that look linear and are not: a head with a learned logit scale of its own
 (Dory), refused; Llama 4's router, left out of add_lora's "all-linear".
@@ -111,6 +112,27 @@ def test_chosen_rows_match_the_padded_batch(family):
                                         loss_fn=FusedLinearGRPOLoss(**HP), **kwargs)[0],
             lambda: reference.grpo_loss(base.own(model, b, positions), ids[:, -T:], b["adv"],
                                         b["cm"], b["old"], b["ref"], **HP)[0])
+
+
+def test_dbrx_auxiliary_loss_is_its_own_on_padded_and_packed_rows():
+    """DBRX's modeling module has Mixtral's load_balancing_loss_func: the bound loss, on the
+    body's router logits of the padded batch and of its packed rows (their real-token mask),
+    equals the aux_loss of DBRX's own forward."""
+    from grpo_kernels.hf import completion_hidden_states, load_balancing_loss, pack_sequences
+
+    model, b = build("dbrx"), base.make_batch()
+    T, ids, am = b["T"], b["ids"], b["am"]
+    aux = load_balancing_loss(model)
+    rows = pack_sequences(ids, am, T, b["cm"], model_config=model.config)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=am, output_router_logits=True,
+                     use_cache=False).aux_loss
+        _, padded = completion_hidden_states(model, ids, am, T, return_router_logits=True)
+        _, packed = completion_hidden_states(model, rows.input_ids, None, rows.logits_to_keep,
+                                             position_ids=rows.position_ids,
+                                             return_router_logits=True)
+    torch.testing.assert_close(aux(padded, am), want)
+    torch.testing.assert_close(aux(packed, rows.real_mask()), want)
 
 
 def test_head_with_a_logit_scale_of_its_own_is_refused():
