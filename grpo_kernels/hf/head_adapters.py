@@ -237,9 +237,6 @@ def _lora_targets(model: nn.Module, out: nn.Module | None, target_modules, head:
     targets = target_modules
     if isinstance(targets, str) and targets != "all-linear" and re.fullmatch(r"[\w.]+", targets):
         targets = [targets]  # one module name, as a list names it (as a regex it matches nothing)
-    if not head:
-        return targets
-    head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
     if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
         # layer, as PEFT counts them (GPT-2's are transformers' Conv1D, a transposed linear),
         # except those whose output is not their linear map: LoRA adds its update to that
@@ -247,15 +244,43 @@ def _lora_targets(model: nn.Module, out: nn.Module | None, target_modules, head:
         linear = (nn.Linear, *_conv1d())
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, linear)
                   and m is not out]
-        odd = {n.rsplit(".", 1)[-1]: why for n, m in layers
-               if (why := not_a_linear_map(m)) is not None}
-        if odd:
+        odd = {n: why for n, m in layers if (why := not_a_linear_map(m)) is not None}
+        if odd:  # one phrase per kind of layer, e.g. "48 Llama4Router layers (...)"
+            kinds: dict[tuple[str, str], int] = {}
+            for n, m in layers:
+                if n in odd:
+                    key = (type(m).__name__, odd[n])
+                    kinds[key] = kinds.get(key, 0) + 1
             _LOG.warning("add_lora: all-linear leaves out %s", "; ".join(
-                f"{name} ({why})" for name, why in sorted(odd.items())))
-        targets = sorted({n.rsplit(".", 1)[-1] for n, _ in layers} - odd.keys())
+                f"{count} {kind} layers ({why})" for (kind, why), count in sorted(kinds.items())))
+        targets = _matching_names(model, [n for n, _ in layers if n not in odd])
+    if not head:
+        return targets
+    head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
     if isinstance(targets, str):  # a regex: the head as one more alternative
         return f"(?:{targets})|{re.escape(head_name)}"
     return [*targets, head_name]
+
+
+def _matching_names(model: nn.Module, chosen: list[str]) -> list[str]:
+    """Names for PEFT's target_modules list (a name matches every module whose qualified name
+    is it or ends with "." + it) that match exactly the modules `chosen` (qualified names):
+    for each, its shortest dotted suffix that no other module's name ends with. A leaf name
+    alone can match more: a linear layer in a ModuleList is "0", as is a decoder layer (Gemma
+    3n's altup_projections.0 and layers.0), and a router left out can share its leaf name."""
+    keep = set(chosen)
+    pure: dict[str, bool] = {}  # suffix -> whether every module it matches is chosen
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        for k in range(len(parts)):
+            suffix = ".".join(parts[k:])
+            pure[suffix] = pure.get(suffix, True) and name in keep
+    names = set()
+    for name in chosen:
+        parts = name.split(".")
+        names.add(next(s for k in range(len(parts), 0, -1)
+                       if pure[s := ".".join(parts[k - 1:])]))
+    return sorted(names)
 
 
 def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32.0, dropout: float = 0.0,

@@ -11,7 +11,8 @@ fused QKV projection clipped to clip_qkv and a Mixture-of-Experts of its own, wh
 loss the helpers reproduce.
 
 And two layers that look linear and are not: a head with a learned logit scale of its own
-(Dory), refused; Llama 4's router, left out of add_lora's "all-linear".
+(Dory), refused; Llama 4's router, left out of add_lora's "all-linear", which names Gemma 3n's
+linear layers in a ModuleList so that its decoder layers are not taken too.
 """
 
 import logging
@@ -150,20 +151,32 @@ def test_head_with_a_logit_scale_of_its_own_is_refused():
         check_output_head(model)
 
 
-def test_add_lora_all_linear_leaves_out_a_router_that_returns_a_tuple(caplog):
-    """Llama 4's router is an nn.Linear whose forward returns (scores, logits): LoRA on it
-    (PEFT's lora.Linear adds its update to the base layer's output) fails in the model's own
-    forward. add_lora's "all-linear" leaves it out with a warning naming it, and the fused
-    log-probs equal the wrapped model's."""
+@pytest.mark.parametrize("family", ["llama4-text", "gemma3n-softcap"])
+def test_add_lora_all_linear_takes_every_linear_map(family, caplog):
+    """add_lora's "all-linear" puts LoRA on every linear layer but the head's own and
+    those that are not a linear map: Llama 4's router, an nn.Linear whose forward returns
+    (scores, logits), on which LoRA (PEFT adds its update to the base layer's output) fails in
+    the model's own forward, is left out with a warning naming it. Gemma 3n's
+    altup_projections are an nn.ModuleList, "0" and "1": named so, PEFT would also take the
+    decoder layers "layers.0" and "layers.1" and refuse them. The fused log-probs equal the
+    wrapped model's."""
     pytest.importorskip("peft")
+    from torch import nn
+
     from grpo_kernels.hf import add_lora
 
+    model = base.build(family) if family in base.FAMILIES else build(family)
+    routers = {n for n, m in model.named_modules() if type(m).__name__ == "Llama4Router"}
+    linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)} - routers
     with caplog.at_level(logging.WARNING, logger="grpo_kernels.hf.head_adapters"):
-        model = add_lora(base.build("llama4-text"), r=4, alpha=8)
-    assert any("leaves out router" in r.getMessage() for r in caplog.records), caplog.records
-    names = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters()
-             if ".lora_A." in n}
-    assert "router" not in names and {"q_proj", "lm_head"} <= names
+        model = add_lora(model, r=4, alpha=8)
+    warned = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert warned == ([f"add_lora: all-linear leaves out {len(routers)} Llama4Router layers "
+                       "(has a forward of its own whose output (tuple) is not x·Wᵀ + b)"]
+                      if routers else []), warned
+    wrapped = {n.removeprefix("base_model.model.") for n, m in model.named_modules()
+               if hasattr(m, "lora_A")}
+    assert wrapped == linear
     with torch.no_grad():  # B = 0 at initialization: give the adapters an effect
         for n, p in model.named_parameters():
             if "lora_B" in n:
