@@ -3,7 +3,8 @@ runs it: a tiny random model saved with its tokenizer, loaded by both trainers f
 directory. On a micro-batch of two prompts whose completions are apart (as TRL's shuffle leaves
 them), the subclass logs the row layout its model allows, runs it (shared rows: one forward on
 fewer positions than the padded batch) and gives TRL's loss, every gradient and every metric;
-three training steps of the models that share prompts end with TRL's logs and parameters:
+three training steps of the models that share prompts (OPT, Qwen3-MoE, DeepSeek V3, DBRX) end
+with TRL's logs and parameters:
 
     family                 layout   why
     OPT                    shared   its 2-D mask handling mixes packed sequences; its own 4-D
@@ -15,6 +16,7 @@ three training steps of the models that share prompts end with TRL's logs and pa
                                     mask
     Falcon with ALiBi      packed   ALiBi biases are built from a 2-D mask
     Bloom                  padded   ALiBi, and eager attention over a packed row mixes sequences
+    Gemma 3n               packed   sliding-window layers take no 4-D mask
     DeepSeek V3, DBRX      shared   routing is per token (no router_aux_loss_coef in their
                                     configs: TRL adds no auxiliary loss)
 
@@ -66,6 +68,12 @@ FAMILIES = {
         hidden_dropout=0.0, attention_dropout=0.0)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(
         hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
+    # per-layer token embeddings, AltUp, sliding-window layers, a final-logit soft cap
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
+        _DECODER, head_dim=8, hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2,
+        num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0],
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+        intermediate_size=[64, 64], final_logit_softcapping=0.5)),
     # the configs name no router_aux_loss_coef: TRL adds no auxiliary loss
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _MLA_MOE),
     "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _MLA_MOE),
@@ -82,6 +90,7 @@ EXPECTED = {
     "gemma2": (RowLayout.PACKED, "sliding_attention"),
     "falcon-alibi": (RowLayout.PACKED, "ALiBi"),
     "bloom": (RowLayout.PADDED, "ALiBi"),
+    "gemma3n": (RowLayout.PACKED, "sliding_attention"),
     "deepseek-v3": (RowLayout.SHARED, "each group's prompt once"),
     "dbrx": (RowLayout.SHARED, "each group's prompt once"),
 }
@@ -95,10 +104,19 @@ def save_family(path: str, family: str) -> None:
     config_cls, model_cls, kwargs = FAMILIES[family]
     tok = build_tokenizer()
     torch.manual_seed(0)
+    if family == "gemma3n":  # per-layer embeddings for the tokenizer's ids (default: 262,144)
+        kwargs = dict(kwargs, vocab_size_per_layer_input=len(tok))
     config = getattr(transformers, config_cls)(
         vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id, **kwargs)
-    getattr(transformers, model_cls)(config).save_pretrained(path)
+    model = getattr(transformers, model_cls)(config)
+    if family == "gemma3n":
+        # a padding embedding that is not 0: on a zero first hidden state the model's own
+        # gradient is NaN (AltUp's RMS magnitude mean(h²) ** 0.5), in TRL's trainer too
+        with torch.no_grad():
+            for embed in (model.get_input_embeddings(), model.model.embed_tokens_per_layer):
+                embed.weight[tok.pad_token_id].normal_(0.0, 0.02)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
 
 
@@ -162,7 +180,7 @@ def test_family_layout_and_compute_loss_equal_trl(family_dirs, family, cfg, capl
         assert count.counts[0] <= B * (P + T)
 
 
-@pytest.mark.parametrize("family", ["opt", "moe-no-aux"])
+@pytest.mark.parametrize("family", ["opt", "moe-no-aux", "deepseek-v3", "dbrx"])
 def test_family_training_run_equals_trl(family_dirs, family):
     """Three SGD steps (generation, shared-row scoring of the old and reference policies, the
     loss; gradient accumulation 2): every logged number and the parameters are TRL's."""
