@@ -1,14 +1,15 @@
-"""grpo_kernels.hf on Gemma 3n, DeepSeek V2 and V3 and DBRX: log-probs and entropies against a
-float64 run of the model's own forward, the loss's gradients against its float32 logits
-(`test_model_families_more`), and the packed and shared rows `choose_layout` picks against the
-padded batch given its positions (`test_model_families`).
+"""grpo_kernels.hf on Gemma 4, Gemma 3n, DeepSeek V2 and V3 and DBRX: log-probs and entropies
+against a float64 run of the model's own forward, the loss's gradients against its float32
+logits (`test_model_families_more`), and the packed and shared rows `choose_layout` picks
+against the padded batch given its positions (`test_model_families`).
 
-Gemma 3n: per-layer token embeddings beside the body's input, AltUp and LAuReL blocks,
-sliding-window layers, a final-logit soft cap. DeepSeek V2 and V3: multi-head latent attention
-(low-rank queries and keys/values, a rotary part of each head) and a Mixture-of-Experts with
-shared experts after a first dense layer (V3 routes by sigmoid scores with a bias). DBRX: a
-fused QKV projection clipped to clip_qkv and a Mixture-of-Experts of its own, whose auxiliary
-loss the helpers reproduce.
+Gemma 4: a config whose head_dim varies by layer (reading it from the whole config raises) and
+a MoE block. Gemma 3n: per-layer token embeddings beside the body's input, AltUp and LAuReL
+blocks. Both: sliding-window layers, a final-logit soft cap. DeepSeek V2 and V3: multi-head
+latent attention (low-rank queries and keys/values, a rotary part of each head) and a
+Mixture-of-Experts with shared experts after a first dense layer (V3 routes by sigmoid scores
+with a bias). DBRX: a fused QKV projection clipped to clip_qkv and a Mixture-of-Experts of its
+own, whose auxiliary loss the helpers reproduce.
 
 And two layers that look linear and are not: a head with a learned logit scale of its own
 (Dory), refused; Llama 4's router, left out of add_lora's "all-linear", which names Gemma 3n's
@@ -58,6 +59,13 @@ FAMILIES = {
                              # wherever a token's first hidden state is 0 (AltUp's RMS
                              # magnitude, mean(h²) ** 0.5, has an infinite derivative there)
                              pad_token_id=None)),
+    "gemma4-moe-softcap": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                           dict(TEXT, head_dim=8, global_head_dim=16, sliding_window=4,
+                                layer_types=["sliding_attention", "full_attention"],
+                                vocab_size_per_layer_input=V, hidden_size_per_layer_input=8,
+                                enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                moe_intermediate_size=32, final_logit_softcapping=0.5,
+                                pad_token_id=None)),
     "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _MLA),
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _MLA),
     # rope_theta in the attention config (transformers 5.24 reads it there, and its default
@@ -69,8 +77,9 @@ FAMILIES = {
                   pad_token_id=0)),
 }
 # the layout choose_layout gives each (grpo_train's padded forward passes position_ids)
-LAYOUT = {"gemma3n-softcap": RowLayout.PACKED, "deepseek-v2": RowLayout.SHARED,
-          "deepseek-v3": RowLayout.SHARED, "dbrx": RowLayout.SHARED}
+LAYOUT = {"gemma3n-softcap": RowLayout.PACKED, "gemma4-moe-softcap": RowLayout.PACKED,
+          "deepseek-v2": RowLayout.SHARED, "deepseek-v3": RowLayout.SHARED,
+          "dbrx": RowLayout.SHARED}
 HP = dict(beta=0.04, temperature=0.7)
 
 
