@@ -23,6 +23,7 @@ variant, LoHa/LoKr/IA3/..., trainable token indices, a quantized base layer) rai
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import warnings
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,7 +71,49 @@ def _base_linear(layer: nn.Module, where: str) -> nn.Module:
         raise NotImplementedError(
             f"the output embedding {where} has a base layer {type(base).__name__} without a "
             "floating-point weight (quantized?); the fused head needs a plain [V, D] weight")
+    _check_linear_map(base, where)
     return base
+
+
+def not_a_linear_map(layer: nn.Module) -> str | None:
+    """Why an nn.Linear subclass does not compute its linear map x·Wᵀ + b (a phrase), or None.
+    Two signs: parameters of its own besides weight and bias (DoryLMHead's learned per-token
+    logit scale, which can equal 1 when the model is built and the check runs), or a forward
+    of its own whose output on a fixed [2, in_features] input is not that map [2,
+    out_features] (Llama 4's and PhiMoE's routers return tuples, DeepSeek V4's grouped
+    projection reshapes). Other layer types: None (the logits check covers them)."""
+    if not isinstance(layer, nn.Linear):
+        return None
+    extra = sorted(n for n, _ in layer.named_parameters(recurse=False)
+                   if n not in ("weight", "bias"))
+    if extra:
+        return f"has parameters of its own besides weight and bias ({', '.join(extra)})"
+    if type(layer).forward is nn.Linear.forward:
+        return None
+    weight = layer.weight
+    try:
+        with torch.no_grad():
+            # fixed values, no random draw: the caller's RNG stream stays as it was
+            x = torch.linspace(-1.0, 1.0, 2 * layer.in_features, device=weight.device)
+            x = x.to(weight.dtype).view(2, layer.in_features)
+            y = layer(x)
+            same = (isinstance(y, torch.Tensor) and y.shape == (2, layer.out_features)
+                    and torch.allclose(y, nn.functional.linear(x, weight, layer.bias),
+                                       rtol=1e-3, atol=1e-5))
+    except Exception as exc:  # noqa: BLE001  (any failure: not a plain linear layer)
+        return f"has a forward of its own that fails on [2, in_features] ({exc})"
+    if not same:
+        what = type(y).__name__ if not isinstance(y, torch.Tensor) else f"{tuple(y.shape)}"
+        return f"has a forward of its own whose output ({what}) is not x·Wᵀ + b"
+    return None
+
+
+def _check_linear_map(head: nn.Module, where: str) -> None:
+    why = not_a_linear_map(head)
+    if why is not None:
+        raise NotImplementedError(
+            f"the output embedding {where} ({type(head).__name__}) {why}: the fused head "
+            "computes x·Wᵀ + b only")
 
 
 def _lora_terms(layer: nn.Module, where: str) -> list[LoraTerm]:
@@ -148,6 +193,7 @@ def resolve_head(head: nn.Module, where: str) -> ResolvedHead:
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor):
         raise ValueError(f"the output embedding {where} ({type(head).__name__}) has no weight")
+    _check_linear_map(head, where)
     return ResolvedHead(weight, getattr(head, "bias", None))
 
 
@@ -191,17 +237,50 @@ def _lora_targets(model: nn.Module, out: nn.Module | None, target_modules, head:
     targets = target_modules
     if isinstance(targets, str) and targets != "all-linear" and re.fullmatch(r"[\w.]+", targets):
         targets = [targets]  # one module name, as a list names it (as a regex it matches nothing)
+    if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
+        # layer, as PEFT counts them (GPT-2's are transformers' Conv1D, a transposed linear),
+        # except those whose output is not their linear map: LoRA adds its update to that
+        # output, which fails on Llama 4's router (a tuple) in the model's own forward
+        linear = (nn.Linear, *_conv1d())
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, linear)
+                  and m is not out]
+        odd = {n: why for n, m in layers if (why := not_a_linear_map(m)) is not None}
+        if odd:  # one phrase per kind of layer, e.g. "48 Llama4Router layers (...)"
+            kinds: dict[tuple[str, str], int] = {}
+            for n, m in layers:
+                if n in odd:
+                    key = (type(m).__name__, odd[n])
+                    kinds[key] = kinds.get(key, 0) + 1
+            _LOG.warning("add_lora: all-linear leaves out %s", "; ".join(
+                f"{count} {kind} layers ({why})" for (kind, why), count in sorted(kinds.items())))
+        targets = _matching_names(model, [n for n, _ in layers if n not in odd])
     if not head:
         return targets
     head_name = next((n for n, m in model.named_modules() if m is out), "output embedding")
-    if targets == "all-linear":  # PEFT's shorthand leaves the head out: name every linear
-        # layer, as PEFT counts them (GPT-2's are transformers' Conv1D, a transposed linear)
-        linear = (nn.Linear, *_conv1d())
-        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                          if isinstance(m, linear) and m is not out})
     if isinstance(targets, str):  # a regex: the head as one more alternative
         return f"(?:{targets})|{re.escape(head_name)}"
     return [*targets, head_name]
+
+
+def _matching_names(model: nn.Module, chosen: list[str]) -> list[str]:
+    """Names for PEFT's target_modules list (a name matches every module whose qualified name
+    is it or ends with "." + it) that match exactly the modules `chosen` (qualified names):
+    for each, its shortest dotted suffix that no other module's name ends with. A leaf name
+    alone can match more: a linear layer in a ModuleList is "0", as is a decoder layer (Gemma
+    3n's altup_projections.0 and layers.0), and a router left out can share its leaf name."""
+    keep = set(chosen)
+    pure: dict[str, bool] = {}  # suffix -> whether every module it matches is chosen
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        for k in range(len(parts)):
+            suffix = ".".join(parts[k:])
+            pure[suffix] = pure.get(suffix, True) and name in keep
+    names = set()
+    for name in chosen:
+        parts = name.split(".")
+        names.add(next(s for k in range(len(parts), 0, -1)
+                       if pure[s := ".".join(parts[k - 1:])]))
+    return sorted(names)
 
 
 def add_lora(model: nn.Module, *, r: int = 16, alpha: float = 32.0, dropout: float = 0.0,

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .row_layout import RowLayout
-from .unwrap import text_vocab_size
+from .unwrap import config_size, text_vocab_size
 
 __all__ = ["PackedBatch", "RowWidthRule", "check_packed_attention", "choose_row_width",
            "pack_sequences", "row_width_rule", "takes_boundaries"]
@@ -155,13 +155,12 @@ def pair_cost(config) -> float | None:
     FLOPs over a position's dense FLOPs in one decoder layer; None if the config lacks the
     sizes (hidden_size, num_attention_heads, intermediate_size)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    D = getattr(text, "hidden_size", None)
-    H = getattr(text, "num_attention_heads", None)
-    F = getattr(text, "intermediate_size", None)
+    D, H, F = (config_size(text, n)
+               for n in ("hidden_size", "num_attention_heads", "intermediate_size"))
     if not all(isinstance(x, int) and x > 0 for x in (D, H, F)):
         return None
-    hd = getattr(text, "head_dim", None) or D // H
-    kv = getattr(text, "num_key_value_heads", None) or H
+    hd = config_size(text, "head_dim") or D // H
+    kv = config_size(text, "num_key_value_heads") or H
     layer_params = D * hd * (2 * H + 2 * kv) + 3 * D * F  # q, o, k, v projections; gated MLP
     return 4 * H * hd / (2 * layer_params)
 

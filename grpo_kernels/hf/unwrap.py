@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["prompt_learning_adapter", "text_vocab_size", "unwrap_model"]
+__all__ = ["config_size", "prompt_learning_adapter", "text_vocab_size", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -26,6 +26,18 @@ def text_vocab_size(config) -> int:
     top level has none); 2 where neither says. The layout checks draw their tokens from it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
+
+
+def config_size(text, name: str):
+    """A size of a (text) config, None where it has none; one that varies by layer
+    (transformers' heterogeneous configs, Gemma 4's head_dim: reading it from the whole config
+    raises) is the mean over the layers that have it."""
+    try:
+        return getattr(text, name, None)
+    except RuntimeError:
+        sizes = [v for layer in getattr(text, "per_layer_config", None) or ()
+                 if isinstance(v := getattr(layer, name, None), int)]
+        return round(sum(sizes) / len(sizes)) if sizes else None
 
 
 def prompt_learning_adapter(model: nn.Module) -> str | None:
