@@ -62,6 +62,7 @@ from .tiles import (
     exp_sums,
     fast_mode,
     finish_stats,
+    gemm_into,
     general_mode,
     head_transform,
     in_tile,
@@ -72,6 +73,7 @@ from .tiles import (
     reference_sums,
     row_offset,
     tile_buffer,
+    tile_sums,
     tile_update,
     view,
     weight_tile,
@@ -141,16 +143,10 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     return out
 
 
-def _gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
-    """acc = alpha·(a @ b) when `first` (acc's old values are ignored, so it need not be
-    zeroed), else acc += alpha·(a @ b)."""
-    torch.addmm(acc, a, b, beta=0.0 if first else 1.0, alpha=alpha, out=acc)
-
-
 def linear_logprob_backward(
     hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
     needs=(True, True, True), chunk_elements=None, grad_filter=None, kept=None,
-    softcap=None, logit_scale=None, shard_targets=False, logp=None, lse_sum=None,
+    softcap=None, logit_scale=None, shard_targets=False, logp=None, lse_sum=None, own_sums=None,
 ):
     """Gradients of Σ g_logp·logp + Σ g_ent·H (see
     `linear_backward_atomic.linear_logprob_backward_atomic`).
@@ -161,7 +157,8 @@ def linear_logprob_backward(
     taken out of the dict (a dict filled by one forward serves one backward; an empty one means
     recompute).
     lse_sum: None or the forward's `lse_sum` [N]: a recomputed tile reads p as
-    2^(z - lse·log2(e)) / S, not through the lse alone (`tiles.row_offset`).
+    2^(z - lse·log2(e)) / S, not through the lse alone (`tiles.row_offset`). own_sums: None or
+    f, S = f(S over this backward's own tiles, `tiles.tile_sums`) in place of lse_sum.
 
     Each logits tile is turned into x with d z = σ·x per token (z in nats), in one of two modes
     made with each token's `tiles.row_offset` (log2 p - the tile, from lse or the kept tile):
@@ -196,12 +193,15 @@ def linear_logprob_backward(
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
         g, gh, from_tile = pick(g_logp), pick(g_ent), bool(kept)
         offset, sums = row_offset(lse, kept, pick, lse_sum)  # [Na] each; sums: S or None
-        if b is None and gh is None:
+        fast = b is None and gh is None  # fast_mode: one tile buffer, general_mode: two
+        rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=1 if fast else 2)
+        if own_sums is not None and not from_tile:
+            sums = own_sums(tile_sums(weight, h, b, offset, alpha, rows, cols))
+        if fast:
             mode = fast_mode(h, g, offset, inv_t, alpha, want_dw, pick(logp), sums)
         else:
             ent_a = None if gh is None else pick(ent)
             mode = general_mode(h, g, gh, offset, ent_a, inv_t, alpha, pick(logp), sums)
-        rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=mode.buffers)
         z_buf = None
         if from_tile:  # the forward's z - m [N, V]: the active rows, in one tile
             mode, z_buf = kept_mode(mode, kept, idx)
@@ -256,9 +256,9 @@ def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, 
             add_target_term(x, part(col), None if inside is None else part(inside),
                             part(mode.one_hot), None if target_x is None else part(target_x))
             if dh_acc is not None:
-                _gemm_into(part(dh_acc), x, w, first=v0 == 0, alpha=mode.alpha_dh)
+                gemm_into(part(dh_acc), x, w, first=v0 == 0, alpha=mode.alpha_dh)
             if dw_tile is not None:
-                _gemm_into(dw_tile, x.T, part(mode.h_dw), first=r0 == 0, alpha=mode.alpha_dw)
+                gemm_into(dw_tile, x.T, part(mode.h_dw), first=r0 == 0, alpha=mode.alpha_dw)
             if db_acc is not None:
                 db_acc[v0:v0 + c] += x.sum(dim=0)
         if dw_tile is not None and dw_tile.dtype != dw.dtype:

@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from .blocks import _row_parts
+
 LOG2E = 1.0 / math.log(2.0)  # e^x = 2^(x·LOG2E)
 LN2 = math.log(2.0)
 
@@ -120,6 +122,11 @@ def head_transform(temperature: float, softcap, logit_scale) -> tuple[float, Cap
 def cap_tile_(y, cap: Cap):
     """In place: a tile of pre·y (the GEMM applied pre) -> post·tanh(pre·y), log2 units."""
     return y.tanh_().mul_(cap.post)
+
+
+def gemm_into(acc, a, b, first: bool, alpha: float = 1.0) -> None:
+    """acc = alpha·(a @ b) when `first` (acc's old values ignored), else acc += alpha·(a @ b)."""
+    torch.addmm(acc, a, b, beta=0.0 if first else 1.0, alpha=alpha, out=acc)
 
 
 def logits_tile(h, w, b, out, alpha):
@@ -316,6 +323,27 @@ def reference_sums(m, s, lse):
     float32 subtraction, exact near the maximum). m, s, lse and S: [n] each."""
     neg_r = neg_lse_reference(lse.to(m.dtype))  # the backward's offset, bit for bit
     return torch.exp2(neg_r.add_(m)).mul_(s)
+
+
+def tile_sums(weight, h, b, neg_r, alpha, rows, cols):
+    """S [Na] = Σ 2^(z - r) over each row of the logits z that a recomputing linear-head backward
+    forms itself: in its own [rows, cols] tiles, each GEMM as its tile pass runs it
+    (`exact_tile`: the same bits), so that 2^(z - r) / S is p to float32's precision at every
+    column, a dominant one included, however the forward's GEMM rounded its logits. One more
+    GEMM pass over the vocabulary. weight [V, D]; h [Na, D] and b [V] | None as `log2_head`
+    gives them (compute dtype); neg_r [Na] = -r (`row_offset`)."""
+    Na, V, dtype = h.shape[0], weight.shape[0], h.dtype
+    sums = torch.zeros(Na, dtype=dtype, device=h.device)
+    z_buf = torch.empty(min(rows, Na) * min(cols, V), dtype=dtype, device=h.device)
+    w_buf = tile_buffer(weight, dtype, cols)
+    for v0 in range(0, V, cols):
+        w = weight_tile(weight, v0, cols, dtype, w_buf)  # [c, D]
+        c = w.shape[0]
+        bt = b if b is None or c == V else b[v0:v0 + c]
+        for _, r, part in _row_parts(Na, rows):
+            z = exact_tile(part(h), w, bt, view(z_buf, r, c), alpha, part(neg_r)[:, None])
+            part(sums).add_(z.exp2_().sum(dim=1))
+    return sums
 
 
 def kept_mode(mode: BackwardMode, kept: dict, idx) -> tuple[BackwardMode, torch.Tensor]:

@@ -121,14 +121,17 @@ class LinearHeadOp(BoundOp):
                             **self.transform, torch_kw=_torch_kw(lse_sum=lse_sum))
 
     def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None,
-                 shard_targets: bool = False, logp=None, lse_sum=None):
+                 shard_targets: bool = False, logp=None, lse_sum=None, own_sums=None):
         """shard_targets: a vocabulary shard's backward (grpo_kernels/parallel), where an id
         outside [0, V) is another shard's and adds no one-hot term. The Triton kernels compare
         column ids, so only the chunked launcher is told. logp: None or the forward's
         log-probs [N], from which the chunked launcher takes the target column's gradient
         (precise 1 - p of a dominant target); the Triton kernels read the lse. lse_sum: None or
         the chunked forward's S [N], from which it reads every column's p (precise p of a
-        dominant token, target or not)."""
+        dominant token, target or not). own_sums: None or a function of the S [Na] the chunked
+        launcher forms over its own recomputed logits (`chunked.tiles.tile_sums`) giving the S
+        it reads p with, in place of lse_sum (a backward whose forward's GEMM rounded
+        otherwise, as the three-pass route's)."""
         hidden, weight, bias = inputs
         extra = {} if not kept or self.on_triton else {"kept": kept}
         wanted = [n for n, need, x in zip(("hidden", "weight", "bias"), needs, inputs)
@@ -140,7 +143,8 @@ class LinearHeadOp(BoundOp):
                             needs=tuple(needs), grad_filter=self.grad_filter, **extra,
                             **self.transform,
                             torch_kw=_torch_kw(shard_targets=shard_targets or None,
-                                               logp=logp, lse_sum=lse_sum))
+                                               logp=logp, lse_sum=lse_sum,
+                                               own_sums=own_sums))
 
 
 def _torch_kw(**kw) -> dict | None:

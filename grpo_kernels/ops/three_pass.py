@@ -227,10 +227,17 @@ def recompute_grads(head, ids, stats, g_ent, needs, backend, temperature, logit_
     """The same input gradients from the saved statistics stats = (lse, entropy, coef, logp)
     [N], by the backend's backward launcher (a second backward of a graph kept with
     retain_graph). logp: the forward's, from which the chunked backward takes the target
-    column's gradient (1 - p of a dominant target, not through the lse)."""
+    column's gradient (1 - p of a dominant target, not through the lse). Every other column's
+    p it reads against S over its own recomputed logits (`own_sums`): their GEMMs round unlike
+    the forward's chunk, so the forward's S would not match them at a dominant token."""
     lse, ent, coef, logp = stats
     op = LinearHeadOp(IMPLS[backend], temperature, logit_scale=logit_scale)
-    return op.backward(head, ids, lse, ent, coef, g_ent, needs, logp=logp)
+    return op.backward(head, ids, lse, ent, coef, g_ent, needs, logp=logp, own_sums=_whole_head)
+
+
+def _whole_head(sums):
+    """A whole head's S over the recomputed logits is the S to read p with."""
+    return sums
 
 
 # ---- the eager autograd.Function ----------------------------------------------------------------

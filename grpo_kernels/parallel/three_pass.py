@@ -190,16 +190,15 @@ def linear_grpo_loss(shard: VocabShard, head, ids, grpo_args, g_ent, backend: st
         temperature = temperature / float(logit_scale)
     needs = [t is not None and t.requires_grad for t in head]
     out = loss_grad(shard, head, ids, grpo_args, g_ent, needs, backend, temperature, compact)
-    # the recompute's linear launchers read p through the lse (no S': theirs would be formed
-    # against their own GEMM's logits, which round unlike this route's), the target column's
-    # p - 1 from logp
+    # the recompute's chunked launcher reads p against S' of its own GEMM's logits, which round
+    # unlike this route's (`own_sums`), the target column's p - 1 from logp
     stats, coef = (out.logp, out.entropy, out.lse, None), out.coef
 
     def recompute(hidden, weight, bias):
         _, bwd_ids, _ = shard_targets(ids, shard)
         op = head_op(backend, temperature)
         return vocab_parallel_backward(op, shard, (hidden, weight, bias), bwd_ids, stats, coef,
-                                       g_ent, needs)
+                                       g_ent, needs, own_sums=True)
 
     saved = Saved(out.grads, recompute)
     value, out = out.loss, out._replace(grads=None)

@@ -3,8 +3,10 @@
 40 - margin (`test_dominated_rows.dominated_head`, V = 4096 in two shards of 2048), at τ = 1 and
 at τ = 0.01 with moderate raw logits. The log-probs and the gradients of hidden and weight
 against a float64 truth stay within twice PyTorch's own float32 error plus a tiny floor, as
-on a whole head (tests/api/test_dominated_rows.py), on both routes of the chunked backend, and
-on the Triton three-pass route at rows dominated by their target (`vp_cases.dominated_cases`).
+on a whole head (tests/api/test_dominated_rows.py), on both routes of the chunked backend (and
+the three-pass route's second backward of a retained graph, which recomputes the logits and
+sums its own S' over the group), and on the Triton three-pass route at rows dominated by their
+target (`vp_cases.dominated_cases`).
 
 Such a row's p ≈ 1 read as e^{z - lse} through the float32 lse in nats carries the lse's
 rounding (2e-6 at |lse| ≈ 40), tens to hundreds of times PyTorch's error; the shards' (max,

@@ -276,13 +276,16 @@ def dominated_cases() -> dict[str, dict]:
     """{name: options}: rows dominated by their target or by another token (p ≈ 1 - e^-12 ..
     1 - e^-40, `test_dominated_rows.dominated_head`), at τ = 1 and at τ = 0.01 with moderate raw
     logits; selective log-probs (the four-pass route) and the GRPO loss on both routes, chunked
-    backend, V = 4096; and the Triton three-pass route's row kernels (V = 64, in the
-    interpreter) at rows dominated by their target, which they take from logp (the Triton
-    linear forward and a row dominated by another token read p through the lse, as on a whole
-    head: tests/api/test_dominated_rows_routes.py)."""
+    backend, V = 4096, and the three-pass route's second backward of a retained graph
+    ("second": it recomputes the logits and reads p against its own S' over them); and the
+    Triton three-pass route's row kernels (V = 64, in the interpreter) at rows dominated by
+    their target, which they take from logp (the Triton linear forward and a row dominated by
+    another token read p through the lse, as on a whole head:
+    tests/api/test_dominated_rows_routes.py)."""
     cases = {f"{who}-{what}-t{t:g}": dict(who=who, what=what, temperature=t, V=4096,
                                           backend="chunked")
-             for who in ("target", "other") for what in ("logprobs", "four", "three")
+             for who in ("target", "other")
+             for what in ("logprobs", "four", "three", "second")
              for t in (1.0, 0.01)}
     cases.update({f"triton-target-three-t{t:g}": dict(who="target", what="three", temperature=t,
                                                       V=64, backend="triton")
@@ -309,7 +312,7 @@ def run_dominated(opts: dict, module, hidden, weight, **kw) -> dict:
     _, _, ids, g = dominated_head(opts)
     h, w = (x.detach().clone().requires_grad_(True) for x in (hidden, weight))
     t = opts["temperature"]
-    os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if opts["what"] == "three" else "0"
+    os.environ["GRPO_KERNELS_THREE_PASS"] = "1" if opts["what"] in ("three", "second") else "0"
     out = {}
     with force_backend(opts["backend"]):
         if opts["what"] == "logprobs":
@@ -323,5 +326,7 @@ def run_dominated(opts: dict, module, hidden, weight, **kw) -> dict:
             loss = module.fused_linear_grpo_loss(
                 h, w, ids, torch.tensor([1.0, -0.7], dtype=h.dtype), loss_type="dapo",
                 beta=0.04, temperature=t, ref_logps=ref.to(h.dtype), **kw)[0]
+            if opts["what"] == "second":  # the first backward's gradients are not measured
+                torch.autograd.grad(loss, (h, w), retain_graph=True)
         loss.backward()
     return dict(out, d_hidden=h.grad, d_weight=_local(w.grad))
