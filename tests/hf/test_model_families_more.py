@@ -301,3 +301,15 @@ def test_gemma3_images_match_the_models_own_logits():
                                         ids[:, -T:], adv, cm, **hp)[0])
     vision = [n for n in got_grads if "vision_tower" in n and got_grads[n].abs().sum() > 0]
     assert vision  # the loss reaches the vision tower through the image tokens
+
+
+def test_a_wrapper_that_names_no_output_embedding_is_refused_for_that(monkeypatch):
+    """A wrapper of several sub-models whose get_output_embeddings() is None (NemotronH Omni's,
+    whose head sits in its language_model) is refused for the missing output embedding, which
+    the hidden-state path projects with, before any search for its body."""
+    model = build("kosmos2.5-inner-causal-lm")
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
+    ids, am = make_batch()
+    with pytest.raises(ValueError, match="Kosmos2_5ForConditionalGeneration has no output "
+                                         "embedding"):
+        completion_logprobs(model, ids, am, T)
