@@ -43,7 +43,8 @@ def resolved_head(model: nn.Module) -> ResolvedHead:
     head = get() if get is not None else None
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embedding (get_output_embeddings() "
-                         "returned None): it is not a causal language model")
+                         "returned None): the fused path projects with the output embedding the "
+                         "model names, and this model names none")
     where = f"{type(inner).__name__}.{_module_name(inner, head)}"
     # DeepSpeed ZeRO-3: full differentiable copies of the sharded weight and bias (zero3.py)
     resolved = gathered_head(resolve_head(head, where), where)
@@ -148,18 +149,26 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _body(inner: nn.Module) -> nn.Module:
     """model.base_model; where that is the model itself (its base_model_prefix names no
-    attribute: Llama4ForCausalLM's says "language_model" and it holds `model`), its one
-    PreTrainedModel child. `_check_head_input` then checks that the head reads its output."""
+    attribute: Llama4ForCausalLM's says "language_model" and it holds `model`), its
+    PreTrainedModel child that holds the output embedding (or its one PreTrainedModel child):
+    a causal LM inside a wrapper (Kosmos 2.5's text_model beside its vision_model) gives its
+    own body. `_check_head_input` then checks that the head reads its output."""
     from transformers import PreTrainedModel
 
     body = getattr(inner, "base_model", None)
     if body is None or body is inner:
         children = [c for c in inner.children() if isinstance(c, PreTrainedModel)]
-        body = children[0] if len(children) == 1 else None
+        get = getattr(inner, "get_output_embeddings", None)
+        head = get() if get is not None else None
+        owners = [c for c in children if any(m is head for m in c.modules())]
+        # an owner is a causal LM of its own: the head reads that one's body's output
+        body = _body(owners[0]) if len(owners) == 1 else (
+            children[0] if len(children) == 1 else None)
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(inner).__name__}: "
-                         "model.base_model is the model itself, and it has not exactly one "
-                         "PreTrainedModel child")
+                         "model.base_model is the model itself, and neither one of its "
+                         "PreTrainedModel children holds the output embedding nor is it the "
+                         "only one")
     return body
 
 
@@ -189,10 +198,10 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     give silently wrong losses. Returns the body (`_bodies`: the first one the forward ran)."""
     if inner in _HEAD_CHECKED:
         return _HEAD_CHECKED[inner]
-    bodies = _bodies(inner)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
-        return bodies[0]  # output_head() raises the error
+        resolved_head(inner)  # raises: no output embedding
+    bodies = _bodies(inner)
     # copies of the last position, taken when each module ran: a forward may change the
     # tensors in place afterwards (Chameleon masks its image tokens' logits in the head's output)
     seen = {}

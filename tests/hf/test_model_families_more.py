@@ -6,7 +6,8 @@ logits under TRL's GRPO loss (`grpo_kernels.reference`).
 The families: Qwen3, Mistral, Gemma (scaled input embeddings), Gemma 3 (text) and VaultGemma
 with final-logit soft-capping, Cohere 2 (logit_scale), Phi-3, OLMo 2, GPT-J (a biased head),
 Falcon-H1 (lm_head_multiplier), Mamba (a body called `backbone`), PaliGemma with a Gemma 2 text
-model (the wrapper applies the text config's soft cap), Qwen2-VL and Gemma 3 with images.
+model (the wrapper applies the text config's soft cap), Kosmos 2.5 (a causal LM of its own
+inside the wrapper, beside its vision model), Qwen2-VL and Gemma 3 with images.
 Vision-language wrappers that leave their text config's logit transform unapplied (Aya Vision
 and Cohere 2 Vision with Cohere 2's default logit_scale, Gemma 3 or LLaVA with a soft cap in
 the text config) are reproduced as their forward runs them, and Inkling's padded head (its
@@ -78,6 +79,15 @@ FAMILIES = {
                                     dict(text_config=dict(TEXT, head_dim=8,
                                                           final_logit_softcapping=0.5),
                                          vision_config=VISION, **GEMMA3_VL)),
+    # its text model is a causal LM of its own (text_model.model, text_model.lm_head) beside
+    # its vision model, and its base_model is the wrapper itself
+    "kosmos2.5-inner-causal-lm": ("Kosmos2_5Config", "Kosmos2_5ForConditionalGeneration",
+                                  dict(text_config=dict(vocab_size=V, embed_dim=32, layers=2,
+                                                        ffn_dim=64, attention_heads=4,
+                                                        max_position_embeddings=64),
+                                       vision_config=dict(VISION, patch_embed_hidden_size=32,
+                                                          head_dim=8),
+                                       latent_query_num=4)),
     # logits: the first unpadded_vocab_size of the head's V + 8 rows
     "inkling-padded-head": ("InklingTextConfig", "InklingForCausalLM",
                             dict(TEXT, vocab_size=V + 8, unpadded_vocab_size=V,
@@ -291,3 +301,15 @@ def test_gemma3_images_match_the_models_own_logits():
                                         ids[:, -T:], adv, cm, **hp)[0])
     vision = [n for n in got_grads if "vision_tower" in n and got_grads[n].abs().sum() > 0]
     assert vision  # the loss reaches the vision tower through the image tokens
+
+
+def test_a_wrapper_that_names_no_output_embedding_is_refused_for_that(monkeypatch):
+    """A wrapper of several sub-models whose get_output_embeddings() is None (NemotronH Omni's,
+    whose head sits in its language_model) is refused for the missing output embedding, which
+    the hidden-state path projects with, before any search for its body."""
+    model = build("kosmos2.5-inner-causal-lm")
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
+    ids, am = make_batch()
+    with pytest.raises(ValueError, match="Kosmos2_5ForConditionalGeneration has no output "
+                                         "embedding"):
+        completion_logprobs(model, ids, am, T)
