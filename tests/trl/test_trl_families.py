@@ -160,19 +160,9 @@ def test_family_layout_and_compute_loss_equal_trl(family_dirs, family, cfg, capl
     assert ours._layout is layout and ours._support.fallback is None
     assert not ref.aux_loss_enabled
     assert len(lines) == 1 and f"run {layout} rows" in lines[0] and why in lines[0], lines
-    for tr in (ref, ours):
-        tr.model.train()
-        tr.current_gradient_accumulation_steps = 2
-    # prompts 0 and 2, each twice, apart: shared rows hold each once
-    inputs = make_batch(ref, prompt_rows=torch.tensor([0, 2, 0, 2]))
-    loss_ref = ref._compute_loss(ref.model, inputs)
-    loss_ref.backward()
     count = PositionCount(ours.model)
-    with force_backend("chunked"):
-        loss = ours._compute_loss(ours.model, inputs)
-        loss.backward()
+    _both_losses(ref, ours)
     count.handle.remove()
-    assert_same(ref, ours, loss_ref, loss)
     assert len(count.counts) == 1  # one forward of the micro-batch, as TRL's
     if layout is RowLayout.PADDED:
         assert count.counts == [B * (P + T)]
@@ -202,9 +192,17 @@ def test_moe_whose_auxiliary_loss_is_not_known_runs_trls_own(family_dirs, caplog
     assert ref.aux_loss_enabled and ours._layout is RowLayout.PADDED
     assert "load_balancing_loss_func" in ours._support.fallback
     assert any("TRL's own implementation" in r.getMessage() for r in caplog.records)
+    _both_losses(ref, ours)
+    assert ours._metrics["train"]["aux_loss"][-1] > 0
+
+
+def _both_losses(ref, ours) -> None:
+    """One micro-batch (accumulation 2) through TRL's _compute_loss and ours, backward on both:
+    loss, gradients and metrics equal (`assert_same`)."""
     for tr in (ref, ours):
         tr.model.train()
         tr.current_gradient_accumulation_steps = 2
+    # prompts 0 and 2, each twice, apart: shared rows hold each once
     inputs = make_batch(ref, prompt_rows=torch.tensor([0, 2, 0, 2]))
     loss_ref = ref._compute_loss(ref.model, inputs)
     loss_ref.backward()
@@ -212,4 +210,3 @@ def test_moe_whose_auxiliary_loss_is_not_known_runs_trls_own(family_dirs, caplog
         loss = ours._compute_loss(ours.model, inputs)
         loss.backward()
     assert_same(ref, ours, loss_ref, loss)
-    assert ours._metrics["train"]["aux_loss"][-1] > 0
