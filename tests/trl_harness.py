@@ -101,7 +101,10 @@ def run_both(model_dir, backend="chunked", mode="train", patch=None, extra=None,
 
 
 def assert_same(ref, ours, loss_ref, loss, mode="train"):
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7)
+    # float32 sums in another order (our fused head's against TRL's logits, and the BLAS
+    # kernels a CPU picks): 3e-7 at a loss of 0.19 measured on one AMD EPYC; the same bound
+    # as the metrics' below
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     scale = max(p.grad.abs().max() for p in ref.model.parameters() if p.grad is not None)
     for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
         assert (q.grad is None) == (p.grad is None), name  # frozen in both (e.g. under LoRA)

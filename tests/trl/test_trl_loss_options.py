@@ -150,9 +150,10 @@ def assert_matches_trl(model_dir, cfg, lengths=(7, 3, 5, 1), padding_free=True):
         loss.backward()
     no_fallback_warning(record)
     # vespo's φ = exp(λ + k·log w − λ·w) amplifies the float32 rounding of the summed log-ratio
-    # (both trainers compute log-probs in float32, by different matmuls) by |k − λ·w|
-    rtol = 3e-5 if cfg["loss_type"] == "vespo" else 1e-6
-    torch.testing.assert_close(loss, loss_ref, rtol=rtol, atol=1e-7)
+    # (both trainers compute log-probs in float32, by different matmuls) by |k − λ·w|; the
+    # others differ by float32 sums in another order (3e-7 at a loss of 0.19 on one AMD EPYC)
+    rtol = 3e-5 if cfg["loss_type"] == "vespo" else 1e-5
+    torch.testing.assert_close(loss, loss_ref, rtol=rtol, atol=1e-6)
     scale = max(p.grad.abs().max() for p in ref.model.parameters())
     for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=max(rtol, 1e-5), atol=1e-6 * scale,
