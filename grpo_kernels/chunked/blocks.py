@@ -1,6 +1,7 @@
 """How the chunked path cuts its work: the element budgets of a logits block or tile, the tile
 shape of a linear head, row blocks of a [B, T] batch, and the tokens whose gradient is not zero.
-Shared by the launchers of plain logits (`launchers.py`) and of transformed ones (`softcap.py`).
+Shared by the launchers of plain logits (`linear_launchers.py`, `logits_launchers.py`) and of
+transformed ones (`softcap.py`).
 """
 
 from __future__ import annotations

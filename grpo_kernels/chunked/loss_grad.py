@@ -15,7 +15,8 @@ gradient GEMMs:
     pass 2  d hidden[chunk] = d y @ W                [C, D]
     pass 3  d W += d y^T @ h[chunk]                   [V, D]   (d b += Σ_rows d y)
 
-against four for the forward + backward of `launchers.py` (the backward recomputes the logits).
+against four for the forward + backward of `linear_launchers.py` (the backward recomputes the
+logits).
 d y is the backward's (`tiles.neg_dz_tile`, `tiles.general_mode`): with z in nats, p = softmax(z),
 y the raw logits and z = y / τ,
 

@@ -1,6 +1,6 @@
-"""What the chunked launchers (`launchers.py`) do to one tile of logits: the softmax statistics,
-the per-token results, the backward's tile of d z (and its modes: how the linear-head backward
-makes that tile, `BackwardMode`), and the tile's operands.
+"""What the chunked launchers (`linear_launchers.py`, `logits_launchers.py`) do to one tile of
+logits: the softmax statistics, the per-token results, the backward's tile of d z (and its
+modes: how the linear-head backward makes that tile, `BackwardMode`), and the tile's operands.
 
 Every exponential over a tile is a base-2 one: PyTorch's CPU exp2 kernel takes about a third of
 the time of its exp (0.37 against 1.2 ms for 1M float32 on one core of an AMD EPYC, torch 2.13),
