@@ -46,8 +46,8 @@ from .blocks import (
     KEEP_ELEMENTS,
     _active_rows,
     _pick,
-    _row_parts,
     _tile_shape,
+    row_parts,
 )
 from .tiles import (
     LOG2E,
@@ -105,7 +105,7 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
         w_buf = tile_buffer(weight, dtype, cols)
         if cols == V:  # whole rows: each row block's statistics directly, nothing carried over
             w = weight_tile(weight, 0, V, dtype, w_buf)
-            for _, r, part in _row_parts(N, rows):
+            for _, r, part in row_parts(N, rows):
                 z = logits_tile(part(h), w, b, view(z_buf, r, V), alpha)  # [r, V]
                 if cap is not None:
                     cap_tile_(z, cap)
@@ -126,7 +126,7 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
             bt = None if b is None else b[v0:v0 + cols]
             c = w.shape[0]
             col, inside = in_tile(targets, v0, c)
-            for _, r, part in _row_parts(N, rows):
+            for _, r, part in row_parts(N, rows):
                 z = logits_tile(part(h), w, bt, view(z_buf, r, c), alpha)
                 if cap is not None:
                     cap_tile_(z, cap)
@@ -247,7 +247,7 @@ def _tile_pass(weight, h, b, tg, mode: BackwardMode, rows, cols, z_buf, dh_acc, 
         if want_dw:
             dw_tile = view(dw, c, D) if c == V else dw[v0:v0 + c]
             dw_tile = dw_tile if dw.dtype == dtype else view(dw_buf, c, D)
-        for r0, r, part in _row_parts(Na, rows):
+        for r0, r, part in row_parts(Na, rows):
             x = mode.tile(view(z_buf, r, c), part, w, bt, view(e_buf, r, c))
             add_target_term(x, part(col), None if inside is None else part(inside),
                             part(mode.one_hot), None if target_x is None else part(target_x))

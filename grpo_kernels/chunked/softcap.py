@@ -26,8 +26,8 @@ from .blocks import (
     _chunk_rows,
     _pick,
     _row_blocks,
-    _row_parts,
     _tile_shape,
+    row_parts,
     zero_rows_without_gradient,
 )
 from .tiles import (
@@ -90,7 +90,7 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
             bt = None if b is None else b[v0:v0 + c]
             col, inside = in_tile(tg, v0, c)
             dw_t = torch.zeros((c, D), dtype=dtype, device=h.device) if want_dw else None
-            for _, _, part in _row_parts(Na, rows):
+            for _, _, part in row_parts(Na, rows):
                 y = part(h) @ w.T if bt is None else torch.addmm(bt, part(h), w.T)  # [r, c]
                 zt, u = _transformed(y, dtype, softcap, logit_scale, temperature)  # z/τ
                 log_p = zt.sub_(part(lse_a))  # log p = z/τ - lse
