@@ -26,12 +26,12 @@ PROFILES = {"a": ("lognormal", 8), "b": ("lognormal", 16), "c": ("fixed", 8)}
 
 def count(profile: str, G: int, cap: int, prompt: int, config, draw: int = 0) -> dict:
     """The counts of the module docstring for draw number `draw` of `profile`."""
-    from grpo_kernels.hf.packed_rows import _place, choose_row_width
+    from grpo_kernels.hf.row_width import choose_row_width, first_fit
 
     completions = draw_lengths(profile, G, cap, seed=0, call=draw)
     lengths = [prompt + n for n in completions]
     width = choose_row_width(lengths, config)
-    rows = len(_place(lengths, width)[2])
+    rows = len(first_fit(lengths, width)[2])
     longest = max(completions)
     return {"profile": profile, "G": G, "real": sum(lengths),
             "body_padded": G * (prompt + longest), "body_packed": rows * width,

@@ -125,10 +125,11 @@ def recompute_tiles(monkeypatch):
     tests/ops/test_torch_compile.py). The linear-head loss takes the four-pass route there too
     (GRPO_KERNELS_THREE_PASS=0), for the same reason: the three-pass route's gradients come
     from the forward's chunks, equal to the four-pass route's to float32 rounding."""
-    from grpo_kernels.chunked import launchers as chunked
+    from grpo_kernels import chunked
+    from grpo_kernels.chunked import linear_launchers
     from grpo_kernels.ops import route
 
-    monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)
+    monkeypatch.setattr(linear_launchers, "KEEP_ELEMENTS", 0)
     logits_forward = chunked.logits_logprob_forward  # called without `keep`: nothing kept
     monkeypatch.setattr(chunked, "logits_logprob_forward",
                         lambda *args, keep=None, **kw: logits_forward(*args, **kw))

@@ -1,6 +1,7 @@
 """How the chunked path cuts its work: the element budgets of a logits block or tile, the tile
 shape of a linear head, row blocks of a [B, T] batch, and the tokens whose gradient is not zero.
-Shared by the launchers of plain logits (`launchers.py`) and of transformed ones (`softcap.py`).
+Shared by the launchers of plain logits (`linear_launchers.py`, `logits_launchers.py`) and of
+transformed ones (`softcap.py`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def _whole(x):
     return x
 
 
-def _row_parts(n: int, rows: int):
-    """Blocks of at most `rows` of n rows: (first row, rows, x -> the block's rows of x). One
-    block of all n rows hands tensors on as they are (no view op per tensor and block)."""
+def row_parts(n: int, rows: int):
+    """Blocks of at most `rows` of n rows, in order: yields (r0, r, part), where part maps a
+    tensor [n, ...] to its rows r0 .. r0 + r - 1, a view [r, ...] (r = rows, the last block
+    fewer). One block of all n rows (rows >= n) hands tensors on as they are: part is the
+    identity, no view op per tensor and block."""
     if rows >= n:
         yield 0, n, _whole
         return

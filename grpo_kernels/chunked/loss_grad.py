@@ -15,7 +15,8 @@ gradient GEMMs:
     pass 2  d hidden[chunk] = d y @ W                [C, D]
     pass 3  d W += d y^T @ h[chunk]                   [V, D]   (d b += Σ_rows d y)
 
-against four for the forward + backward of `launchers.py` (the backward recomputes the logits).
+against four for the forward + backward of `linear_launchers.py` (the backward recomputes the
+logits).
 d y is the backward's (`tiles.neg_dz_tile`, `tiles.general_mode`): with z in nats, p = softmax(z),
 y the raw logits and z = y / τ,
 
@@ -49,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import _pick, _row_parts
+from .blocks import _pick, row_parts
 from .tiles import (
     LN2,
     compute_dtype,
@@ -219,7 +220,7 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
             dw = torch.empty_like(weight) if weight.dtype == dtype else torch.empty(
                 V, D, dtype=dtype, device=h.device)
         db = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
-        for r0, r, part in _row_parts(Na, C):
+        for r0, r, part in row_parts(Na, C):
             stats = [part(logp), part(ent), part(lse)]
             z = _logits(part(h), w, b, alpha, view(z_buf, r, V))
             z, e, s = _chunk_stats(z, part(tg)[:, None], view(e_buf, r, V), stats,

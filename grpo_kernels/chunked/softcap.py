@@ -4,9 +4,9 @@ raw logits y (hidden @ weight.T + bias, or the logits given) before the temperat
     z = c·tanh(s·y / c)   (s = 1 without a scale),   or   z = s·y   (a scale only)
     log p = log_softmax(z / τ)
 
-Same contract as the launchers in `launchers.py`, which hand their calls here when a transform is
-on (see `tiles.head_transform` for the linear head's scale-only case, which needs none of
-this).
+Same contract as the launchers in `linear_launchers.py` and `logits_launchers.py`, which hand
+their calls here when a transform is on (see `tiles.head_transform` for the linear head's
+scale-only case, which needs none of this).
 Backward, by the chain rule through the transform (u = tanh(s·y / c)):
 
     d loss / dy = (d loss / d(z/τ)) · (1/τ) · dz/dy,   dz/dy = s·(1 - u²) = s·(1 - (z/c)²)
@@ -26,8 +26,8 @@ from .blocks import (
     _chunk_rows,
     _pick,
     _row_blocks,
-    _row_parts,
     _tile_shape,
+    row_parts,
     zero_rows_without_gradient,
 )
 from .tiles import (
@@ -56,7 +56,7 @@ def _transformed(x, dtype, softcap, logit_scale, temperature, unit=1.0):
 def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature,
                     softcap, logit_scale, needs=(True, True, True), chunk_elements=None,
                     logp=None):
-    """`launchers.linear_logprob_backward` with a soft cap (a scale alone never comes here).
+    """`linear_launchers.linear_logprob_backward` with a soft cap (a scale alone never comes here).
     logp: None or the forward's log-probs [N], from which the target column's x is taken
     (`tiles.target_column`: 1 - p of a dominant target, not through the lse)."""
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
@@ -90,7 +90,7 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
             bt = None if b is None else b[v0:v0 + c]
             col, inside = in_tile(tg, v0, c)
             dw_t = torch.zeros((c, D), dtype=dtype, device=h.device) if want_dw else None
-            for _, _, part in _row_parts(Na, rows):
+            for _, _, part in row_parts(Na, rows):
                 y = part(h) @ w.T if bt is None else torch.addmm(bt, part(h), w.T)  # [r, c]
                 zt, u = _transformed(y, dtype, softcap, logit_scale, temperature)  # z/τ
                 log_p = zt.sub_(part(lse_a))  # log p = z/τ - lse
@@ -117,7 +117,8 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
 
 
 def logits_forward(logits, targets, temperature, softcap, logit_scale, chunk_elements=None):
-    """`launchers.logits_logprob_forward` with a transform: logits [B, T, V] are the raw y."""
+    """`logits_launchers.logits_logprob_forward` with a transform: logits [B, T, V] are the raw
+    y."""
     B, T, V = logits.shape
     out = empty_stats(B * T, logits.device)
     dtype = compute_dtype(logits)
@@ -134,8 +135,8 @@ def logits_forward(logits, targets, temperature, softcap, logit_scale, chunk_ele
 
 def logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, softcap,
                     logit_scale, out=None, chunk_elements=None):
-    """`launchers.logits_logprob_backward` with a transform (d of the raw logits; `out` may be
-    `logits` itself: a block is read whole before its gradient is written)."""
+    """`logits_launchers.logits_logprob_backward` with a transform (d of the raw logits; `out`
+    may be `logits` itself: a block is read whole before its gradient is written)."""
     B, T, V = logits.shape
     dx3 = torch.empty_like(logits) if out is None else out
     dtype = compute_dtype(logits)

@@ -11,7 +11,7 @@ Works with tied embeddings (the output embedding is found with `get_output_embed
 it is called, e.g. BioGPT's `output_projection`), lm_head biases, PEFT-wrapped models,
 torch.compile and DDP/accelerate wrappers. A model's final-logit soft-capping or logit scale
 (`logit_transform`) goes into the fused calls. Models the hidden-state path would get wrong raise
-instead (checked once per model, `check_output_head` in output_head.py): logits that are not the
+instead (checked once per model, `check_output_head` in head_check.py): logits that are not the
 head's output under the transform its config names, or a head that transforms the body's output
 before its output embedding (BERT-style heads).
 
@@ -50,19 +50,16 @@ from .. import value_checks
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from ..params import FIELD_NAMES
-from .moe import router_logits_off
-from .output_head import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
+from .head_check import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
     _HEAD_CHECKED,
     _check_head_input,
     _last_hidden,
     _probe_ids,
     check_output_head,
-    head_for,
     logit_transform,
-    output_head,
-    resolved_head,
-    unwrap_model,
 )
+from .moe import router_logits_off
+from .output_head import head_for, output_head, resolved_head, unwrap_model
 from .packed_rows import check_packed_positions, completion_targets, keep_positions
 
 __all__ = ["causal_lm_grpo_loss", "causal_lm_logprobs", "check_output_head",

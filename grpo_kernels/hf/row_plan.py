@@ -22,7 +22,7 @@ else compares members.
 
 Not to be confused with the token layouts of `grpo_kernels/token_layouts.py` (where a loss's
 per-token values sit: padded [B, T] or packed [N]) or with the width rule of packed rows
-(`packed_rows.RowWidthRule`).
+(`row_width.RowWidthRule`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .packed_rows import PackedBatch, check_packed_attention, pack_sequences, takes_boundaries
+from .packed_rows import PackedBatch, check_packed_attention, pack_sequences
 from .padded_positions import check_padded_positions
 from .row_layout import RowLayout, parse_row_layout
+from .row_width import takes_boundaries
 from .shared_prompt import check_shared_prompt, share_prompts
 from .unwrap import prompt_learning_adapter, unwrap_model
 

@@ -41,13 +41,8 @@ import torch
 from torch import nn
 
 from .moe import router_logits_off
-from .packed_rows import (
-    PackedBatch,
-    _place,
-    check_prompt_and_completion,
-    choose_row_width,
-    logits_disagree,
-)
+from .packed_rows import PackedBatch, check_prompt_and_completion, logits_disagree
+from .row_width import choose_row_width, first_fit
 from .unwrap import text_vocab_size
 
 __all__ = ["check_shared_prompt", "share_prompts", "shared_prompt_mask"]
@@ -88,7 +83,7 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     groups = prompt_groups(input_ids, attention_mask, T)
     lengths = [P[g[0]] - 1 + sum(1 + C[s] for s in g) for g in groups]
     W = choose_row_width(lengths, model_config)
-    row, offset, used = _place(lengths, W)
+    row, offset, used = first_fit(lengths, W)
     R = len(used)
     # the layout is built on the CPU (no device synchronization per sequence); the token ids
     # are then gathered on the batch's device in one step: src = each position's flat index

@@ -1,7 +1,7 @@
 """The backend registry and dispatch: which launchers run a selective log-prob op.
 
 Backends: "triton" (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before triton was
-imported) and "chunked" (the chunked PyTorch path, `chunked/launchers.py`). Both implement the
+imported) and "chunked" (the chunked PyTorch path, `grpo_kernels/chunked`). Both implement the
 same four launchers (linear-head and logits forward/backward) and save only per-token
 statistics (lse, entropy) for backward, never logits (see `autograd.py`; the one exception, a
 small problem's single tile on the chunked path in eager mode, is in
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..chunked import launchers as chunked
+from .. import chunked
 from ..kernels import linear_backward_atomic, linear_backward_gemm
 from ..kernels import linear_logprobs as triton_impl
 from ..kernels import logits_logprobs as logits_impl

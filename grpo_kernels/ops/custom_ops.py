@@ -318,9 +318,10 @@ class _LinearLogprobs(torch.autograd.Function):
 class _LogitsLogprobs(torch.autograd.Function):
     """grpo_kernels::logits_logprobs in eager mode (see `_LinearLogprobs`): when a gradient will
     be needed, the forward keeps each token's softmax statistics in the chunked path's own
-    units on ctx ([B·T] twice, `chunked.launchers.logits_logprob_forward`), so that its backward
-    reads p without the lse in nats, whose float32 rounding at a large |lse| the one-hot's
-    cancellation (1 - p of a dominant token) would show. A second backward reads the lse."""
+    units on ctx ([B·T] twice, `chunked.logits_launchers.logits_logprob_forward`), so that its
+    backward reads p without the lse in nats, whose float32 rounding at a large |lse| the
+    one-hot's cancellation (1 - p of a dominant token) would show. A second backward reads the
+    lse."""
 
     @staticmethod
     def call(*inputs):

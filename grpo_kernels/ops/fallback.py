@@ -1,5 +1,5 @@
 """Safety net: a Triton kernel that fails to compile or launch falls back to the chunked PyTorch
-path (`chunked/launchers.py`, same launcher contract) with one warning, and training goes on.
+path (`grpo_kernels/chunked`, same launcher contract) with one warning, and training goes on.
 
 Only failures of the kernel build or launch fall back: Triton's compile errors (CompilationError,
 OutOfResources, PTXASError, ...), and on a GPU any error raised from inside Triton's compiler,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chunked import launchers as chunked
+from .. import chunked
 from ..grpo_math import per_token_loss
 from ..kernels.epilogue import (
     BIAS_CORRECT_KL,
@@ -110,7 +110,8 @@ class LinearHeadOp(BoundOp):
     def forward(self, targets, epilogue, hidden, weight, bias, keep=None, lse_sum=None):
         """keep: a dict for the chunked launcher's kept logits tile (chunked backend only);
         lse_sum: a float32 [N] tensor that the chunked launcher writes its S into
-        (`chunked.launchers.linear_logprob_forward`), also when it replaces a Triton kernel."""
+        (`chunked.linear_launchers.linear_logprob_forward`), also when it replaces a Triton
+        kernel."""
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
             return self.impl.linear_logprob_forward(hidden, weight, bias, targets,
                                                     self.temperature, epilogue=epilogue,

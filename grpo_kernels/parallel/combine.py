@@ -63,8 +63,9 @@ class Stats(NamedTuple):
     sums: torch.Tensor
 
     def kept(self) -> dict:
-        """The row launchers' kept statistics (`chunked.launchers.logits_logprob_backward`):
-        p = 2^(z - M) / S, float32 [n] each (M exactly; S rounded once)."""
+        """The row launchers' kept statistics
+        (`chunked.logits_launchers.logits_logprob_backward`): p = 2^(z - M) / S, float32 [n] each
+        (M exactly; S rounded once)."""
         return {"max": self.ref.to(F32), "sum": self.sums.to(F32)}
 
     def lse_sum_at(self, dtype) -> torch.Tensor:

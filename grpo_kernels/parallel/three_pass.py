@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import value_checks
-from ..chunked import launchers as chunked
+from .. import chunked, value_checks
 from ..kernels import gemm
 from ..kernels import linear_loss_grad as triton_loss_grad
 from ..kernels import logits_logprobs as triton_rows

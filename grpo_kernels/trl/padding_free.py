@@ -44,7 +44,8 @@ from ..hf import (
     row_inputs,
     unwrap_model,
 )
-from ..hf.packed_rows import boundaries_of, takes_boundaries
+from ..hf.packed_rows import boundaries_of
+from ..hf.row_width import takes_boundaries
 from ..hf.shared_prompt import prompt_groups
 
 __all__ = ["equal_count_across", "packable", "packed_completion_hidden",

@@ -45,10 +45,10 @@ class PassThrough(TorchDispatchMode):
 def on_route(route, monkeypatch):
     """A context for the call under test that puts the linear head's four-pass backward on
     `route` (ROUTES; the three-pass route does not look at it)."""
-    from grpo_kernels.chunked import blocks, launchers
+    from grpo_kernels.chunked import blocks, linear_launchers
 
     if route != "kept":
-        monkeypatch.setattr(launchers, "KEEP_ELEMENTS", 0)
+        monkeypatch.setattr(linear_launchers, "KEEP_ELEMENTS", 0)
     if route == "vocab tiles":  # [12, 512] forward and [12, 1024] backward tiles at N = 12
         monkeypatch.setattr(blocks, "TILE_ELEMENTS", 12 * 1024)
     return PassThrough() if route == "operator" else contextlib.nullcontext()

@@ -11,7 +11,7 @@ import torch
 from helpers import KERNEL_DEVICE, max_err
 
 import grpo_kernels as gk
-from grpo_kernels.chunked import launchers as chunked
+from grpo_kernels import chunked
 
 B, T, V = 3, 8, 300  # V = 300: several column blocks in the interpreter (BLOCK_V = 64)
 

@@ -8,8 +8,8 @@ import torch
 from helpers import leaf, make_head, max_err, on_device
 
 import grpo_kernels as gk
-from grpo_kernels import reference
-from grpo_kernels.chunked import launchers as chunked
+from grpo_kernels import chunked, reference
+from grpo_kernels.chunked import blocks
 from grpo_kernels.kernels import linear_logprobs
 from grpo_kernels.kernels.linear_backward_atomic import linear_logprob_backward_atomic
 
@@ -112,7 +112,7 @@ def test_leading_dims_and_empty_input(backend):
 
 def test_chunked_path_bounds_its_temporaries():
     """Chunk rows are chosen from the element budget, so [chunk, V] never grows with N."""
-    assert chunked._chunk_rows(151936, 2**24) == 110
+    assert blocks._chunk_rows(151936, 2**24) == 110
     hidden, weight, _, ids = make_head(4, 50, 8, 64, torch.float32, "cpu")
     h2, ids2 = hidden.reshape(-1, 8), ids.reshape(-1)
     small = chunked.linear_logprob_forward(h2, weight, None, ids2, 1.0, chunk_elements=64 * 7)

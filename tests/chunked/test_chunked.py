@@ -1,4 +1,4 @@
-"""The chunked PyTorch path (grpo_kernels/chunked/launchers.py) against a float64 truth.
+"""The chunked PyTorch path (grpo_kernels/chunked) against a float64 truth.
 
 Half inputs: logits must accumulate in float32 (docs/semantics.md), so the chunked path's error is
 bounded by PyTorch's float32 error on the same half values, not by half precision; the bf16
@@ -15,8 +15,9 @@ from helpers import leaf, make_head, scaled_err
 
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
-from grpo_kernels import reference
-from grpo_kernels.chunked import launchers as chunked
+from grpo_kernels import chunked, reference
+from grpo_kernels.chunked import linear_launchers
+from grpo_kernels.chunked.tiles import LN2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HALF = [torch.bfloat16, torch.float16]
@@ -186,7 +187,7 @@ def test_forward_keeps_its_tile_only_when_the_logits_fit_one(monkeypatch):
     assert kept["tile"].shape == (40, 64) and kept["log_sum"].shape == (40,)
     log2_p = kept["tile"] - kept["log_sum"][:, None]
     truth = torch.log_softmax((hidden.double() @ weight.double().T + b.double()) / 0.7, -1)
-    assert scaled_err(log2_p * chunked.LN2, truth) < 1e-6
+    assert scaled_err(log2_p * LN2, truth) < 1e-6
     g_logp, g_ent = _coefficients(40, 10)
     args = (hidden, weight, b, ids, lse, ent, g_logp, g_ent, 0.7)
     from_tile = chunked.linear_logprob_backward(*args, kept=kept)
@@ -198,7 +199,7 @@ def test_forward_keeps_its_tile_only_when_the_logits_fit_one(monkeypatch):
         assert scaled_err(a, t) <= scaled_err(r, t) + 1e-7
     for chunk_elements in (40 * 16, None):
         if chunk_elements is None:  # one tile, but above the keep budget
-            monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 40 * 64 - 1)
+            monkeypatch.setattr(linear_launchers, "KEEP_ELEMENTS", 40 * 64 - 1)
         kept = {}
         chunked.linear_logprob_forward(hidden, weight, b, ids, 0.7, chunk_elements, keep=kept)
         assert kept == {}

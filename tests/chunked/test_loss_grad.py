@@ -18,7 +18,7 @@ import torch
 from helpers import leaf, make_head, scaled_err
 
 from benchmarks.measure import LiveStorageTracker
-from grpo_kernels.chunked import launchers as chunked
+from grpo_kernels import chunked
 from grpo_kernels.chunked import loss_grad
 from grpo_kernels.chunked.loss_grad import chunk_rows, linear_loss_grad
 

@@ -314,7 +314,7 @@ def test_clear_errors(qwen):
     # a config that names a logit transform its model does not apply: the logits check refuses
     qwen.config.logits_scaling = 4.0
     try:
-        from grpo_kernels.hf.output_head import _HEAD_CHECKED
+        from grpo_kernels.hf.head_check import _HEAD_CHECKED
 
         _HEAD_CHECKED.pop(qwen, None)
         with pytest.raises(NotImplementedError, match="logits are not those"):

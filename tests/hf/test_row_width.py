@@ -9,7 +9,7 @@ from transformers import Qwen2Config
 from benchmarks.lengths import draw_lengths
 from benchmarks.trainer_step import QWEN25_05B
 from grpo_kernels.hf import choose_row_width, pack_sequences
-from grpo_kernels.hf.packed_rows import RowWidthRule, _place, pair_cost, row_width_rule
+from grpo_kernels.hf.row_width import RowWidthRule, first_fit, pair_cost, row_width_rule
 
 
 def qwen_config(attn: str | None) -> Qwen2Config:
@@ -61,9 +61,9 @@ def test_cost_rule_rows_fill_and_cost_no_more_than_any_other_width(G, call):
     assert width % 16 == 0 or width == sum(lengths)
 
     def cost(w):
-        return len(_place(lengths, w)[2]) * w * (1 + ratio * w)
+        return len(first_fit(lengths, w)[2]) * w * (1 + ratio * w)
 
-    positions = len(_place(lengths, width)[2]) * width
+    positions = len(first_fit(lengths, width)[2]) * width
     assert positions <= 1.12 * sum(lengths), (positions, sum(lengths))
     padded = G * max(lengths)
     assert positions <= 0.8 * padded, (positions, padded)

@@ -13,7 +13,8 @@ from helpers import leaf, make_grpo_batch, make_head, scaled_err
 
 import grpo_kernels as gk
 from benchmarks.measure import LiveStorageTracker
-from grpo_kernels.chunked import launchers as chunked
+from grpo_kernels import chunked
+from grpo_kernels.chunked import linear_launchers
 from grpo_kernels.grpo_math import grpo_metrics, metric_names
 from grpo_kernels.loss_call import terms_args as _terms_args
 from grpo_kernels.ops import custom_ops
@@ -207,7 +208,7 @@ def test_eager_selective_ops_match_the_operators(inplace, monkeypatch):
              "logits_logprobs": functools.partial(_logits_call, inplace=inplace)}
     kept = {name: call(getattr(custom_ops.OPS, name), head)[0] for name, call in calls.items()}
     # bitwise: the backwards recompute (the tile) and read the lse (the statistics) too
-    monkeypatch.setattr(chunked, "KEEP_ELEMENTS", 0)
+    monkeypatch.setattr(linear_launchers, "KEEP_ELEMENTS", 0)
     logits_forward = chunked.logits_logprob_forward
     monkeypatch.setattr(chunked, "logits_logprob_forward",
                         lambda *args, keep=None, **kw: logits_forward(*args, **kw))
