@@ -150,6 +150,19 @@ def test_module_and_errors():
         gk.logprobs_from_logits(full, ids)
 
 
+@pytest.mark.parametrize("fn", [gk.grpo_loss, reference.grpo_loss], ids=["ours", "reference"])
+def test_unshifted_and_unpacked_logits_are_named(fn):
+    """A model's whole [B, T + 1, V] output, or packed [N, V] logits without cu_seqlens: the
+    error names logits and says what to pass, not only completion_ids' shape."""
+    full, ids, mask, adv = make_logits(2, 5, 20, pad=1)  # full: [2, 6, 20]
+    with pytest.raises(ValueError, match=r"logits has 6 positions for completion_ids' 5: .*"
+                                         r"pass logits\[:, :-1\]"):
+        fn(full, ids, adv, mask)
+    fn(full[:, :-1], ids, adv, mask)  # the view is accepted
+    with pytest.raises(ValueError, match=r"\[N, V\] need cu_seqlens"):
+        fn(full[:, :-1].reshape(-1, 20), ids.reshape(-1), adv)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "sapo"])
 def test_bf16_vocab_scale_on_gpu(loss_type):
