@@ -306,7 +306,9 @@ def grpo_loss(
 
     Arguments as `fused_linear_grpo_loss` (a packed batch: logits [N, V] with `cu_seqlens`);
     `inplace=True` writes d logits over the logits buffer in backward (the logits are garbage
-    afterwards). `softcap` / `logit_scale` transform the logits given, as in
+    afterwards): it saves the allocation of d logits, not the whole output's gradient that a
+    slice's backward allocates after it, nor a leaf's .grad (a copy; docs/semantics.md).
+    `softcap` / `logit_scale` transform the logits given, as in
     `fused_linear_grpo_loss`: for raw logits only (a Hugging Face model's output logits are
     already capped and scaled). return_token_values / return_terms: as in
     `fused_linear_grpo_loss`.

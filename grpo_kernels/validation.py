@@ -336,7 +336,12 @@ def check_logits_loss_inputs(
     cu_seqlens); returns (completion_ids [B, T] (or [N]) int64, LossInputs). Shared by
     `grpo_loss` and its reference so both fail the same way."""
     packed = cu_seqlens is not None
+    if not packed and isinstance(logits, torch.Tensor) and logits.dim() == 2:
+        raise ValueError(f"logits must have 3 dimensions [B, T, V], got shape "
+                         f"{tuple(logits.shape)}; a packed batch's logits [N, V] need cu_seqlens")
     check_logits(logits, ndim=None if packed else 3)
+    if not packed:
+        _check_shifted(logits, completion_ids)
     if packed and logits.dim() != 2:
         raise ValueError(f"logits must be [N, V] with cu_seqlens (a packed batch), got shape "
                          f"{tuple(logits.shape)}")
@@ -349,6 +354,18 @@ def check_logits_loss_inputs(
                                num_items_in_batch, ref_name="logits", check_values=check_values,
                                cu_seqlens=cu_seqlens, sampling_logps=sampling_logps)
     return ids, inputs
+
+
+def _check_shifted(logits, completion_ids) -> None:
+    """A model's whole output [B, T + 1, V] (the last position predicts nothing in the
+    completion) given for logits [B, T, V]: a ValueError naming logits, not completion_ids."""
+    ids_shape = getattr(completion_ids, "shape", None)
+    if (ids_shape is not None and len(ids_shape) == 2 and ids_shape[0] == logits.shape[0]
+            and logits.shape[1] == ids_shape[1] + 1):
+        raise ValueError(
+            f"logits has {logits.shape[1]} positions for completion_ids' {ids_shape[1]}: "
+            "logits[b, t] must predict completion_ids[b, t]; pass logits[:, :-1] (a view, read "
+            "in place) if the last position predicts the token after the completion")
 
 
 def check_linear_loss_inputs(

@@ -150,6 +150,40 @@ def test_module_and_errors():
         gk.logprobs_from_logits(full, ids)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sliced_view_is_saved_not_copied(backend, level):
+    """logits[:, :-1] of a [B, T + 1, V] output: the only [B, T, V]-sized tensor autograd saves
+    is the view itself (its storage), nothing of it in float32 or copied."""
+    full, ids, mask, adv = make_logits(2, 5, 40, pad=1)
+    buf = full.to(KERNEL_DEVICE, torch.bfloat16).requires_grad_(True)
+    view = buf[:, :-1]
+    saved = []
+    with gk.force_backend(backend), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t) or t, lambda t: t):
+        loss, _ = gk.grpo_loss(view, ids.to(KERNEL_DEVICE), adv.to(KERNEL_DEVICE),
+                               mask.to(KERNEL_DEVICE), importance_sampling_level=level)
+    big = [t for t in saved if t.numel() >= view.numel()]
+    assert big and all(t.dtype == torch.bfloat16 and t.data_ptr() == view.data_ptr()
+                       and t.stride() == view.stride() for t in big), [
+        (t.dtype, tuple(t.shape), t.stride()) for t in big]
+    loss.backward()
+    assert buf.grad[:, -1].abs().sum() == 0 and buf.grad[:, :-1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("fn", [gk.grpo_loss, reference.grpo_loss], ids=["ours", "reference"])
+def test_unshifted_and_unpacked_logits_are_named(fn):
+    """A model's whole [B, T + 1, V] output, or packed [N, V] logits without cu_seqlens: the
+    error names logits and says what to pass, not only completion_ids' shape."""
+    full, ids, mask, adv = make_logits(2, 5, 20, pad=1)  # full: [2, 6, 20]
+    with pytest.raises(ValueError, match=r"logits has 6 positions for completion_ids' 5: .*"
+                                         r"pass logits\[:, :-1\]"):
+        fn(full, ids, adv, mask)
+    fn(full[:, :-1], ids, adv, mask)  # the view is accepted
+    with pytest.raises(ValueError, match=r"\[N, V\] need cu_seqlens"):
+        fn(full[:, :-1].reshape(-1, 20), ids.reshape(-1), adv)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "sapo"])
 def test_bf16_vocab_scale_on_gpu(loss_type):
