@@ -1,0 +1,74 @@
+"""State kept per model or per process, against a model changed after its first call: the
+once-per-model checks must not give the answer of the model as it was (a silent wrong
+log-prob)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from grpo_kernels.hf import causal_lm_logprobs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+T = 4  # completion length
+
+
+def tiny_qwen(seed: int) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(cfg).eval()
+
+
+def batch():
+    ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    return ids, torch.ones_like(ids)
+
+
+def own_logprobs(model, ids) -> torch.Tensor:
+    """[B, T] log-probs of the last T tokens from the model's own logits."""
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -T - 1:-1].float()
+    return logits.log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
+
+
+def test_a_body_replaced_after_the_first_call_is_the_one_that_runs():
+    """model.model = another body (a swapped or re-loaded transformer) after a first call: the
+    cached check held the old body, whose states the next calls projected."""
+    model, other = tiny_qwen(0), tiny_qwen(1)
+    ids, mask = batch()
+    torch.testing.assert_close(causal_lm_logprobs(model, ids, mask, T), own_logprobs(model, ids))
+    model.model = other.model
+    want = own_logprobs(model, ids)
+    assert not torch.allclose(want, own_logprobs(tiny_qwen(0), ids))  # the swap shows
+    torch.testing.assert_close(causal_lm_logprobs(model, ids, mask, T), want)
+
+
+def test_a_logit_transform_named_after_the_first_call_is_checked():
+    """A config that names a transform its model does not apply is refused, also when it is
+    set after the model's first call (the transform is read per call; the check was not)."""
+    model = tiny_qwen(0)
+    ids, mask = batch()
+    causal_lm_logprobs(model, ids, mask, T)
+    model.config.logits_scaling = 4.0
+    with pytest.raises(NotImplementedError, match="logits are not those"):
+        causal_lm_logprobs(model, ids, mask, T)
+    del model.config.logits_scaling
+    torch.testing.assert_close(causal_lm_logprobs(model, ids, mask, T), own_logprobs(model, ids))
+
+
+def test_a_head_replaced_after_the_first_call_is_checked():
+    """A new output embedding whose input is not the body's output (here a pre-hook rescales
+    it) is refused after a first call too, as it is on a first call."""
+    model = tiny_qwen(0)
+    ids, mask = batch()
+    causal_lm_logprobs(model, ids, mask, T)
+    head = torch.nn.Linear(64, 50, bias=False)
+    head.register_forward_pre_hook(lambda _m, args: (args[0] * 2,))
+    model.set_output_embeddings(head)
+    with pytest.raises(NotImplementedError, match="directly to the output of its body"):
+        causal_lm_logprobs(model, ids, mask, T)
+
