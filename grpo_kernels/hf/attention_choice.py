@@ -219,7 +219,9 @@ def _flex_refusal(device_type: str, training: bool) -> str | None:
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
-            q = torch.randn(1, 1, 16, 16, device=device_type, requires_grad=training)
+            # fixed values, no random draw: the caller's RNG stream stays as it was
+            q = torch.linspace(-1.0, 1.0, 256, device=device_type).view(1, 1, 16, 16)
+            q.requires_grad_(training)
             out = flex_attention(q, q, q)
             if training:
                 out.sum().backward()

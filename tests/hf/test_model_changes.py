@@ -1,6 +1,6 @@
 """State kept per model or per process, against a model changed after its first call: the
 once-per-model checks must not give the answer of the model as it was (a silent wrong
-log-prob)."""
+log-prob), and the checks must not move the caller's random stream."""
 
 import pytest
 import torch
@@ -8,7 +8,11 @@ import torch
 pytest.importorskip("transformers")
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from grpo_kernels.hf import causal_lm_logprobs  # noqa: E402
+from grpo_kernels.hf import (  # noqa: E402
+    attention_choice,
+    causal_lm_logprobs,
+    choose_attention,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -72,3 +76,14 @@ def test_a_head_replaced_after_the_first_call_is_checked():
     with pytest.raises(NotImplementedError, match="directly to the output of its body"):
         causal_lm_logprobs(model, ids, mask, T)
 
+
+def test_the_flex_attention_probe_leaves_the_random_stream_alone(monkeypatch):
+    """Whether flex attention runs here is found by running it once; its input must not be a
+    draw from the caller's generator (asking for it moved the stream a user seeded)."""
+    monkeypatch.setattr(attention_choice, "_FLEX", {})
+    model = tiny_qwen(0)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="flex_attention"):  # no CPU backward
+        choose_attention(model, "packed", requested="flex_attention")
+    assert torch.equal(torch.get_rng_state(), state)
