@@ -63,10 +63,14 @@ def train(cfg, phases=None) -> dict:
     (the last three: the micro-batches' row layout, the scoring and loss forwards' attention
     implementation, the generation path that ran). phases: see `NoPhases`."""
     phases = NoPhases() if phases is None else phases
-    if cfg.backend == "auto":  # CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
-        return _train(cfg, phases)
-    with force_backend(cfg.backend):
-        return _train(cfg, phases)
+    # "auto": CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
+    backend = contextlib.nullcontext() if cfg.backend == "auto" else force_backend(cfg.backend)
+    threads = torch.get_num_threads()
+    try:
+        with backend:
+            return _train(cfg, phases)
+    finally:  # --num_threads is the run's: a Python caller of train() gets its own count back
+        torch.set_num_threads(threads)
 
 
 def _train(cfg, phases) -> dict:
