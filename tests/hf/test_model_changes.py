@@ -87,3 +87,24 @@ def test_the_flex_attention_probe_leaves_the_random_stream_alone(monkeypatch):
     with pytest.raises(ValueError, match="flex_attention"):  # no CPU backward
         choose_attention(model, "packed", requested="flex_attention")
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_layout_check_answers_for_the_bound_it_is_asked():
+    """The layout checks were cached per implementation only: a first call with a loose `atol`
+    answered every later call, and a model whose packed rows leak (OPT's own mask handling
+    mixes the sequences of a packed row; GPT-2's absolute positions move without position_ids)
+    was then said to pack exactly."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    from grpo_kernels.hf import check_packed_attention, check_padded_positions
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        opt = OPTForCausalLM(OPTConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1,
+                                       ffn_dim=64, num_attention_heads=4,
+                                       word_embed_proj_dim=32)).eval()
+        gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4)).eval()
+    assert check_packed_attention(opt, atol=1e9) is None
+    assert "attends across" in check_packed_attention(opt)
+    assert check_padded_positions(gpt2, atol=1e9) is None
+    assert "reads other positions" in check_padded_positions(gpt2)
