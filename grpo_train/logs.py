@@ -3,7 +3,9 @@ step, a progress bar, metrics.jsonl, and curves.png at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import resource
@@ -222,6 +224,43 @@ def printer(enabled: bool):
                 print(msg, flush=True)
 
     return say
+
+
+class RouteLines(logging.Handler):
+    """The "grpo_kernels" logger's own lines during a run: the route each loss and log-prob call
+    takes, and why (`grpo_kernels.ops.route`, one line per route and reason in a process). Held
+    until `start(say)` gives the run's line printer (the format warm-up runs before it), then
+    said as run lines."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.say, self.held = None, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "grpo_kernels":  # not its children's (the run says those itself)
+            self.held.append(record.getMessage())
+            self.start(self.say)
+
+    def start(self, say) -> None:
+        self.say = say
+        while say is not None and self.held:
+            say(self.held.pop(0))
+
+
+@contextlib.contextmanager
+def route_lines():
+    """A `RouteLines` on the "grpo_kernels" logger for the block, its level lowered to INFO if
+    it was unset and above it; the logger as it was afterwards."""
+    logger = logging.getLogger("grpo_kernels")
+    handler, level = RouteLines(), logger.level
+    logger.addHandler(handler)
+    if level == logging.NOTSET and logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def progress_bar(cfg, enabled: bool, start: int):

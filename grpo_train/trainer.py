@@ -34,6 +34,7 @@ from .logs import (
     plot_curves,
     progress_bar,
     read_metrics,
+    route_lines,
     show,
     step_metrics,
     step_start,
@@ -63,14 +64,19 @@ def train(cfg, phases=None) -> dict:
     (the last three: the micro-batches' row layout, the scoring and loss forwards' attention
     implementation, the generation path that ran). phases: see `NoPhases`."""
     phases = NoPhases() if phases is None else phases
-    if cfg.backend == "auto":  # CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
-        return _train(cfg, phases)
-    with force_backend(cfg.backend):
-        return _train(cfg, phases)
+    # "auto": CUDA -> Triton kernels; CPU -> chunked PyTorch (or interpreter)
+    backend = contextlib.nullcontext() if cfg.backend == "auto" else force_backend(cfg.backend)
+    threads = torch.get_num_threads()
+    try:
+        with backend, route_lines() as routes:
+            return _train(cfg, phases, routes)
+    finally:  # --num_threads is the run's: a Python caller of train() gets its own count back
+        torch.set_num_threads(threads)
 
 
-def _train(cfg, phases) -> dict:
+def _train(cfg, phases, routes) -> dict:
     run = setup(cfg)  # processes, data, rewards, models, optimizer; the checkpoint's state
+    routes.start(run.say)  # the kernels' route lines from here (the warm-up's held till now)
     history = _first_eval(run)  # step -> held-out accuracy, including the evals before a resume
     # Ctrl-C or SIGTERM from here on lets what runs finish: a step, an eval, and the saves at
     # the end too (a first Ctrl-C that aborted the last checkpoint in mid-write lost every step

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import torch_varlen
-from .packed_rows import check_packed_attention, logits_disagree
+from .packed_rows import agreement_atol, check_packed_attention, logits_disagree
 from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt
 from .unwrap import text_vocab_size, unwrap_model
@@ -170,7 +170,7 @@ def attention_refusal(model, implementation: str, layout: RowLayout, device, *,
                       ) -> str | None:
     """Why `implementation` cannot run the scoring and loss forwards of `model` (unwrapped) on
     `layout` rows on `device`, or None (module docstring's table and checks). The forward checks
-    run once per model, implementation and layout."""
+    run once per model, implementation, layout and precision."""
     if implementation not in IMPLEMENTATIONS:
         return f"not one of {', '.join(IMPLEMENTATIONS)}"
     if layout not in _LAYOUTS[implementation]:
@@ -185,9 +185,10 @@ def attention_refusal(model, implementation: str, layout: RowLayout, device, *,
     if why is not None or implementation == own:  # the model's own: choose_layout checked it
         return why
     seen = _CHECKED.setdefault(model, {})
-    key = (implementation, layout, training, device.type)
-    if key not in seen:
-        with autocast if autocast is not None else contextlib.nullcontext():
+    with autocast if autocast is not None else contextlib.nullcontext():
+        # the bound the logits are compared at follows the precision (autocast, the dtype)
+        key = (implementation, layout, training, device.type, agreement_atol(model))
+        if key not in seen:
             seen[key] = _forward_refusal(model, implementation, layout)
     return seen[key]
 
@@ -219,7 +220,9 @@ def _flex_refusal(device_type: str, training: bool) -> str | None:
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
-            q = torch.randn(1, 1, 16, 16, device=device_type, requires_grad=training)
+            # fixed values, no random draw: the caller's RNG stream stays as it was
+            q = torch.linspace(-1.0, 1.0, 256, device=device_type).view(1, 1, 16, 16)
+            q.requires_grad_(training)
             out = flex_attention(q, q, q)
             if training:
                 out.sum().backward()

@@ -81,7 +81,8 @@ def not_a_linear_map(layer: nn.Module) -> str | None:
     logit scale, which can equal 1 when the model is built and the check runs), or a forward
     of its own whose output on a fixed [2, in_features] input is not that map [2,
     out_features] (Llama 4's and PhiMoE's routers return tuples, DeepSeek V4's grouped
-    projection reshapes). Other layer types: None (the logits check covers them)."""
+    projection reshapes). Other layer types: None (an output embedding of another type is
+    probed by `_not_a_linear_head`)."""
     if not isinstance(layer, nn.Linear):
         return None
     extra = sorted(n for n, _ in layer.named_parameters(recurse=False)
@@ -109,11 +110,37 @@ def not_a_linear_map(layer: nn.Module) -> str | None:
 
 
 def _check_linear_map(head: nn.Module, where: str) -> None:
-    why = not_a_linear_map(head)
+    why = not_a_linear_map(head) if isinstance(head, nn.Linear) else _not_a_linear_head(head)
     if why is not None:
         raise NotImplementedError(
             f"the output embedding {where} ({type(head).__name__}) {why}: the fused head "
             "computes x·Wᵀ + b only")
+
+
+def _not_a_linear_head(head: nn.Module) -> str | None:
+    """Why an output embedding that is not an nn.Linear does not compute x·Wᵀ + b with its
+    weight [V, D] and bias [V] | None on a fixed [1, 2, D] input (a phrase), or None; None too
+    where the probe cannot run (a sharded or empty weight, a forward that fails on it: the
+    model's own forward check then runs it). The logits check compares the logits with the
+    head's output, never the head's output with its weight: a head that scales its product
+    passed it."""
+    weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0
+            or type(weight).__name__ == "DTensor"
+            or not (bias is None or isinstance(bias, torch.Tensor))):
+        return None
+    try:
+        with torch.no_grad():  # fixed values, no random draw (the caller's RNG stream)
+            x = torch.linspace(-1.0, 1.0, 2 * weight.shape[1], device=weight.device)
+            x = x.to(weight.dtype).view(1, 2, weight.shape[1])
+            y, want = head(x), nn.functional.linear(x, weight, bias)
+    except Exception:  # noqa: BLE001  (the model's forward check decides)
+        return None
+    if isinstance(y, torch.Tensor) and y.shape == want.shape and torch.allclose(
+            y.float(), want.float(), rtol=1e-3, atol=1e-5):
+        return None
+    what = type(y).__name__ if not isinstance(y, torch.Tensor) else f"{tuple(y.shape)}"
+    return f"has a forward whose output ({what}) on a [1, 2, D] input is not x·Wᵀ + b"
 
 
 def _lora_terms(layer: nn.Module, where: str) -> list[LoraTerm]:

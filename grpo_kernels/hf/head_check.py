@@ -109,8 +109,7 @@ def _last_hidden(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
 
-# Models whose output embedding was seen to take the body's output unchanged (checked once
-# each), with that body: the module the hidden-state path runs.
+# model -> (the body its head reads, which the path runs; head; config transform), as checked
 _HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -120,12 +119,13 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
     z of the head's output. BERT-style heads (a dense+norm transform first, e.g.
     RobertaForCausalLM), a rescaled hidden state or an unknown logit transform would otherwise
     give silently wrong losses. Returns the body (`_bodies`: the first one the forward ran)."""
-    if inner in _HEAD_CHECKED:
-        return _HEAD_CHECKED[inner]
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
         resolved_head(inner)  # raises: no output embedding
     bodies = _bodies(inner)
+    seen_as, cached = (head, _config_transform(inner)), _HEAD_CHECKED.get(inner)
+    if cached and cached[1:] == seen_as and any(cached[0] is b for b in bodies):
+        return cached[0]  # else unchecked, or its body, head or transform was replaced since
     # copies of the last position, taken when each module ran: a forward may change the
     # tensors in place afterwards (Chameleon masks its image tokens' logits in the head's output)
     seen = {}
@@ -165,7 +165,7 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
             f"({type(head).__name__}) directly to the output of its body "
             f"({type(body).__name__}); a head with its own transform is not supported")
     _check_logit_transform(inner, seen.get("head_out"), seen.get("logits"), input_scale)
-    _HEAD_CHECKED[inner] = body
+    _HEAD_CHECKED[inner] = (body, *seen_as)
     return body
 
 
@@ -279,8 +279,8 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -
     """Raise (ValueError / NotImplementedError) unless the hidden-state path reproduces `model`'s
     own logits: an output embedding exists, the head takes the body's output as is, and the
     model's logits are the head's output under `logit_transform` (checked with one short forward of
-    `input_ids` [B, L], default tokens 1 and 2). Cached per model; `completion_hidden_states`
-    runs the same check."""
+    `input_ids` [B, L], default tokens 1 and 2). Cached per model until its body, head or config
+    transform is replaced; `completion_hidden_states` runs the same check."""
     inner = unwrap_model(model)
     resolved_head(inner)
     _check_head_input(inner, _probe_ids(inner) if input_ids is None else input_ids, None)

@@ -215,14 +215,15 @@ def check_packed_attention(model: nn.Module, atol: float | None = None) -> str |
     (`logits_disagree`, atol): implementations or models that do not read sequence boundaries
     from position_ids would let the second sequence see the first. Implementations that take
     the boundaries (`takes_boundaries`) are handed them, as the trainers hand them. Cached per
-    model and attention implementation (`hf.attention_choice` may check another one than the
-    model's own). Pass the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
+    model, attention implementation (`hf.attention_choice` may check another one than the
+    model's own) and bound. Pass the model before a DDP/FSDP wrapper (a PEFT wrapper is fine)."""
     inner = model
     config = getattr(inner, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     seen = _PACKING_CHECKED.setdefault(inner, {})
-    if impl in seen:
-        return seen[impl]
+    key = (impl, agreement_atol(inner) if atol is None else atol)  # a dtype's bound, or atol
+    if key in seen:
+        return seen[key]
     vocab = text_vocab_size(config)
     device = next(inner.parameters()).device
     generator = torch.Generator().manual_seed(0)
@@ -250,7 +251,7 @@ def check_packed_attention(model: nn.Module, atol: float | None = None) -> str |
                   f"{type(exc).__name__}: {exc}")
     finally:
         inner.train(was_training)
-    seen[impl] = reason
+    seen[key] = reason
     return reason
 
 

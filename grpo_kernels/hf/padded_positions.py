@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch import nn
 
-from .packed_rows import logits_disagree
+from .packed_rows import agreement_atol, logits_disagree
 from .unwrap import text_vocab_size
 
 __all__ = ["PADS", "check_padded_positions"]
@@ -43,16 +43,17 @@ def check_padded_positions(model: nn.Module, atol: float | None = None) -> str |
     gives each sequence the logits it has with position_ids counting from its first token (as
     in packed and shared rows); else why not (a sentence).
 
-    Runs the model twice on one short sequence (module docstring); cached per model and
-    attention implementation, as the other layout checks are. Pass the model before a DDP/FSDP
+    Runs the model twice on one short sequence (module docstring); cached per model, attention
+    implementation and bound, as the other layout checks are. Pass the model before a DDP/FSDP
     wrapper (a PEFT wrapper is fine). atol: relative to max(1, the largest logit); default
     `agreement_atol(model)`."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     seen = _POSITIONS_CHECKED.setdefault(model, {})
-    if impl not in seen:
-        seen[impl] = _compare_padded(model, config, atol)
-    return seen[impl]
+    key = (impl, agreement_atol(model) if atol is None else atol)  # a dtype's bound, or atol
+    if key not in seen:
+        seen[key] = _compare_padded(model, config, atol)
+    return seen[key]
 
 
 def _compare_padded(model: nn.Module, config, atol: float | None) -> str | None:

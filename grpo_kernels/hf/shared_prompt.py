@@ -41,7 +41,12 @@ import torch
 from torch import nn
 
 from .moe import router_logits_off
-from .packed_rows import PackedBatch, check_prompt_and_completion, logits_disagree
+from .packed_rows import (
+    PackedBatch,
+    agreement_atol,
+    check_prompt_and_completion,
+    logits_disagree,
+)
 from .row_width import choose_row_width, first_fit
 from .unwrap import text_vocab_size
 
@@ -212,19 +217,20 @@ def check_shared_prompt(model: nn.Module, atol: float | None = None) -> str | No
 
     Refuses from the config first (`_config_refusal`), then runs the model once on a prompt
     with two completions, shared and one sequence at a time, and compares the completions'
-    logits. Cached per model and attention implementation (`hf.attention_choice` may check
-    another implementation than the model's own). Pass the model before any DDP/FSDP wrapper (a
-    PEFT wrapper is fine). atol: relative to max(1, the largest logit); default
+    logits. Cached per model, attention implementation (`hf.attention_choice` may check
+    another implementation than the model's own) and bound. Pass the model before any DDP/FSDP
+    wrapper (a PEFT wrapper is fine). atol: relative to max(1, the largest logit); default
     `packed_rows.agreement_atol(model)`."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     seen = _SHARING_CHECKED.setdefault(model, {})
-    if impl in seen:
-        return seen[impl]
+    key = (impl, agreement_atol(model) if atol is None else atol)  # a dtype's bound, or atol
+    if key in seen:
+        return seen[key]
     reason = _config_refusal(config) if config is not None else "the model has no config"
     if reason is None:
         reason = _compare_with_separate(model, config, atol)
-    seen[impl] = reason
+    seen[key] = reason
     return reason
 
 
