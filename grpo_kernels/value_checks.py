@@ -90,8 +90,8 @@ def defer(failed: torch.Tensor, message: str) -> None:
         return
     host = torch.empty((), dtype=torch.bool, pin_memory=True)
     host.copy_(failed, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
+    done = torch.cuda.Event()  # on the stream the copy ran on: the flag's device's, which is
+    done.record(torch.cuda.current_stream(failed.device))  # not the current one under device_map
     _PENDING.append((host, done, message))
 
 
