@@ -21,8 +21,6 @@ from ..kernels import accumulate_mm as amm
 from ..kernels import linear_backward_atomic as atomic
 from ..kernels import linear_backward_gemm as gemm
 from ..kernels import linear_logprobs as lin
-from ..kernels import linear_loss_grad as llg
-from ..kernels import logits_logprobs as lgt
 from ..kernels import precision, tile_configs
 from ..kernels.epilogue import epilogue_flags
 from ..loss_specs import CLIPPED, OBJECTIVES
@@ -267,78 +265,6 @@ def _combine(quick: bool, arch: int, default_blocks: set):
                       block_s in default_blocks)
 
 
-def _logits(arch: int, V: int, dtype, quick: bool):
-    e = ELEM[dtype]
-    T = COMPLETION if V % 16 == 0 else COMPLETION - 1  # an odd T too: stride T·V not /16
-    rows = dict(x_ptr=Ptr(e), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
-                N=8 * T, V=V, T=T, stride_xb=T * V, stride_xt=V, inv_temp=1.0)
-    for epi, tr in _with_transforms(EPILOGUES[:2] if quick else EPILOGUES, EPILOGUES[:2], quick):
-        # with the epilogue, the logits-input loss skips blocks of weight 0 (ops.launch)
-        fcfg, fopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
-                                                     softcap_backward=epi[0] and tr[1]))
-        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **fcfg,
-                    SKIP_ZERO_WEIGHT=epi[0], **_transform_args(tr))
-        yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
-                      lgt._logits_logprob_fwd_kernel, args, fopts, "logits_fwd", True)
-    for gent, tr in _with_transforms((False, True), (False, True), quick):
-        bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
-                                                     softcap_backward=tr[1]))
-        args = dict(rows, dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    logp_ptr=Ptr("fp32"), stride_db=T * V, stride_dt=V, HAS_GENT=gent,
-                    ALIASED=False, **bcfg, **_transform_args(tr))
-        yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
-                      lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
-    # before each logits-input backward: the rows its forward skipped, recomputed if needed
-    stats = {k: v for k, v in rows.items() if k != "tgt_ptr"} | {
-        k: Ptr("fp32") for k in ("lse_out_ptr", "ent_out_ptr", "glogp_ptr", "gent_ptr")}
-    for gent, tr in _with_transforms((False, True), (True, False), quick):
-        scfg, sopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1]))
-        args = dict(stats, HAS_GENT=gent, **scfg, **_transform_args(tr))
-        yield Variant(f"logits_skipped[{e},V={V},gent={gent}{_transform_tag(tr)}]",
-                      lgt._skipped_rows_kernel, args, sopts, "logits_skipped", True)
-
-
-def _three_pass(arch: int, V: int, gemm_dtype, quick: bool):
-    """The row kernels as the three-pass route (kernels/linear_loss_grad.py) launches them: on
-    its float32 [C, V] logits chunk viewed as [C, 1, V] (T = 1, both strides V; chunks of
-    ALIGN_ROWS rows keep every chunk's [N] pointers aligned), the forward always with the GRPO
-    epilogue, the backward writing d logits in the GEMM dtype (the weight's) over the logits
-    chunk (`llg.dlogits_over`: a 16-bit d logits row in the first half of its row's bytes, row
-    stride 2V; a barrier before each store)."""
-    C = llg.chunk_rows(TOKENS[0], V, 4096, llg.CUDA_BUDGET_BYTES)
-    rows = dict(x_ptr=Ptr("fp32"), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
-                N=C, V=V, T=1, stride_xb=V, stride_xt=V, inv_temp=1.0)
-    cfg, opts = _split_cfg(tile_configs.logits(V, None, arch=arch))
-    for epi, tr in _with_transforms(EPILOGUES[1:], EPILOGUES[1:2], quick):
-        args = dict(rows, logp_ptr=Ptr("fp32"), **_epilogue_args(epi), **cfg,
-                    SKIP_ZERO_WEIGHT=False, **_transform_args(tr))
-        yield Variant(f"logits_fwd[fp32,three-pass,V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
-                      lgt._logits_logprob_fwd_kernel, args, opts, "logits_fwd", True)
-    d = ELEM[gemm_dtype]
-    d_stride = V * 4 // gemm_dtype.itemsize  # the d logits' row stride over the logits' rows
-    aliased = d != "fp32"  # a narrower d logits over the logits: the barrier (shared_rows)
-    for gent, tr in _with_transforms((False, True), (True, False), quick):
-        bcfg, bopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1],
-                                                     converting_backward=d != "fp32"))
-        args = dict(rows, dx_ptr=Ptr(d), glogp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    logp_ptr=Ptr("fp32"), stride_db=d_stride, stride_dt=d_stride,
-                    HAS_GENT=gent, ALIASED=aliased, **bcfg, **_transform_args(tr))
-        yield Variant(f"logits_bwd[fp32->{d},three-pass,V={V},gent={gent}{_transform_tag(tr)}]",
-                      lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)
-    # the fused row kernel (fused_rows=True: an option, not the default)
-    fused = itertools.product(EPILOGUES[1:2] if quick else EPILOGUES[1:], (False, True))
-    for (epi, gent), tr in _with_transforms(fused, ((EPILOGUES[1], True),), quick):
-        fcfg, fopts = _split_cfg(tile_configs.logits(V, None, arch=arch, softcap_backward=tr[1],
-                                                     converting_backward=d != "fp32",
-                                                     fused=True))
-        args = dict(rows, dx_ptr=Ptr(d), logp_ptr=Ptr("fp32"), gent_ptr=Ptr("fp32"),
-                    stride_db=d_stride, stride_dt=d_stride, HAS_GENT=gent, ALIASED=True,
-                    **_epilogue_args(epi), **fcfg, **_transform_args(tr))
-        yield Variant(f"logits_fused[fp32->{d},V={V},epi={_tag(epi)},gent={gent}"
-                      f"{_transform_tag(tr)}]", lgt._logits_loss_grad_kernel, args, fopts,
-                      "logits_fused", False)
-
-
 def default_linear_backward() -> str:
     """The backward the dispatch picks with no setting (no grad_filter, variable unset)."""
     saved = os.environ.pop(BACKWARD_ENV, None)
@@ -358,6 +284,8 @@ def variants(arch: int, quick: bool = False) -> list:
     of that architecture. Dtypes, bias, epilogue flags and vocabularies come from the user's
     model and loss, so all of them count as default. `quick` keeps every kernel, dtype, tile
     configuration and specialization, but fewer epilogue and flag combinations."""
+    from .row_variants import logits_variants, three_pass_variants  # they import this module
+
     defaults = {"fwd", *BACKWARD_KERNELS[default_linear_backward()]}
     precs = _fp32_precisions()
     out, seen = [], {}
@@ -373,11 +301,11 @@ def variants(arch: int, quick: bool = False) -> list:
         if hdt != wdt:
             continue
         for V in sorted({v for _, v in heads}):
-            for v in _logits(arch, V, hdt, quick):
+            for v in logits_variants(arch, V, hdt, quick):
                 _add(out, seen, v)
     for wdt in dict.fromkeys(w for _, w in pairs):  # the three-pass route's GEMM dtypes
         for V in sorted({v for _, v in heads}):
-            for v in _three_pass(arch, V, wdt, quick):
+            for v in three_pass_variants(arch, V, wdt, quick):
                 _add(out, seen, v)
     default_blocks = {triton.next_power_of_2(tile_configs.split_cap(grid[1]))
                       for hdt, _ in pairs for (D, V), N in itertools.product(heads, TOKENS)

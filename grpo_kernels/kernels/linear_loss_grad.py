@@ -9,12 +9,13 @@ d logits go straight into the gradient GEMMs. Per chunk of rows r:
   2. the Triton row forward with the epilogue (`logits_logprobs._logits_logprob_fwd_kernel`):
      logp, entropy, lse and weight·ℓ, c, kl, ratio per row (into the epilogue's outputs)
   3. the Triton row backward (`_logits_logprob_bwd_kernel`, g_logp = c, g_entropy = g_H):
-     d y [C, V] in the GEMM dtype, written over y (`dlogits_over`)
+     d y [C, V] in the GEMM dtype, written over y (`dlogits_over`), p = e^((z - m) - log s)
+     read against step 2's row max m and log s (two [C] float32 per chunk), as step 2 formed it
   4. d hidden[r] = d y @ W              [C, D], one GEMM rounded once to hidden's dtype
      d W += d y^T @ h[r]                [V, D], float32 across chunks; d b += Σ_rows d y (float32)
 
 against four passes for a forward plus a backward that recomputes the logits. Steps 2 and 3 may
-run as one kernel (`fused_rows`, `logits_logprobs.logits_loss_grad`). With a logit
+run as one kernel (`fused_rows`, `logits_loss_grad.py`). With a logit
 transform z = cap(s·y) / τ (`logit_transform.py`) the row kernels apply it, so d y is the
 gradient of the raw logits y and the GEMMs are unchanged.
 
@@ -28,9 +29,12 @@ Forward only (no gradient wanted: `linear_logprob_forward_gemm`, which `linear_l
 same rows.
 
 Memory: one [C, V] float32 logits buffer per call, reused by every chunk (`chunk_rows`); d y
-lives in it, each row over its own row of y (`dlogits_over`). A float32 d W accumulator
-[V, D] only for a 16-bit weight over several chunks (a float32 d W is its own accumulator; one
-chunk writes a 16-bit d W with one GEMM).
+lives in it, each row over its own row of y (`dlogits_over`); (m, log s) [2, C] float32 pass
+from step 2 to step 3 (8 bytes written and 8 read per row, where the lse alone took 4 read).
+A float32 d W accumulator [V, D] only for a 16-bit weight over several chunks (a float32 d W
+is its own accumulator; one chunk writes a 16-bit d W with one GEMM). A second backward
+(`recompute_grads`) runs the same passes from the saved coefficients c, its statistics (m,
+log s, logp) over the logits it recomputes.
 
 No host synchronization: the code reads shapes, dtypes and its arguments, never a tensor's
 values (no .item(), no data-dependent shapes); Triton and cuBLAS launches are asynchronous. A
@@ -45,7 +49,8 @@ import torch
 
 from . import gemm
 from .epilogue import EPILOGUE, EpilogueArgs
-from .logits_logprobs import logits_logprob_backward, logits_logprob_forward, logits_loss_grad
+from .logits_logprobs import logits_logprob_backward, logits_logprob_forward
+from .logits_loss_grad import logits_loss_grad
 
 F32 = torch.float32
 # The default budget of a call's chunk buffer on a GPU (`chunk_rows`): 704 MiB gives 1,344 rows
@@ -101,7 +106,7 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: Epilo
     [Na] float32 entropy coefficients or None. needs: which of (hidden, weight, bias) want a
     gradient. chunk_rows: rows per chunk (default: `chunk_rows` of budget_bytes, default
     CUDA_BUDGET_BYTES). softcap, logit_scale: the logit transform. fused_rows: steps 2 and 3
-    in one kernel (`logits_logprobs.logits_loss_grad`; the same numbers, a candidate to race
+    in one kernel (`logits_loss_grad.logits_loss_grad`; the same numbers, a candidate to race
     on a GPU: its second read of a row block may hit L2). Shapes are the caller's to
     guarantee; nothing here waits for the device."""
     _check(hidden, weight, bias, targets, epilogue, g_ent)
@@ -117,15 +122,18 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature, epilogue: Epilo
 
 
 def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, needs, rows_arg,
-               budget_bytes, transform, fused: bool) -> LossGrad:
+               budget_bytes, transform, fused: bool, coef=None) -> LossGrad:
+    """The chunks' passes. epilogue None: the coefficients `coef` [Na] are given (a second
+    backward, `recompute_grads`) and the row forward runs without the epilogue."""
     (Na, D), V = hidden.shape, weight.shape[0]
     dt = torch.promote_types(hidden.dtype, weight.dtype)  # the GEMMs' dtype (= weight's)
     C = _resolve_rows(rows_arg, budget_bytes, Na, V, D)
     f32 = dict(device=hidden.device, dtype=F32)
     logp, ent, lse = (torch.empty(Na, **f32) for _ in range(3))
-    coef = epilogue.outputs[1]
+    coef = epilogue.outputs[1] if epilogue is not None else coef
     grads = _Grads(hidden, weight, bias, needs, several=C < Na)
     logits = torch.empty(min(C, Na), V, **f32)  # [C, V], reused by every chunk
+    split = torch.empty(2, min(C, Na), **f32)  # the row forward's (m, log s) of a chunk's rows
     dz = dlogits_over(logits, dt) if grads.wanted else None
     for r0 in range(0, Na, C):
         rows = slice(r0, min(r0 + C, Na))
@@ -133,25 +141,51 @@ def _loss_grad(hidden, weight, bias, targets, temperature, epilogue, g_ent, need
         h = hidden[rows].to(dt)  # a copy only for the mixed head: [r, D] float32
         y = logits[:r]
         gemm.product(y, h, weight.T, bias)  # pass 1: raw logits [r, V] float32
-        stats, ep = (logp[rows], ent[rows], lse[rows]), _chunk_epilogue(epilogue, rows)
+        stats = (logp[rows], ent[rows], lse[rows])
+        ep = None if epilogue is None else _chunk_epilogue(epilogue, rows)
         g_ent_rows = None if g_ent is None else g_ent[rows]
         d = None if dz is None else dz[:r]  # d loss / d y [r, V]
         if fused and d is not None:  # passes 2 and 3 in one kernel
             logits_loss_grad(y.view(r, 1, V), targets[rows], temperature, ep, g_ent_rows, stats,
                              d.view(r, 1, V), **transform)
         else:
+            # p as the row forward formed it (m and log s), not through the lse
+            m_logs = (split[0, :r], split[1, :r])
             logits_logprob_forward(y.view(r, 1, V), targets[rows], temperature, ep,
-                                   **transform, out=stats)
+                                   **transform, out=stats, split_out=m_logs)
             if d is None:
                 continue
             logits_logprob_backward(y.view(r, 1, V), targets[rows], stats[2], stats[1],
                                     coef[rows], g_ent_rows, temperature, out=d.view(r, 1, V),
-                                    logp=stats[0], **transform)
+                                    logp=stats[0], split=m_logs, **transform)
         if grads.dw is not None:  # padding's d y rows are 0; 0·h must add 0 where h is NaN
             live = coef[rows] != 0 if g_ent is None else (coef[rows] != 0) | (g_ent_rows != 0)
             h = torch.where(live[:, None], h, 0)  # [r, D]
         grads.add_chunk(rows, d, h, weight, first=r0 == 0)
     return LossGrad(logp, ent, lse, coef, *grads.finish())
+
+
+def recompute_grads(hidden, weight, bias, targets, temperature, coef, g_ent=None,
+                    needs=(True, True, True), chunk_rows=None, budget_bytes=None, softcap=None,
+                    logit_scale=None) -> tuple:
+    """(d hidden, d weight, d bias) of a `linear_loss_grad` call once more, from its coefficients
+    coef = weight·dℓ/dlogp [Na] float32 (the epilogue's output; a second backward of a graph
+    kept with retain_graph). The same passes without the epilogue: each chunk's row forward
+    forms m and log s over the logits this call's GEMM gives, and its row backward reads p and
+    the target column's 1 - p against them, so a row one token dominates gets p as these
+    logits define it (the first call's statistics belong to logits that may round otherwise).
+    Arguments as `linear_loss_grad`; None where `needs` wants no gradient."""
+    _check(hidden, weight, bias, targets, None, g_ent)
+    if coef.shape != targets.shape or coef.dtype != F32 or coef.device != hidden.device:
+        raise ValueError(f"coef must be a [Na] = [{targets.shape[0]}] float32 tensor on "
+                         f"{hidden.device}, got {tuple(coef.shape)} {coef.dtype} {coef.device}")
+    if not _wants_grads(bias, needs):
+        return None, None, None
+    with torch.no_grad():
+        out = _loss_grad(hidden, weight, bias, targets, temperature, None, g_ent, needs,
+                         chunk_rows, budget_bytes, dict(softcap=softcap, logit_scale=logit_scale),
+                         False, coef=coef.contiguous())
+    return out.d_hidden, out.d_weight, out.d_bias
 
 
 def linear_logprob_forward_gemm(hidden, weight, bias, targets, temperature, epilogue=None,

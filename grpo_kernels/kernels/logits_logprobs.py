@@ -7,9 +7,11 @@
 Memory-bound: forward reads each row once (online log-sum-exp, target pick, entropy, optional
 GRPO epilogue); backward reads it once more and writes d logits once, into a fresh buffer or, with
 `inplace`, over the logits themselves. Nothing of [N, V] float32 is ever allocated.
-`logits_loss_grad` runs both in one program per row block, the backward's coefficient from the
-forward's epilogue (an option of the three-pass route, `linear_loss_grad.py`). Layout: forward
-kernel, launcher; backward kernel, launcher; the fused kernel, launcher.
+The backward reads p = e^(z - lse), or, given the forward's two terms of the lse (`split_out`:
+the row max m and log s, s = Σ e^(z - m)), p = e^((z - m) - log s) as the forward formed it: at
+a row one token dominates, 1/s to float32's precision, where the lse's rounding at its
+magnitude (2e-6 at |lse| ≈ 40) would show. `logits_loss_grad.py` runs both in one program per
+row block. Layout: forward kernel, launcher; backward kernel, launcher.
 """
 
 from __future__ import annotations
@@ -79,12 +81,14 @@ def _row_statistics(x_ptr, rows, n_mask, V, inv_temp, logit_mul, softcap, ROWS: 
 
 
 @triton.jit
-def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T,
-                  stride_xb, stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS: tl.constexpr,
-                  ROWS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, SKIP_ZERO_WEIGHT: tl.constexpr):
-    """The forward of this program's ROWS tokens: log-sum-exp, entropy and log-prob stored, the
-    epilogue run; returns (offs_n, n_mask, rows, lse, ent, logp, g) for a backward sweep to follow.
+def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, max_ptr, logs_ptr, epi_tensors,
+                  epi_scalars, N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
+                  EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  SKIP_ZERO_WEIGHT: tl.constexpr, SPLIT_LSE: tl.constexpr):
+    """The forward of this program's ROWS tokens: log-sum-exp, entropy and log-prob stored (with
+    SPLIT_LSE also the lse's terms m and log s), the epilogue run; returns (offs_n, n_mask, rows,
+    m, log_s, ent, logp, g) for a backward sweep to follow.
 
     SKIP_ZERO_WEIGHT (with the epilogue): a block whose rows all have weight 0 (padding) reads
     no logits and runs no epilogue (`epilogue.skipped_token_outputs`: log-prob, entropy,
@@ -97,7 +101,8 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
     live = True
     if SKIP_ZERO_WEIGHT:
         live = _nonzero_rows(load_token_weights(offs_n, n_mask, epi_tensors)) != 0.0
-    lse = tl.zeros([ROWS], tl.float32)
+    m = tl.zeros([ROWS], tl.float32)
+    log_s = tl.zeros([ROWS], tl.float32)
     ent = tl.zeros([ROWS], tl.float32)
     logp = tl.zeros([ROWS], tl.float32)
     g = tl.zeros([ROWS], tl.float32)
@@ -113,37 +118,44 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_s
         logp = (z_tgt - m) - log_s
         g = _store_token_results(offs_n, n_mask, lse, ent, logp, lse_ptr, ent_ptr, logp_ptr,
                                  epi_tensors, epi_scalars, EPI_FLAGS)
+        if SPLIT_LSE:  # never with SKIP_ZERO_WEIGHT (the launcher refuses it)
+            tl.store(max_ptr + offs_n, m, mask=n_mask)
+            tl.store(logs_ptr + offs_n, log_s, mask=n_mask)
     else:  # no epilogue either: its inputs at padding may be anything (an old log-prob of -100
         # would overflow the ratio of a log-prob 0, and 0·inf is NaN)
         skipped_token_outputs(offs_n, n_mask, lse_ptr, ent_ptr, logp_ptr, epi_tensors)
-    return offs_n, n_mask, rows, lse, ent, logp, g
+    return offs_n, n_mask, rows, m, log_s, ent, logp, g
 
 
 @triton.jit(do_not_specialize=["N", "T"])
 def _logits_logprob_fwd_kernel(
-    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr,
+    x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, max_ptr, logs_ptr,  # m, log s: with SPLIT_LSE
     epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py), read with EPI_FLAGS
     N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
     EPI_FLAGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SKIP_ZERO_WEIGHT: tl.constexpr,
+    SPLIT_LSE: tl.constexpr,
 ):
-    _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T,
-                  stride_xb, stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V,
-                  HAS_SCALE, HAS_SOFTCAP, SKIP_ZERO_WEIGHT)
+    _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, max_ptr, logs_ptr, epi_tensors,
+                  epi_scalars, N, V, T, stride_xb, stride_xt, inv_temp, logit_mul, softcap,
+                  EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP, SKIP_ZERO_WEIGHT, SPLIT_LSE)
 
 
 def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=None,
-                           logit_scale=None, out=None, skip_zero_weight=False):
+                           logit_scale=None, out=None, skip_zero_weight=False, split_out=None):
     """logits [B, T, V] (last dim contiguous), targets [B·T] int64
     -> float32 (logp, entropy, lse), each [B·T]. softcap / logit_scale: the logits given are
     raw, and z = cap(s·logits) / τ (`logit_transform.py`). out: three [B·T] float32 tensors
-    (contiguous) to write (logp, entropy, lse) into instead of fresh ones.
+    (contiguous) to write (logp, entropy, lse) into instead of fresh ones. split_out: None or
+    two [B·T] float32 tensors to write the lse's terms into, the row max m of z and log s,
+    s = Σ e^(z - m) (lse = m + log s), for `logits_logprob_backward(split=...)`.
     skip_zero_weight (with an epilogue): rows of weight 0 are not computed where a whole row
     block has weight 0 (one row per block at V >= 4096): logp and entropy 0 there, lse NaN
     (`_forward_rows`); `logits_logprob_backward` recomputes such a row if it has a gradient."""
-    if skip_zero_weight and (epilogue is None or not EPILOGUE.value & epilogue.flags):
+    if skip_zero_weight and (epilogue is None or not EPILOGUE.value & epilogue.flags
+                             or split_out is not None):
         raise ValueError("skip_zero_weight needs the GRPO epilogue, whose weights say which "
-                         "rows to skip")
+                         "rows to skip, and no split_out")
     B, T, V = logits.shape
     N = B * T
     f32 = dict(device=logits.device, dtype=torch.float32)
@@ -155,10 +167,12 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
     cfg = tile_configs.logits(V, logits.device,
                               softcap_backward=skip_zero_weight and softcap is not None)
     ep = epilogue or no_epilogue(logp)
+    m, log_s = (lse, lse) if split_out is None else split_out
     _logits_logprob_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-        logits, targets, lse, ent, logp, ep.tensors, ep.scalars,
+        logits, targets, lse, ent, logp, m, log_s, ep.tensors, ep.scalars,
         N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
-        EPI_FLAGS=ep.flags, SKIP_ZERO_WEIGHT=skip_zero_weight, **cfg,
+        EPI_FLAGS=ep.flags, SKIP_ZERO_WEIGHT=skip_zero_weight,
+        SPLIT_LSE=split_out is not None, **cfg,
         **logit_transform_args(softcap, logit_scale),
     )
     return logp, ent, lse
@@ -171,14 +185,15 @@ def _expm1(x):
 
 
 @triton.jit
-def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, gh, busy, V,
-                    inv_temp, logit_mul, softcap, HAS_GENT: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    ALIASED: tl.constexpr):
+def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, shift, log_s, ent, logp, g, gh,
+                    busy, V, inv_temp, logit_mul, softcap, HAS_GENT: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, ALIASED: tl.constexpr):
     """Writes the d logits of a block of rows (offsets `rows` in x, `drows` in dx) in one sweep
-    over V; tgt, lse, ent, logp (the forward's), g = g_logp, gh = g_entropy are [ROWS]; busy == 0
-    (no row of the block has a gradient) writes zeros without reading x. At the target column
-    log p is logp unless NaN (then z/τ - lse), 1 - p is -expm1(logp): not the lse's rounding.
+    over V; tgt, shift, log_s, ent, logp (the forward's), g = g_logp, gh = g_entropy are [ROWS];
+    busy == 0 (no row of the block has a gradient) writes zeros without reading x. log p is
+    (z - shift) - log_s: shift = lse and log_s = 0, or the forward's m and log s (p as the
+    forward formed it). At the target column log p is logp unless NaN, 1 - p is -expm1(logp).
 
     ALIASED: dx is narrower than x and written over it (`shared_rows`): element j of a row's
     d logits lands on x element j·isize(dx)/isize(x) <= j of the same row, which this sweep, or
@@ -196,7 +211,8 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, 
             if HAS_SCALE or HAS_SOFTCAP:
                 x, dzdx = softcap_logits_grad(x, logit_mul, softcap, HAS_SCALE, HAS_SOFTCAP)
             at_t = (offs_v[None, :] == tgt[:, None]) & (logp == logp)[:, None]
-            log_p = tl.where(at_t, logp[:, None], x * inv_temp - lse[:, None])
+            log_p = tl.where(at_t, logp[:, None],
+                             (x * inv_temp - shift[:, None]) - log_s[:, None])
             p = tl.exp(log_p)
             onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
             dz = g[:, None] * tl.where(at_t, -_expm1(logp)[:, None], onehot - p)
@@ -216,10 +232,12 @@ def _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, 
 
 @triton.jit(do_not_specialize=["N", "T"])
 def _logits_logprob_bwd_kernel(
-    x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, logp_ptr,  # logp: forward's
+    x_ptr, dx_ptr, tgt_ptr, shift_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    logp_ptr,  # the forward's logp; shift: the lse, or with SPLIT_LSE m beside log s (logs_ptr)
     N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
     HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIASED: tl.constexpr,
+    SPLIT_LSE: tl.constexpr,
 ):
     # d logits_j = [g·(onehot_j - p_j) - g_H·p_j·(log p_j + H)] / τ  (see linear_logprobs.py);
     # with a transform z = cap(s·x) of the logits x given: d x_j = d logits_j · dz_j/dx_j,
@@ -240,11 +258,14 @@ def _logits_logprob_bwd_kernel(
     # grpo_kernels/parallel; or a bad id, which the caller reports) matches no column and adds
     # no one-hot term, as in the linear head's tile kernels (`dlogits.dz_tile`)
     tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
-    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    shift = tl.load(shift_ptr + offs_n, mask=n_mask, other=0.0)
+    log_s = tl.zeros([ROWS], tl.float32)
+    if SPLIT_LSE:
+        log_s = tl.load(logs_ptr + offs_n, mask=n_mask, other=0.0)
     logp = tl.load(logp_ptr + offs_n, mask=n_mask, other=0.0)  # NaN: not given
-    _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, lse, ent, logp, g, gh, busy, V,
-                    inv_temp, logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP,
-                    ALIASED)
+    _d_logits_sweep(x_ptr, dx_ptr, rows, drows, n_mask, tgt, shift, log_s, ent, logp, g, gh,
+                    busy, V, inv_temp, logit_mul, softcap, HAS_GENT, ROWS, BLOCK_V, HAS_SCALE,
+                    HAS_SOFTCAP, ALIASED)
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -292,14 +313,19 @@ def _with_skipped_rows(logits, lse, ent, g_logp, g_ent, temperature, softcap, lo
 
 
 def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, out=None,
-                            softcap=None, logit_scale=None, skipped_rows=False, logp=None):
+                            softcap=None, logit_scale=None, skipped_rows=False, logp=None,
+                            split=None):
     """d logits [B, T, V] for Σ g_logp·logp + Σ g_ent·H, in logits' dtype or `out`'s; written
     into `out`, which may be `logits` itself (each element is read before it is overwritten) or
     a narrower view over its rows (`shared_rows`). softcap / logit_scale: as in
     `logits_logprob_forward` (d of the raw logits). skipped_rows: lse may mark rows the forward
     skipped (NaN, `logits_logprob_forward(skip_zero_weight=True)`); they are recomputed first
     where they need to be (`_with_skipped_rows`). logp: None or the forward's log-probs [B·T],
-    the target column's (else, and at a skipped row, z/τ - lse: `_d_logits_sweep`)."""
+    the target column's (else, and at a skipped row, z/τ - lse: `_d_logits_sweep`). split: None
+    or the forward's (m, log s) [B·T] each (`logits_logprob_forward(split_out=...)`): every
+    other column's p is read against them, not through the lse (not with skipped_rows)."""
+    if skipped_rows and split is not None:
+        raise ValueError("split (the forward's m and log s) cannot mark skipped rows")
     B, T, V = logits.shape
     N = B * T
     dx = torch.empty_like(logits) if out is None else out
@@ -314,11 +340,12 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
                                       logit_scale)
     cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
                               converting_backward=dx.dtype != logits.dtype)
+    shift, log_s = (lse, lse) if split is None else split
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-        logits, dx, targets, lse, ent, g_logp, g_ent if g_ent is not None else g_logp, logp,
-        N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
-        1.0 / temperature,
-        HAS_GENT=g_ent is not None, ALIASED=aliased, **cfg,
+        logits, dx, targets, shift, log_s, ent, g_logp, g_ent if g_ent is not None else g_logp,
+        logp, N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
+        1.0 / temperature, HAS_GENT=g_ent is not None, ALIASED=aliased,
+        SPLIT_LSE=split is not None, **cfg,
         **logit_transform_args(softcap, logit_scale),
     )
     return dx
@@ -342,59 +369,3 @@ def shared_rows(logits: torch.Tensor, dx: torch.Tensor) -> bool:
             f"{tuple(logits.shape)} strides {logits.stride()} at {logits.data_ptr()}; they "
             "must be the logits themselves or a view, no wider, whose rows start at theirs")
     return True
-
-
-@triton.jit(do_not_specialize=["N", "T"])
-def _logits_loss_grad_kernel(
-    x_ptr, dx_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, gent_ptr,
-    epi_tensors, epi_scalars,  # the GRPO epilogue's bundle (epilogue.py); EPI_FLAGS has it on
-    N, V, T, stride_xb, stride_xt, stride_db, stride_dt, inv_temp, logit_mul, softcap,
-    EPI_FLAGS: tl.constexpr, HAS_GENT: tl.constexpr, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIASED: tl.constexpr,
-):
-    # the forward's sweep and epilogue, then the backward's sweep with g_logp = weight·dℓ/dlogp
-    # from registers: the second read of a row block may come from L2
-    offs_n, n_mask, rows, lse, ent, logp, g = _forward_rows(
-        x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, epi_tensors, epi_scalars, N, V, T, stride_xb,
-        stride_xt, inv_temp, logit_mul, softcap, EPI_FLAGS, ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP,
-        False)
-    busy = _nonzero_rows(g)
-    gh = g
-    if HAS_GENT:
-        gh = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        busy += _nonzero_rows(gh)
-    lse = tl.where(n_mask, lse, 0.0)  # rows past N: finite, as the backward loads them
-    # the one-hot term at the id as given: none for an id outside [0, V), as in the backward
-    # kernel (another vocabulary shard's id, grpo_kernels/parallel); the sweep loads nothing by it
-    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
-    _d_logits_sweep(x_ptr, dx_ptr, rows, _row_offsets(offs_n, T, stride_db, stride_dt), n_mask,
-                    tgt, lse, ent, logp, g, gh, busy, V, inv_temp, logit_mul, softcap, HAS_GENT,
-                    ROWS, BLOCK_V, HAS_SCALE, HAS_SOFTCAP, ALIASED)
-
-
-def logits_loss_grad(logits, targets, temperature, epilogue, g_ent, out, dx, softcap=None,
-                     logit_scale=None) -> None:
-    """`logits_logprob_forward` with the GRPO epilogue, then `logits_logprob_backward` with
-    g_logp = the epilogue's weight·dℓ/dlogp, in one program per block of rows (each row swept
-    twice: its statistics, then its d logits). logits [B, T, V]; targets [B·T] int64; epilogue:
-    the bundle (`epilogue.epilogue_args`, on), whose outputs it fills; g_ent [B·T] float32 or
-    None; out: (logp, entropy, lse) [B·T] float32 to write; dx [B, T, V]: the d logits (any
-    float dtype; a buffer of its own, the logits themselves, or a narrower view over their rows:
-    `shared_rows`)."""
-    if not EPILOGUE.value & epilogue.flags:
-        raise ValueError("logits_loss_grad needs the GRPO epilogue (epilogue.epilogue_args)")
-    B, T, V = logits.shape
-    N = B * T
-    if N == 0:
-        return
-    logp, ent, lse = out
-    aliased = shared_rows(logits, dx)  # the forward sweep's reads, too, precede any write
-    cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
-                              converting_backward=dx.dtype != logits.dtype, fused=True)
-    _logits_loss_grad_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
-        logits, dx, targets, lse, ent, logp, g_ent if g_ent is not None else logp,
-        epilogue.tensors, epilogue.scalars,
-        N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),
-        1.0 / temperature, EPI_FLAGS=epilogue.flags, HAS_GENT=g_ent is not None,
-        ALIASED=aliased, **cfg, **logit_transform_args(softcap, logit_scale),
-    )

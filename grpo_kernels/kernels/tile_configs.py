@@ -206,7 +206,7 @@ def logits(V: int, device: torch.device | None, arch: int | None = None,
     logit soft cap (its tanh and derivative add live temporaries); converting_backward: the
     backward writes d logits in another dtype than the logits' (float32 logits, 16-bit d logits:
     the three-pass route, `linear_loss_grad.py`); fused: the forward, epilogue and backward in
-    one kernel (`logits_logprobs.logits_loss_grad`)."""
+    one kernel (`logits_loss_grad.logits_loss_grad`)."""
     cc = target_arch(device, arch)
     if cc is None:
         return dict(ROWS=4, BLOCK_V=64, **_opts(4))
@@ -222,4 +222,11 @@ def logits(V: int, device: torch.device | None, arch: int | None = None,
     chunk = 2048 if narrow else 4096
     block = min(triton.next_power_of_2(V), chunk)
     rows = max(1, min(16, chunk // triton.next_power_of_2(V)))
-    return dict(ROWS=rows, BLOCK_V=block, **_opts(8 if rows * block >= chunk else 4, None, cc))
+    opts = _opts(8 if rows * block >= chunk else 4, None, cc)
+    if fused and narrow and cc == 80:
+        # the fused kernel keeps m and log s of its rows across its second sweep: ptxas capped
+        # it at 48 registers (5 blocks of 8 warps per SM) and spilled 8 B (float32, V = 32,001,
+        # no entropy gradient); at most 64 it spills nothing, 4 blocks per SM as with the lse
+        # alone (57-64 registers). Uncapped, 78-95 with the entropy gradient: 2-3 blocks.
+        opts["maxnreg"] = 64
+    return dict(ROWS=rows, BLOCK_V=block, **opts)

@@ -225,14 +225,28 @@ def _compute(head, ids, grpo_args, g_ent, rows, needs, backend, temperature, log
 def recompute_grads(head, ids, stats, g_ent, needs, backend, temperature, logit_scale=None
                     ) -> tuple:
     """The same input gradients from the saved statistics stats = (lse, entropy, coef, logp)
-    [N], by the backend's backward launcher (a second backward of a graph kept with
-    retain_graph). logp: the forward's, from which the chunked backward takes the target
-    column's gradient (1 - p of a dominant target, not through the lse). Every other column's
-    p it reads against S over its own recomputed logits (`own_sums`): their GEMMs round unlike
-    the forward's chunk, so the forward's S would not match them at a dominant token."""
+    [N] (a second backward of a graph kept with retain_graph). The recomputed logits' GEMMs
+    round unlike the forward's chunk, so p is read against statistics over the recomputed
+    logits. Triton: the three-pass passes again from coef (`kernels.linear_loss_grad.
+    recompute_grads`: each chunk's row forward gives m and log s, and logp, of its own logits).
+    Chunked: the backward launcher; its target column's gradient from the forward's logp (1 - p
+    of a dominant target, not through the lse), every other column's p against S over its own
+    recomputed logits (`own_sums`)."""
     lse, ent, coef, logp = stats
-    op = LinearHeadOp(IMPLS[backend], temperature, logit_scale=logit_scale)
-    return op.backward(head, ids, lse, ent, coef, g_ent, needs, logp=logp, own_sums=_whole_head)
+
+    def on_torch():
+        op = LinearHeadOp(IMPLS["chunked"], temperature, logit_scale=logit_scale)
+        return op.backward(head, ids, lse, ent, coef, g_ent, needs, logp=logp,
+                           own_sums=_whole_head)
+
+    if backend == "chunked":
+        return on_torch()
+    hidden, weight, bias = head
+    op = LinearHeadOp(IMPLS["triton"], temperature, logit_scale=logit_scale)
+    return fallback.run(op.variant("three-pass-recompute", head), hidden.device, lambda: (
+        triton_loss_grad.recompute_grads(
+            hidden.contiguous(), weight, bias, ids, temperature, coef, g_ent, needs,
+            budget_bytes=chunk_budget_bytes(backend), logit_scale=logit_scale)), on_torch)
 
 
 def _whole_head(sums):

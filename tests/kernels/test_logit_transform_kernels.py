@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_head, max_err, transformed_head
 
-from grpo_kernels.compile_check import kernel_variants
+from grpo_kernels.compile_check import kernel_variants, row_variants
 from grpo_kernels.kernels import linear_backward_atomic as atomic
 from grpo_kernels.kernels import linear_backward_gemm as gemm
 from grpo_kernels.kernels import linear_logprobs as lin
@@ -170,7 +170,7 @@ def test_compile_check_lists_the_transform_variants():
     for quick in (True, False):
         names = [v.name for v in kv._linear(90, 4096, 896, 151936, torch.bfloat16,
                                             torch.bfloat16, "tf32", quick, {"fwd"})]
-        names += [v.name for v in kv._logits(90, 151936, torch.bfloat16, quick)]
+        names += [v.name for v in row_variants.logits_variants(90, 151936, torch.bfloat16, quick)]
         for kind in ("linear_fwd", "linear_bwd", "linear_dz", "logits_fwd", "logits_bwd"):
             for tag in ("logit=scale", "logit=softcap"):
                 assert any(n.startswith(kind + "[") and tag in n for n in names), (kind, tag)

@@ -13,6 +13,7 @@ from helpers import KERNEL_DEVICE
 
 from grpo_kernels.kernels import linear_loss_grad as llg
 from grpo_kernels.kernels import logits_logprobs as rows_kernels
+from grpo_kernels.kernels import logits_loss_grad as fused_kernel
 from grpo_kernels.kernels.epilogue import epilogue_args
 from grpo_kernels.params import GRPOParams
 
@@ -64,7 +65,7 @@ def test_fused_kernel_over_its_logits(dtype):
     def run(dx):
         ep = epilogue_args(rule, weights, adv, old, ref, None)
         stats = tuple(torch.empty(N, device=KERNEL_DEVICE) for _ in range(3))
-        rows_kernels.logits_loss_grad(y.view(N, 1, V), ids, 0.9, ep, g_ent, stats,
+        fused_kernel.logits_loss_grad(y.view(N, 1, V), ids, 0.9, ep, g_ent, stats,
                                       dx.view(N, 1, V))
         return torch.stack([*stats, *ep.outputs])
 
