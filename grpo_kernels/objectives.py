@@ -14,7 +14,6 @@ of docs/semantics.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ import torch
 from . import loss_specs as ls
 from .grpo_options import compute_vespo_phi
 from .params import GRPOParams
-from .traced_floats import traced
+from .traced_floats import exp, traced
 
 
 class TokenView(NamedTuple):
@@ -178,7 +177,7 @@ def _gmpo_loss(v: TokenView) -> torch.Tensor:
 
 def _gmpo_flags(ratio, A, params, old_logps) -> tuple:
     # the tokens its pessimistic clip takes the clipped log-ratio at: a trust region in log space
-    lo, hi = math.exp(-params.epsilon_low), math.exp(params.epsilon_high)
+    lo, hi = exp(-params.epsilon_low, ratio), exp(params.epsilon_high, ratio)
     return _low_high_region((ratio < lo) & (A < 0), (ratio > hi) & (A > 0))
 
 

@@ -3,17 +3,21 @@
 Under torch.compile, Dynamo traces a Python float that changes between calls of a compiled step
 (a β, clip-range or temperature schedule) as a symbolic float. Whatever takes it as a Python
 number fixes it to its value again (torch 2.13): a custom operator's `float` argument,
-torch.tensor / torch.full, the bounds of torch.clamp. The compiled step then builds a graph per
-value, and under fullgraph=True fails at Dynamo's recompile limit. A product of a tensor and
-the symbolic float keeps it a graph input, so the helpers here build 0-d tensors that way under
-compile. Eager code gets what it got before, bit for bit: the Python number itself (`traced`),
-or `torch.full` of it (`scalar_tensor`).
+torch.tensor / torch.full, the bounds of torch.clamp, the values of torch.where, the q of
+torch.nanquantile, and math.exp. The compiled step then builds a graph per value, and under
+fullgraph=True fails at Dynamo's recompile limit. A product of a tensor and the symbolic float
+keeps it a graph input, so the helpers here build 0-d tensors that way under compile. Eager code
+gets what it got before, bit for bit: the Python number itself (`traced`, `exp`), or
+`torch.full` of it (`scalar_tensor`).
 
 Used by the custom operators' hyperparameter arguments (`ops/op_scalars.py`) and by the PyTorch
-loss code traced around them (`objectives.clamp`).
+loss code traced around them (`objectives.clamp`, vespo's weights, gmpo's clip metrics; the
+entropy quantile takes its written-out steps instead, `grpo_options.nanquantile`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -37,3 +41,12 @@ def traced(value, like: torch.Tensor, dtype: torch.dtype | None = None):
         return value
     return scalar_tensor(value, like.dtype if dtype is None else dtype, like.device)
 
+
+
+def exp(value, like: torch.Tensor):
+    """math.exp(value) in eager code; under torch.compile torch.exp of a 0-d float64 tensor on
+    like's device (math.exp fixes a symbolic float to its value). A float32 tensor compared with
+    either rounds it to float32 first."""
+    if not torch.compiler.is_compiling():
+        return math.exp(value)
+    return torch.exp(scalar_tensor(value, torch.float64, like.device))
