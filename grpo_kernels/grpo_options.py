@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .traced_floats import traced
+
 # vespo works in log space; TRL 1.16 clamps the token log-ratios to ±20 and the sequence log-weight
 # (and each log rollout ratio) to [log 1e-8, 20], which these constants reproduce.
 _TOKEN_LOG_RATIO_BOUND = 20.0
@@ -47,11 +49,19 @@ def compute_vespo_phi(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: t
     log_w = log_w.clamp(_LOG_WEIGHT_FLOOR, 20.0)
     log_w, A = layout.align(log_w, advantages)
     nonneg = A >= 0
-    k = torch.where(nonneg, params.vespo_k_pos, params.vespo_k_neg)
-    lam = torch.where(nonneg, params.vespo_lambda_pos, params.vespo_lambda_neg).clamp(
+    k = _by_sign(nonneg, params.vespo_k_pos, params.vespo_k_neg)
+    lam = _by_sign(nonneg, params.vespo_lambda_pos, params.vespo_lambda_neg).clamp(
         min=_LAMBDA_FLOOR)
     log_phi = lam + k * log_w - lam * torch.exp(log_w)
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _by_sign(nonneg: torch.Tensor, pos: float, neg: float) -> torch.Tensor:
+    """torch.where(nonneg, pos, neg) of two hyperparameters, in the default dtype as torch.where
+    of two Python numbers; under torch.compile of two 0-d tensors, which keep them symbolic
+    (`traced_floats.traced`)."""
+    dtype = torch.get_default_dtype()
+    return torch.where(nonneg, traced(pos, nonneg, dtype), traced(neg, nonneg, dtype))
 
 
 @torch.no_grad()
@@ -97,19 +107,23 @@ _QUANTILE_LIMIT = 2**24
 
 def nanquantile(values: torch.Tensor, q: float) -> torch.Tensor:
     """torch.nanquantile(values, q) (linear interpolation, NaN entries ignored) for a 1-D float
-    tensor of any length: torch's own up to its 2**24-element limit, above it the same steps
-    written out (a sort puts the NaNs last; with n real values the rank q·(n − 1) lies between
-    two sorted entries, and lerp interpolates them). Returns a 0-d tensor, NaN if every entry
-    is NaN. The shapes do not depend on the data, so it traces under torch.compile."""
-    if values.numel() <= _QUANTILE_LIMIT:
+    tensor of any length: torch's own up to its 2**24-element limit, above it and under
+    torch.compile the same steps written out (a sort puts the NaNs last; with n real values the
+    rank q·(n − 1) lies between two sorted entries, and lerp interpolates them), equal to
+    torch's bit for bit. Returns a 0-d tensor, NaN if every entry is NaN. The shapes do not
+    depend on the data, so it traces under torch.compile; there torch.nanquantile's float q
+    would fix a symbolic q (a schedule of top_entropy_quantile) to its value, a graph per
+    value, where the product q·(n − 1) keeps it symbolic."""
+    if values.numel() <= _QUANTILE_LIMIT and not torch.compiler.is_compiling():
         return torch.nanquantile(values, q)
     ordered = values.sort().values  # [M], NaN last
     n = (~values.isnan()).sum()  # 0-d int64: the real values
     rank = q * (n - 1).clamp(min=0).to(values.dtype)  # 0-d
     below = rank.floor()
-    lo = below.long().clamp(max=values.numel() - 1)
-    hi = rank.ceil().long().clamp(max=values.numel() - 1)
-    out = torch.lerp(ordered[lo], ordered[hi], rank - below)
+    # [1] indices: gather, not indexing by a 0-d tensor (which torch.compile reads as a number)
+    lo = below.long().clamp(max=values.numel() - 1).reshape(1)
+    hi = rank.ceil().long().clamp(max=values.numel() - 1).reshape(1)
+    out = torch.lerp(ordered.gather(0, lo), ordered.gather(0, hi), rank - below).reshape(())
     return torch.where(n > 0, out, torch.nan)
 
 

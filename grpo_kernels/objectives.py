@@ -14,7 +14,6 @@ of docs/semantics.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ import torch
 from . import loss_specs as ls
 from .grpo_options import compute_vespo_phi
 from .params import GRPOParams
+from .traced_floats import exp, traced
 
 
 class TokenView(NamedTuple):
@@ -51,13 +51,10 @@ class ObjectiveMath(NamedTuple):
 
 def clamp(x: torch.Tensor, low=None, high=None) -> torch.Tensor:
     """torch.clamp(x, low, high) by hyperparameters. Under torch.compile the bounds go in as 0-d
-    tensors of x's dtype: torch.clamp by a Python number fixes a symbolic float (a
-    hyperparameter that changes between calls of a compiled step) to its value, a recompile per
-    value (torch 2.13), where a product keeps it symbolic."""
-    if torch.compiler.is_compiling():
-        one = x.new_ones(())
-        low, high = (None if b is None else one * b for b in (low, high))
-    return torch.clamp(x, low, high)
+    tensors of x's dtype (`traced_floats.traced`): torch.clamp by a Python number fixes a
+    symbolic float (a hyperparameter that changes between calls of a compiled step) to its
+    value, a recompile per value."""
+    return torch.clamp(x, traced(low, x), traced(high, x))
 
 
 def capped_ratio(ratio: torch.Tensor, params: GRPOParams) -> torch.Tensor:
@@ -180,7 +177,7 @@ def _gmpo_loss(v: TokenView) -> torch.Tensor:
 
 def _gmpo_flags(ratio, A, params, old_logps) -> tuple:
     # the tokens its pessimistic clip takes the clipped log-ratio at: a trust region in log space
-    lo, hi = math.exp(-params.epsilon_low), math.exp(params.epsilon_high)
+    lo, hi = exp(-params.epsilon_low, ratio), exp(params.epsilon_high, ratio)
     return _low_high_region((ratio < lo) & (A < 0), (ratio > hi) & (A > 0))
 
 

@@ -24,6 +24,7 @@ from dataclasses import fields
 import torch
 
 from ..params import TokenLossArgs
+from ..traced_floats import scalar_tensor
 
 F64 = torch.float64
 # the argument names, in every op's schema, of the values carried as 0-d tensors
@@ -36,11 +37,7 @@ def to_op(value):
     as they are."""
     if value is None or isinstance(value, torch.Tensor):
         return value
-    if torch.compiler.is_compiling():
-        # torch.tensor / torch.full of a symbolic float specialize it (a recompile per value,
-        # torch 2.13); a product with a tensor keeps it a graph input
-        return torch.ones((), dtype=F64) * value
-    return torch.full((), value, dtype=F64)  # the cheapest eager construction (~2 µs)
+    return scalar_tensor(value, F64)  # a symbolic float stays symbolic (traced_floats.py)
 
 
 def of_op(value):

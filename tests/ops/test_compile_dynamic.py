@@ -5,7 +5,8 @@ sizes) and never again. Code on the traced path that fixes a size to its value (
 formatted string, a shape compared in a way Dynamo cannot decide) would recompile it at every
 new size, and with fullgraph=True fail once Dynamo's recompile limit (8) is reached. Float
 hyperparameters that change from step to step (a schedule) are traced as symbolic floats the
-same way: the operators take them as tensors, which keeps them symbolic.
+same way: the operators take them as tensors, which keeps them symbolic, and the PyTorch loss
+code traced around them makes them 0-d tensors while compiling (grpo_kernels/traced_floats.py).
 
 Runs on both backends: the Triton kernels in the interpreter and the chunked PyTorch path."""
 
@@ -16,6 +17,7 @@ import torch
 from helpers import make_grpo_batch, make_head
 
 import grpo_kernels as gk
+from grpo_kernels import reference
 from grpo_kernels.params import GRPOParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,8 +176,8 @@ CAPPED = [dict(step, softcap=20.0 + 5 * i) for i, step in enumerate(SCHEDULE)]  
 
 def graphs_for(step, calls, dynamic=None):
     """The graphs torch.compile(step) builds (AOTAutograd, where a float operator argument is
-    specialized) over `calls`, each (args, kwargs); each call's loss and d hidden (args[0])
-    equal the eager call's."""
+    specialized) over `calls`, each (args, kwargs); each call's loss and d hidden (args[0]),
+    and its metrics where `step` returns (loss, metrics), equal the eager call's."""
     counts = torch._dynamo.utils.counters
     counts.clear()
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")
@@ -183,8 +185,9 @@ def graphs_for(step, calls, dynamic=None):
         outs = []
         for fn in (compiled, step):
             h = args[0].detach().requires_grad_()
-            loss = fn(h, *args[1:], **kw)
-            outs.append((loss, *torch.autograd.grad(loss, h)))
+            out = fn(h, *args[1:], **kw)
+            loss, metrics = out if isinstance(out, tuple) else (out, {})
+            outs.append((loss, *torch.autograd.grad(loss, h), metrics))
         for ours, want in zip(*outs):
             torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
     return counts["stats"]["unique_graphs"]
@@ -226,3 +229,41 @@ def test_a_hyperparameter_schedule_compiles_once_with_dynamic_true():
     with gk.force_backend("triton"):
         graphs = graphs_for(step, calls, dynamic=True)
     assert graphs == 1, f"{graphs} graphs for {len(calls)} steps"
+
+
+# The options traced as PyTorch code around the operators, three steps of new values each:
+# vespo's four parameters (torch.where of two numbers), gmpo's clip range (its clip metrics
+# compare the ratio with exp(-epsilon_low) and exp(epsilon_high)) and top_entropy_quantile
+# (torch.nanquantile's q); each would fix a symbolic float to its value (traced_floats.py).
+OPTION_SCHEDULES = {
+    "vespo": [dict(loss_type="vespo", vespo_k_pos=2.0 + 0.5 * i, vespo_lambda_pos=3.0 - 0.5 * i,
+                   vespo_k_neg=3.0 + 0.25 * i, vespo_lambda_neg=2.0 + 0.25 * i)
+              for i in range(3)],
+    "gmpo": [dict(loss_type="gmpo", epsilon_low=0.05 + 0.1 * i, epsilon_high=0.06 + 0.1 * i)
+             for i in range(3)],
+    "quantile": [dict(top_entropy_quantile=0.4 + 0.2 * i) for i in range(3)],
+}
+
+
+@pytest.mark.parametrize("option", OPTION_SCHEDULES)
+@pytest.mark.parametrize("route", [*BACKENDS, "reference"])
+def test_an_option_schedule_compiles_twice(route, option):
+    """Three steps with new values of vespo's parameters, gmpo's clip range or the entropy
+    quantile: two graphs (the first values, then symbolic floats), on both backends and the
+    reference, each step's loss, d hidden and metrics (gmpo's clip metrics) equal eager's."""
+    weight, args, _ = batch(3, 6, 4, packed=False)  # 7 real tokens, A of both signs
+    loss_fn = reference.fused_linear_grpo_loss if route == "reference" else (
+        gk.fused_linear_grpo_loss)
+
+    def step(*args, **kw):
+        return loss_fn(args[0], weight, *args[1:], **kw)
+
+    schedule = OPTION_SCHEDULES[option]
+    with gk.force_backend("chunked" if route == "reference" else route):
+        # the values matter: each step's loss differs, and gmpo's clip metrics change
+        eager = [step(*args, **kw) for kw in schedule]
+        assert len({loss.item() for loss, _ in eager}) == len(schedule)
+        for name in ("clip_ratio/low_mean", "clip_ratio/high_mean") * (option == "gmpo"):
+            assert len({metrics[name].item() for _, metrics in eager}) > 1, name
+        graphs = graphs_for(step, [(args, kw) for kw in schedule])
+    assert graphs == 2, f"{graphs} graphs for {len(schedule)} steps"
