@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import HEADS, RESULTS_DIR, device_slug, environment
+from . import HEADS, RESULTS_DIR, device_slug, environment, head_flops
 from .measure import time_call
 from .step_row import append_row
 
@@ -118,7 +118,7 @@ def race(head: str, N: int, dtype, device, budgets, V=None, D=None) -> list[dict
             head=head, N=N, rows=Na, V=V, D=D, budget_mib=budget_mib,
             chunk_rows=llg.chunk_rows(Na, V, D, int(budget_mib * 2**20)),
             row_kernels="fused" if fused else "two", default=(budget_mib, fused) == order[0],
-            ms=round(ms, 3), tflops=round(6 * Na * V * D / ms / 1e9, 1),
+            ms=round(ms, 3), tflops=round(head_flops(Na, V, D, "fwd+bwd") / ms / 1e9, 1),
             peak_above_mib=None if peak is None else round(peak, 1),
             max_diff_logp=float((logp - expect[0]).abs().max()),
             max_rel_diff_dweight=float((dw - expect[1]).abs().max() / expect[2])))
