@@ -81,3 +81,43 @@ def test_a_call_that_takes_another_route_than_its_provider_is_not_ok(monkeypatch
                    memory=False, timing={"budget_s": 0})
     assert row["status"] == "wrong route: took four-pass, expected three-pass", row
     assert "route: four-pass" in row["note"]
+
+
+def test_a_device_timing_is_sized_on_a_warm_call(monkeypatch):
+    """time_cuda gives do_bench a window of at least five calls; the first call of a provider
+    compiles (Triton, torch.compile), so a window sized on it spent minutes of a device run on
+    repetitions. Here (CUDA's events and do_bench stood in for by the host clock) a first call
+    of 0.4 s and later ones of 1 ms get the 100 ms window."""
+    import time
+
+    import triton.testing
+
+    from benchmarks import measure
+
+    class Event:
+        def __init__(self, **_):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    seen = {}
+
+    def do_bench(fn, warmup, rep, grad_to_none, quantiles):
+        seen["rep"] = rep
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.4 if len(calls) == 1 else 0.001)
+
+    measure.time_cuda(fn)
+    assert seen["rep"] < 150, seen  # not 5 × 400 ms
