@@ -93,7 +93,7 @@ dry_block() {
   MAIN_TIME=(170 210)
   PROFILE=(--head tiny --tokens 256 --dtype float32 --warmup 1 --steps 1)
   PROFILE_TIMEOUT=70
-  KNOBS=(--heads tiny --tokens 64 --budgets_mib 0.02,0.04 --device cpu)
+  KNOBS=(--heads tiny --tokens 32 --budgets_mib 0.02,0.04 --device cpu)  # 24, 14, 16 rows
   KNOBS_TIMEOUT=60
   EAGER=ours,reference,ours-4pass  # the peers run in peers-main (imports cost seconds a step)
   HEADS=(--heads tiny --tokens 192)
