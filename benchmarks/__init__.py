@@ -69,18 +69,26 @@ def make_shape(head: str, n_tokens: int, dims: tuple[int, int] | None = None) ->
 
 
 # ---- work accounting ------------------------------------------------------------------------
-# Fused linear loss (hidden [N, D] @ weight[V, D]^T, never stored): forward is one N·V·D matmul
-# (2NVD FLOPs); backward recomputes it and computes d hidden and d weight (3 × 2NVD). The same
-# counts are used for every provider so that TFLOP/s compare like for like (the eager reference
-# does not recompute, so its "useful" rate is slightly flattered by this convention).
+# Fused linear loss (hidden [N, D] @ weight[V, D]^T, never stored): the forward is one N·V·D
+# product (2·N·V·D FLOPs); the backward forms d hidden and d weight, two more (4·N·V·D): 6·N·V·D
+# for fwd+bwd, the work the loss needs, whichever route does it. A route's own extra products
+# (the four-pass backward recomputes the logits: 8·N·V·D done) are its cost, not counted as work,
+# so that a rate never passes the matmul ceiling. N counts the positions the loss reads (the
+# unmasked ones): a provider that also computes the padding's rows does more than the work.
 # Logits path (logits [N, V] given): forward reads the logits once, backward reads them again and
 # writes their gradient; three passes over N·V elements in all. Padding tokens are counted: all
 # providers get the same mask.
+HEAD_FLOPS = {"score": 2.0, "forward": 2.0, "backward": 4.0, "fwd+bwd": 6.0}  # × rows·V·D
 
 
-def flops(shape: Shape, mode: str) -> float:
-    nvd = float(shape.N) * shape.V * shape.D
-    return {"score": 2.0, "forward": 2.0, "backward": 6.0, "fwd+bwd": 8.0}[mode] * nvd
+def head_flops(rows: int, V: int, D: int, mode: str) -> float:
+    """The FLOPs of `mode` of a linear-head loss on `rows` positions of a [V, D] head."""
+    return HEAD_FLOPS[mode] * float(rows) * V * D
+
+
+def flops(shape: Shape, mode: str, rows: int | None = None) -> float:
+    """`head_flops` at the shape's head; rows: the positions counted (default: all N)."""
+    return head_flops(shape.N if rows is None else rows, shape.V, shape.D, mode)
 
 
 def logits_bytes(shape: Shape, mode: str, elem_size: int) -> float:

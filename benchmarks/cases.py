@@ -59,6 +59,28 @@ def env_vars(values: Mapping[str, str | None]) -> Iterator[None]:
         apply(found)
 
 
+@contextlib.contextmanager
+def routes_taken(into: list[str]) -> Iterator[None]:
+    """Appends to `into` the route (three-pass, four-pass, forward-only) of every linear-head
+    loss call made in the block, as the call itself decides it: the library's
+    `route.linear_loss_route`, which each call consults (its log line is written once per
+    process, so it cannot say what a given row ran)."""
+    from grpo_kernels.ops import route
+
+    decide = route.linear_loss_route
+
+    def spy(*args, **kwargs):
+        taken = decide(*args, **kwargs)
+        into.append(taken.path)
+        return taken
+
+    route.linear_loss_route = spy
+    try:
+        yield
+    finally:
+        route.linear_loss_route = decide
+
+
 class NotMeasured(Exception):
     """A mode a case cannot time honestly (the message says why); its row reads "n/a: ..."."""
 
@@ -84,6 +106,13 @@ class Case:
     # mode -> why this case has no time for it: `step(mode)` raises NotMeasured, and the row
     # says "n/a: <why>" instead of a time that is not the mode's cost
     unmeasured: dict[str, str] = field(default_factory=dict)
+    # the positions the loss reads (the unmasked ones): the rows the work is counted on
+    # (`benchmarks.head_flops`); None: every position
+    positions: int | None = None
+    # mode -> the route its loss calls must take (ours); `routes` holds what they took, seen in
+    # the first call of each step (`routes_taken`); a row whose route differs is not "ok"
+    expect_route: dict[str, str] = field(default_factory=dict)
+    routes: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.env:  # every call of `loss`, also one made outside `step`, sees the variables
@@ -101,7 +130,33 @@ class Case:
 
     def step(self, mode: str) -> Callable[[], None]:
         """The callable to time for `mode` (for "backward", the forward runs here, untimed, and
-        each call is a backward of that one graph, kept with retain_graph)."""
+        each call is a backward of that one graph, kept with retain_graph). The routes of the
+        loss calls made here and in its first call go to `routes[mode]`."""
+        taken = self.routes.setdefault(mode, [])
+        with routes_taken(taken):
+            inner = self._step(mode)
+        first = [True]
+
+        def call() -> None:
+            if first:
+                first.clear()
+                with routes_taken(taken):
+                    return inner()
+            return inner()
+
+        return call
+
+    def route_check(self, mode: str) -> tuple[str | None, str | None]:
+        """(the note naming the routes `mode`'s calls took, or None if they took none; the
+        status of a row whose route is not `expect_route[mode]`, else None)."""
+        taken = sorted(set(self.routes.get(mode, ())))
+        note = f"route: {', '.join(taken)}" if taken else None
+        want = self.expect_route.get(mode)
+        if want is None or taken == [want]:
+            return note, None
+        return note, f"wrong route: took {', '.join(taken) or 'none'}, expected {want}"
+
+    def _step(self, mode: str) -> Callable[[], None]:
         if mode in self.unmeasured:
             raise NotMeasured(self.unmeasured[mode])
         if mode == "forward":
@@ -226,6 +281,14 @@ def logits_inputs(shape: Shape, dtype, device, cfg: LossConfig, seed: int = 0, e
     old, ref = _near(logp, g), _near(logp, g)
     del logp
     return logits.requires_grad_(), ids, adv, mask, old, ref
+
+
+def fused_case(loss: Callable[[], torch.Tensor], inputs: tuple, note: str = "", **kw) -> Case:
+    """The Case of a fused linear provider: `inputs` as `fused_inputs` returns them (hidden and
+    weight receive gradients), the work counted on the unmasked positions."""
+    h, w, ids, adv, mask, old, ref = inputs
+    return Case(loss, [h, w], nbytes(*inputs), note, [ids, adv, mask, old, ref],
+                positions=int(mask.sum()), **kw)
 
 
 def nbytes(*ts) -> int:

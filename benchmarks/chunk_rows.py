@@ -33,6 +33,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def budget_mib(rows: int, n: int, V: int, D: int, weight_dtype, want_dw: bool) -> str:
+    """The GRPO_KERNELS_CHUNK_MIB text whose budget gives chunks of exactly `rows` rows for n
+    tokens on the chunked backend (MIN_ROWS lifted by the caller), found through the backend's
+    own rule (`loss_grad.chunk_rows`), not a copy of its bytes per row: the middle of the
+    budgets that give `rows`, so that the text's rounding to 1e-6 MiB stays inside them."""
+    from benchmarks.cases import env_vars
+    from grpo_kernels.chunked import loss_grad
+    from grpo_kernels.ops import route
+
+    def got(budget: int) -> int:
+        return loss_grad.chunk_rows(n, V, D, weight_dtype, budget, want_dw=want_dw)[0] or 0
+
+    def least(r: int) -> int:  # the smallest budget that gives at least r rows
+        lo, hi = 0, 1
+        while got(hi) < r:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if got(mid) < r else (lo, mid)
+        return hi
+
+    want = min(rows, n)
+    low = least(want)
+    high = least(want + 1) if want < n else low + 2**20
+    text = f"{(low + high) / 2 / 2**20:.6f}"
+    with env_vars({route.CHUNK_ENV: text}):  # the budget as the route reads the text
+        budget = route.chunk_budget_bytes("chunked")
+    if got(budget) != want:
+        raise ValueError(f"rows {rows}: no chunk budget gives {want} rows of V = {V}")
+    return text
+
+
 def worker(head: str, n: int, D: int, V: int, rows: str, dtype: str, frozen: bool, copy: bool,
            reps: int) -> dict:
     import torch
@@ -54,15 +86,12 @@ def worker(head: str, n: int, D: int, V: int, rows: str, dtype: str, frozen: boo
     w = torch.nn.Parameter(w.detach(), requires_grad=not frozen)
     if rows == "0":
         os.environ[route.ENV] = "0"
-    elif rows != "default":  # exactly R rows: the row buffers, then what a 16-bit head adds
-        whole = V * D * 4
+    elif rows != "default":  # exactly R rows (a 16-bit head's d W and weight copy beside)
         loss_grad.MIN_ROWS = 1
         if copy:
-            loss_grad.SLICE_BYTES = whole
-        extra = 0 if w.dtype == torch.float32 else (
-            (0 if frozen else whole) + min(whole, loss_grad.SLICE_BYTES))
-        budget = int(rows) * 8 * V + extra  # bytes: two [R, V] float32 buffers + the above
-        os.environ[route.CHUNK_ENV] = f"{budget / 2**20:.6f}"  # MiB
+            loss_grad.SLICE_BYTES = V * D * 4  # room for one float32 copy of the weight
+        os.environ[route.CHUNK_ENV] = budget_mib(int(rows), int(mask.sum()), V, D,
+                                                 w.dtype, want_dw=not frozen)
     times, cpu = [], []
     for i in range(1 + reps):
         h.grad = w.grad = None

@@ -17,8 +17,8 @@
 #      eager reference, TRL, CCE, ours-4pass, Liger (about a second a call there), the compiled
 #      reference last (170 / 210)
 #   4. profile: per-kernel profile of ours, ours-4pass and eager at that shape (70; 17 s)
-#   5. three-pass-knobs: the route's chunk budget (352, 704, 1408 MiB) and row kernels (two, or
-#      fused) raced at the Llama-3-8B and Qwen2.5-0.5B heads, N = 16384
+#   5. three-pass-knobs: the route's chunk budget (half its default, the default, twice) and
+#      row kernels (two, or fused) raced at the Llama-3-8B and Qwen2.5-0.5B heads, N = 16384
 #      (benchmarks/three_pass_knobs.py; 60)
 #   6. peers-heads: fwd+bwd at the Qwen2.5-0.5B and -7B heads, N = 16384 (60 / 80)
 #   7. peers-logits: logits input at Qwen2.5-0.5B, N = 16384: ours, Liger's triton_grpo_loss,
@@ -93,7 +93,7 @@ dry_block() {
   MAIN_TIME=(170 210)
   PROFILE=(--head tiny --tokens 256 --dtype float32 --warmup 1 --steps 1)
   PROFILE_TIMEOUT=70
-  KNOBS=(--heads tiny --tokens 64 --budgets_mib 0.02,0.04 --device cpu)
+  KNOBS=(--heads tiny --tokens 32 --budgets_mib 0.02,0.04 --device cpu)  # 24, 14, 16 rows
   KNOBS_TIMEOUT=60
   EAGER=ours,reference,ours-4pass  # the peers run in peers-main (imports cost seconds a step)
   HEADS=(--heads tiny --tokens 192)

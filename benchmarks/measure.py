@@ -50,15 +50,19 @@ def _reset(tensors: Sequence[torch.Tensor]) -> None:
 
 def time_cuda(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (),
               rep_ms: float = 100.0) -> Timing:
-    """do_bench with at least ~5 timed repetitions even for calls slower than rep_ms / 5."""
+    """do_bench with at least ~5 timed repetitions even for calls slower than rep_ms / 5. The
+    call is sized by its second run: the first compiles and autotunes (Triton, torch.compile;
+    seconds to a minute), and a rep of five times that would spend the device run's budget on
+    repetitions."""
     from triton.testing import do_bench
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _reset(grad_to_none)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
+    for _ in range(2):  # the first: compiles, autotunes, allocates; the second: sized
+        _reset(grad_to_none)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
     rep = max(rep_ms, 5.0 * start.elapsed_time(end))
     p50, p20, p80 = do_bench(fn, warmup=25, rep=rep, grad_to_none=list(grad_to_none),
                              quantiles=[0.5, 0.2, 0.8])

@@ -112,9 +112,10 @@ def loss_from_logps(logp, entropy, hidden, weight, ids, adv, mask, old, ref, hyp
 
 
 def _build_trl(shape, dtype, device, cfg):
-    from .cases import Case, fused_inputs, nbytes
+    from .cases import fused_case, fused_inputs
 
-    h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
+    inputs = fused_inputs(shape, dtype, device, cfg)
+    h, w, ids, adv, mask, old, ref = inputs
     hyper = cfg.ours()
 
     def loss():
@@ -122,15 +123,15 @@ def _build_trl(shape, dtype, device, cfg):
         return loss_from_logps(logp, ent, h, w, ids, adv, mask, old, ref, hyper)[0]
 
     note = "unmasked tokens only" if device.type == "cuda" else "all positions; torch tiles"
-    return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                [ids, adv, mask, old, ref])
+    return fused_case(loss, inputs, note)
 
 
 def _build_cce(filter_eps: float | str | None):
     def build(shape, dtype, device, cfg):
-        from .cases import Case, fused_inputs, nbytes
+        from .cases import fused_case, fused_inputs
 
-        h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
+        inputs = fused_inputs(shape, dtype, device, cfg)
+        h, w, ids, adv, mask, old, ref = inputs
         impl = "cce" if device.type == "cuda" else "torch_compile"
         hyper = cfg.ours()
         if cfg.temperature != 1.0:  # CCE takes no temperature
@@ -149,8 +150,7 @@ def _build_cce(filter_eps: float | str | None):
 
         note = f"impl={impl}; no entropy" + (f"; filter_eps={filter_eps}" if impl == "cce"
                                              else "")
-        return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                    [ids, adv, mask, old, ref], cpu_memory=impl != "torch_compile")
+        return fused_case(loss, inputs, note, cpu_memory=impl != "torch_compile")
 
     return build
 

@@ -62,18 +62,20 @@ def kernel_times(step, steps: int, device: torch.device) -> dict[str, tuple[int,
 
 
 def profile(provider_key: str, head: str, tokens: int, dtype, device, warmup: int,
-            steps: int) -> list[dict]:
-    """One provider's rows: a row per kernel, per step, largest first."""
+            steps: int) -> tuple[list[dict], str | None, str | None]:
+    """One provider's rows (a row per kernel, per step, largest first), the route its calls
+    took (None: not our loss) and why it is not the provider's route (None: it is)."""
     case = PROVIDERS[provider_key].build(make_shape(head, tokens), dtype, device, LossConfig())
     step = case.timed_fresh_step("fwd+bwd")
     for _ in range(warmup):  # compiles, autotunes and allocates outside the profile
         step()
     times = kernel_times(step, steps, device)
+    route, wrong = case.route_check("fwd+bwd")  # the routes of the first call
     total = sum(ms for _, ms in times.values()) or 1.0
     ranked = sorted(times.items(), key=lambda kv: -kv[1][1])
     return [dict(provider=provider_key.split("/", 1)[1], head=head, N=tokens, kernel=name,
                  calls_per_step=round(calls / steps, 2), ms_per_step=round(ms / steps, 4),
-                 share=round(ms / total, 4)) for name, (calls, ms) in ranked]
+                 share=round(ms / total, 4)) for name, (calls, ms) in ranked], route, wrong
 
 
 def markdown(rows: list[dict], top: int) -> str:
@@ -127,17 +129,23 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{device_slug(device)}-profile.csv"
     show_routes()  # stderr: which route each provider's loss took
+    failed = []
     for key in keys:
         why = PROVIDERS[key].unavailable(device)
         if why:
             print(f"{key}: skipped ({why})")
             continue
-        rows = profile(key, args.head, args.tokens, getattr(torch, args.dtype), device,
-                       args.warmup, args.steps)
+        rows, route, wrong = profile(key, args.head, args.tokens, getattr(torch, args.dtype),
+                                     device, args.warmup, args.steps)
+        name = key.split("/", 1)[1]
+        if wrong:  # a profile of another route than the provider's name says: not written
+            print(f"{name}: {wrong}; its rows are not written", flush=True)
+            failed.append(name)
+            continue
         append_rows(path, rows, env, command)
-        print(markdown(rows, args.top), flush=True)
+        print((f"{name}: {route}\n\n" if route else "") + markdown(rows, args.top), flush=True)
     print(f"rows: {path}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

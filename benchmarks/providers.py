@@ -28,6 +28,7 @@ from .cases import (  # noqa: F401  (GRADED, Case, logits_inputs: re-exported fo
     LossConfig,
     Provider,
     env_vars,
+    fused_case,
     fused_inputs,
     logits_inputs,
     nbytes,
@@ -88,9 +89,11 @@ def _fused_ours(shape, dtype, device, cfg, three_pass=True, backward=None, grad_
     the four-pass route); grad_filter: gradient filtering (None: exact). Both variables are set
     (or unset) around each call and backward of this case only (`Case.env`)."""
     import grpo_kernels
+    from grpo_kernels.ops import route
     from grpo_kernels.ops.backends import backend_for
 
-    h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
+    inputs = fused_inputs(shape, dtype, device, cfg)
+    h, w, ids, adv, mask, old, ref = inputs
     ctx = (lambda: grpo_kernels.force_backend(cfg.backend)) if cfg.backend else (
         contextlib.nullcontext)
     with ctx():
@@ -107,12 +110,14 @@ def _fused_ours(shape, dtype, device, cfg, three_pass=True, backward=None, grad_
         note += f"; {BACKWARD_ENV}={backward}"
     if grad_filter is not None:
         note += f"; grad_filter={grad_filter}"
-    extra = {}
+    extra, path = {}, route.FOUR_PASS
     if _takes_three_pass(h, w, backend, cfg, grad_filter, env):
         note += f"; {THREE_PASS_NOTE}"
-        extra = dict(rated_modes=("score", "fwd+bwd"), unmeasured={"backward": THREE_PASS_NA})
-    return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                [ids, adv, mask, old, ref], env=env, **extra)
+        extra, path = dict(rated_modes=("score", "fwd+bwd"),
+                           unmeasured={"backward": THREE_PASS_NA}), route.THREE_PASS
+    # the route each graded call must take (checked against the one it took, in every row)
+    expect = {m: path for m in GRADED + ("forward",)}
+    return fused_case(loss, inputs, note, env=env, expect_route=expect, **extra)
 
 
 # The three-pass route forms the gradient in the forward, and the first backward of the graph
@@ -142,9 +147,8 @@ def _fused_reference(compiled: bool):
 
         fn = _compiled(reference.fused_linear_grpo_loss) if compiled else (
             reference.fused_linear_grpo_loss)
-        h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
-        return Case(lambda: fn(h, w, ids, adv, mask, old, ref, **cfg.ours())[0], [h, w],
-                    nbytes(h, w, ids, adv, mask, old, ref), keep=[ids, adv, mask, old, ref])
+        inputs = fused_inputs(shape, dtype, device, cfg)
+        return fused_case(lambda: fn(*inputs, **cfg.ours())[0], inputs)
 
     return build
 
@@ -160,14 +164,14 @@ def _fused_liger(shape, dtype, device, cfg):
         chunk_size=1, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, temperature=cfg.temperature,
     )
-    h, w, ids, adv, mask, old, ref = fused_inputs(shape, dtype, device, cfg)
+    inputs = fused_inputs(shape, dtype, device, cfg)
+    h, w, ids, adv, mask, old, ref = inputs
 
     def loss():
         return module(h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
 
     note = "grads computed in forward" + ("" if device.type == "cuda" else "; compiled=False")
-    return Case(loss, [h, w], nbytes(h, w, ids, adv, mask, old, ref), note,
-                [ids, adv, mask, old, ref], rated_modes=("fwd+bwd",))
+    return fused_case(loss, inputs, note, rated_modes=("fwd+bwd",))
 
 
 def _logits_ours(shape, dtype, device, cfg):

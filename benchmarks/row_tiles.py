@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -107,8 +108,9 @@ def calls(logits, ids, inputs, rule):
     return forward, backward, results
 
 
-def race(N, V, dtype, device, candidates) -> list[dict]:
-    """One row per (kernel, configuration); the default configuration first."""
+def race(N, V, dtype, device, candidates) -> Iterator[dict]:
+    """One row per (kernel, configuration), each as soon as it is measured (a run cut short
+    keeps the rows before); the default configuration first."""
     from grpo_kernels.kernels import tile_configs
 
     logits, ids, mask, inputs, rule = problem(N, V, dtype, device)
@@ -116,22 +118,20 @@ def race(N, V, dtype, device, candidates) -> list[dict]:
     item = logits.element_size()
     moved = dict(forward=kept * V * item, backward=(2 * kept + (N - kept)) * V * item)
     default = tile_configs.logits(V, logits.device)
-    out = []
     for kernel, index in (("forward", 0), ("backward", 1)):
         expect = None
         for config in (None, *candidates[kernel]):
             with tiles(config):
                 *fns, results = calls(logits, ids, inputs, rule)
-                # the interpreter: a check, not a measurement (three timed calls)
-                kw = {} if device.type == "cuda" else dict(min_reps=3, max_reps=3)
+                # the interpreter: a check, not a measurement (one timed call)
+                kw = {} if device.type == "cuda" else dict(min_reps=1, max_reps=1)
                 ms = time_call(fns[index], device, **kw).p50
                 got = results(index)
             expect = got if expect is None else expect  # the default's, first
             cfg = default if config is None else tiles_dict(config)
-            out.append(dict(kernel=kernel, config=describe(cfg), default=config is None,
-                            ms=round(ms, 4), gb_per_s=round(moved[kernel] / ms / 1e6, 1),
-                            max_diff=float((got - expect).abs().max())))
-    return out
+            yield dict(kernel=kernel, config=describe(cfg), default=config is None,
+                       ms=round(ms, 4), gb_per_s=round(moved[kernel] / ms / 1e6, 1),
+                       max_diff=float((got - expect).abs().max()))
 
 
 def tiles_dict(config) -> dict:
@@ -163,20 +163,18 @@ def main(argv=None) -> int:
     if device.type != "cuda":  # Triton's interpreter: tiny tiles, a tiny shape
         V = min(V, 300)
         candidates = dict(forward=TINY, backward=TINY[:1])
-    rows = race(args.tokens, V, torch.bfloat16, device, candidates)
     env = dict(environment(device), date=datetime.date.today().isoformat())
     command = "python -m benchmarks.row_tiles " + " ".join(argv or sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{device_slug(device)}-row-tiles.csv"
-    for r in rows:  # in COLUMNS' order
+    print("| kernel | configuration | ms | GB/s | max diff |\n|---|---|---|---|---|", flush=True)
+    for r in race(args.tokens, V, torch.bfloat16, device, candidates):  # each as measured
         append_row(path, {k: dict(r, device=env["device"], date=env["date"], head=args.head,
                                   commit=env["commit"], N=args.tokens, V=V, dtype="bfloat16",
                                   command=command)[k] for k in COLUMNS})
-    print("| kernel | configuration | ms | GB/s | max diff |\n|---|---|---|---|---|")
-    for r in rows:
         mark = " (default)" if r["default"] else ""
         print(f"| {r['kernel']} | {r['config']}{mark} | {r['ms']:.3f} | {r['gb_per_s']} | "
-              f"{r['max_diff']:.2e} |")
+              f"{r['max_diff']:.2e} |", flush=True)
     print(f"rows: {path}")
     return 0
 

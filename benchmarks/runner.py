@@ -108,11 +108,13 @@ def _status(exc: BaseException) -> str:
     return "OOM" if is_oom(exc) else _short(exc)
 
 
-def _rates(kernel: str, shape: Shape, mode: str, ms: float, elem: int, ceilings: dict) -> dict:
-    """TFLOP/s for the fused linear loss, GB/s for the logits path, and % of the ceiling."""
+def _rates(kernel: str, shape: Shape, mode: str, ms: float, elem: int, ceilings: dict,
+           rows: int | None = None) -> dict:
+    """TFLOP/s for the fused linear loss (on `rows` positions, default N), GB/s for the logits
+    path, and % of the ceiling."""
     sec = ms * 1e-3
     if kernel == "fused_linear":
-        tflops = flops(shape, mode) / sec / 1e12
+        tflops = flops(shape, mode, rows) / sec / 1e12
         top = ceilings.get("matmul_tflops")
         return dict(tflops=tflops, pct_ceiling=100.0 * tflops / top if top else None)
     gbps = logits_bytes(shape, mode, elem) / sec / 1e9
@@ -136,8 +138,12 @@ def _result(case: Case, provider: Provider, shape: Shape, mode: str, dtype, devi
     grads = case.leaves if mode in GRADED else []
     out = dict(status="ok", ms_p50=t.p50, ms_p20=t.p20, ms_p80=t.p80,
                reps=t.reps if t.reps > 0 else None, input_mib=case.input_bytes / MiB)
+    notes = []
     if mode in case.rated_modes:
-        out.update(_rates(provider.kernel, shape, mode, t.p50, dtype.itemsize, ceilings))
+        out.update(_rates(provider.kernel, shape, mode, t.p50, dtype.itemsize, ceilings,
+                          case.positions))
+        if provider.kernel == "fused_linear" and case.positions is not None:
+            notes.append(f"rate on {case.positions} of {shape.N} positions (unmasked)")
     if memory:
         gbytes = case.grad_bytes if grads else 0
         if device.type == "cuda":
@@ -149,7 +155,13 @@ def _result(case: Case, provider: Provider, shape: Shape, mode: str, dtype, devi
         if m is not None:
             out.update(peak_mib=m.peak_bytes / MiB, peak_above_mib=m.above_bytes / MiB)
             if m.method == "torch.profiler allocations":  # not the tracker the others use
-                out["note"] = f"memory: {m.method}"
+                notes.append(f"memory: {m.method}")
+    route, wrong = case.route_check(mode)
+    notes[:0] = [route] if route else []
+    if wrong:
+        out["status"] = wrong
+    if notes:
+        out["note"] = "; ".join(notes)
     return out
 
 

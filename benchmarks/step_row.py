@@ -39,6 +39,23 @@ def phase_columns(recorder, warmup: int, partial: bool = False) -> dict:
     return cols
 
 
+# the trainer_step providers whose loss is grpo-kernels' linear-head loss (the others: TRL's own
+# head and loss, or the PyTorch reference)
+OURS = ("fused", "trl-kernels")
+
+
+def route_columns(provider: str, taken: list[str]) -> dict:
+    """The `loss_routes` column (each route our linear-head loss calls took, with its count of
+    calls; empty when none ran) and, where they contradict the provider (ours and none taken,
+    or another provider and ours taken), a `status` that says so."""
+    counts = {path: taken.count(path) for path in sorted(set(taken))}
+    out = {"loss_routes": "; ".join(f"{path} x{n}" for path, n in counts.items())}
+    if (provider in OURS) != bool(taken):
+        out["status"] = (f"wrong route: {provider} took "
+                         f"{out['loss_routes'] or 'no route of grpo-kernels'}")
+    return out
+
+
 def append_row(path: Path, row: dict) -> None:
     """Appends `row` to the CSV; if its columns differ from the file's header (rows written
     before a column existed), the file is rewritten with the union, old rows left blank there."""

@@ -51,11 +51,14 @@ def _run(benchmark, device, kernel, name, shape, mode, dtype, cfg=CFG, rounds=5)
     benchmark.extra_info.update(
         provider=provider.key, shape=shape.detail, dtype=str(dtype), device=str(device),
         note=case.note,
-        work=flops(shape, mode) if kernel == "fused_linear"
+        work=flops(shape, mode, case.positions) if kernel == "fused_linear"
         else logits_bytes(shape, mode, dtype.itemsize),
         work_unit="FLOP" if kernel == "fused_linear" else "byte",
     )
     benchmark.pedantic(target, setup=setup, rounds=rounds, warmup_rounds=1, iterations=1)
+    route, wrong = case.route_check(mode)  # the route the calls took, as the sweep's rows say
+    benchmark.extra_info["route"] = route
+    assert wrong is None, f"{provider.key}: {wrong}"
     if grads:
         assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in grads)
 

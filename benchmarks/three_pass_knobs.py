@@ -32,16 +32,25 @@ import argparse
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from . import HEADS, RESULTS_DIR, device_slug, environment
+from . import HEADS, RESULTS_DIR, device_slug, environment, head_flops
 from .measure import time_call
 from .step_row import append_row
 
 PAD = 0.25
-BUDGETS_MIB = (352.0, 704.0, 1408.0)  # half, the default, twice
+SCALES = (0.5, 1.0, 2.0)  # the budgets raced: half the default, the default, twice
+
+
+def default_budgets_mib() -> tuple[float, ...]:
+    """The budgets raced by default, in MiB: SCALES × the route's default
+    (`kernels.linear_loss_grad.CUDA_BUDGET_BYTES`, read here, never copied)."""
+    from grpo_kernels.kernels.linear_loss_grad import CUDA_BUDGET_BYTES
+
+    return tuple(x * CUDA_BUDGET_BYTES / 2**20 for x in SCALES)
 COLUMNS = ("device", "date", "commit", "head", "N", "rows", "V", "D", "dtype", "budget_mib",
            "chunk_rows", "row_kernels", "default", "ms", "tflops", "peak_above_mib",
            "max_diff_logp", "max_rel_diff_dweight", "command")
@@ -93,8 +102,9 @@ def peak_above(fn, device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base - kept) / 2**20
 
 
-def race(head: str, N: int, dtype, device, budgets, V=None, D=None) -> list[dict]:
-    """One row per (budget, row kernels); the default (704 MiB, two kernels) first."""
+def race(head: str, N: int, dtype, device, budgets, V=None, D=None) -> Iterator[dict]:
+    """One row per (budget, row kernels), each as soon as it is measured (a run cut short
+    keeps the rows before); the default (budget and two kernels) first."""
     from grpo_kernels.kernels import linear_loss_grad as llg
 
     D0, V0 = HEADS[head]
@@ -104,7 +114,7 @@ def race(head: str, N: int, dtype, device, budgets, V=None, D=None) -> list[dict
     default_mib = llg.CUDA_BUDGET_BYTES / 2**20
     order = [(default_mib, False)] + [(b, f) for b in budgets for f in (False, True)
                                       if (b, f) != (default_mib, False)]
-    out, expect = [], None
+    expect = None
     for budget_mib, fused in order:
         fn = one_call(hidden, weight, ids, inputs, rule, budget_mib, fused)
         kw = {} if device.type == "cuda" else dict(min_reps=1, max_reps=1)
@@ -114,16 +124,16 @@ def race(head: str, N: int, dtype, device, budgets, V=None, D=None) -> list[dict
         logp, dw = got.logp.clone(), got.d_weight.float()
         if expect is None:
             expect = (logp, dw, dw.abs().max().clamp_min(1e-30))
-        out.append(dict(
+        row = dict(
             head=head, N=N, rows=Na, V=V, D=D, budget_mib=budget_mib,
             chunk_rows=llg.chunk_rows(Na, V, D, int(budget_mib * 2**20)),
             row_kernels="fused" if fused else "two", default=(budget_mib, fused) == order[0],
-            ms=round(ms, 3), tflops=round(6 * Na * V * D / ms / 1e9, 1),
+            ms=round(ms, 3), tflops=round(head_flops(Na, V, D, "fwd+bwd") / ms / 1e9, 1),
             peak_above_mib=None if peak is None else round(peak, 1),
             max_diff_logp=float((logp - expect[0]).abs().max()),
-            max_rel_diff_dweight=float((dw - expect[1]).abs().max() / expect[2])))
+            max_rel_diff_dweight=float((dw - expect[1]).abs().max() / expect[2]))
         del got, logp, dw
-    return out
+        yield row
 
 
 def main(argv=None) -> int:
@@ -131,7 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default="llama8b,qwen0.5b",
                         help=f"comma list of {', '.join(HEADS)}")
     parser.add_argument("--tokens", type=int, default=16384, help="N, before the padding drop")
-    parser.add_argument("--budgets_mib", default=",".join(f"{b:g}" for b in BUDGETS_MIB),
+    parser.add_argument("--budgets_mib", default=",".join(f"{b:g}" for b in default_budgets_mib()),
                         help="comma list of chunk budgets in MiB (the default's joins them)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)

@@ -63,7 +63,14 @@ if str(ROOT) not in sys.path:  # `python benchmarks/trainer_step.py` from anywhe
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import allocator  # noqa: E402  (needs ROOT on the path)
-from benchmarks.step_row import PROFILED, describe, environment, phase_columns, report  # noqa: E402
+from benchmarks.step_row import (  # noqa: E402
+    PROFILED,
+    describe,
+    environment,
+    phase_columns,
+    report,
+    route_columns,
+)
 
 # Qwen/Qwen2.5-0.5B config.json (the values that shape compute and memory)
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -266,7 +273,10 @@ def measure(args, argv) -> dict:
         print(f"note: --warmup {args.warmup} < --steps {args.steps}: timed steps past the first "
               f"{args.warmup} run lengths no warm-up step replayed (on a GPU, kernel variants "
               "compile in them)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
+    from benchmarks.cases import routes_taken
+
+    taken: list[str] = []  # the route of each linear-head loss call of ours
+    with routes_taken(taken), tempfile.TemporaryDirectory(prefix="trainer_step_") as tmp:
         workdir = Path(tmp)
         model_dir, data, prompt_text = build_assets(workdir, args)
         forcing = lengths.ForcedLengths(args.length_profile, args.completion_tokens,
@@ -313,7 +323,7 @@ def measure(args, argv) -> dict:
         "malloc": allocator.describe(),
         "peak_memory_gib": round(max(s["peak_gib"] for s in timed), 3),
         "peak_memory_kind": "max_memory_allocated" if cuda else "process lifetime peak RSS",
-        **env,
+        **env, **route_columns(args.provider, taken),
     }
     report(args, device, row)
     return row

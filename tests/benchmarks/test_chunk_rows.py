@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,3 +25,28 @@ def test_each_rows_value_takes_its_route():
         assert any("three-pass" in ln for ln in rows[r]["route"]), rows[r]["route"]
         assert rows[r]["wall_s"] > 0 and rows[r]["tokens"] > 0
     assert "tiny N=64 rows 16:" in out.stdout and "CPU / four-pass" in out.stdout
+
+
+@pytest.mark.parametrize("head", ["qwen0.5b", "llama1b"])
+@pytest.mark.parametrize("dtype, frozen", [(torch.float32, False), (torch.bfloat16, False),
+                                           (torch.bfloat16, True)])
+def test_each_rows_value_gets_a_budget_of_exactly_that_many_rows(monkeypatch, head, dtype,
+                                                                 frozen):
+    """The GRPO_KERNELS_CHUNK_MIB text of R rows, read back as the route reads it, gives R rows
+    by the chunked backend's own rule: at V = 151,936 a budget of R rows' bytes written to 1e-6
+    MiB read back one byte short, and R - 1 rows, for R = 2, 3, 5, 6, ..."""
+    from benchmarks import HEADS
+    from benchmarks.cases import env_vars
+    from benchmarks.chunk_rows import budget_mib
+    from grpo_kernels.chunked import loss_grad
+    from grpo_kernels.ops import route
+
+    monkeypatch.setattr(loss_grad, "MIN_ROWS", 1)  # as the benchmark's worker lifts it
+    D, V = HEADS[head]
+    n = 900
+    for rows in [*range(1, 41), 96, 256, 512, n, n + 5]:
+        text = budget_mib(rows, n, V, D, dtype, want_dw=not frozen)
+        with env_vars({route.CHUNK_ENV: text}):
+            budget = route.chunk_budget_bytes("chunked")
+        got, why = loss_grad.chunk_rows(n, V, D, dtype, budget, want_dw=not frozen)
+        assert got == min(rows, n), (rows, text, why)

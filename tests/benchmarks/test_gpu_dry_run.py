@@ -161,6 +161,10 @@ def test_peers_dry_run_rows_cover_both_routes_and_the_peers(peers):
     # ours-4pass took the four-pass route because of its variable (the sweep logs each route)
     log = (peers / "peers-main.log").read_text().splitlines()
     assert any("four-pass" in ln and "GRPO_KERNELS_THREE_PASS=0" in ln for ln in log)
+    # and each row says the route its own calls took (a wrong one is not "ok": _check_rows)
+    for provider, route in (("ours", "three-pass"), ("ours-4pass", "four-pass")):
+        for row in _measured(rows, "fused_linear", provider, "fwd+bwd"):
+            assert f"route: {route}" in row["note"], row
     profiled = {r["provider"] for r in _rows(peers, "-profile.csv")}
     assert profiled == {"ours", "ours-4pass", "reference"}
 

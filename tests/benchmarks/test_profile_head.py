@@ -34,3 +34,36 @@ def test_bad_arguments_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         profile_head.main(["--providers", "nope", "--device", "cpu"])
     assert "--providers" in capsys.readouterr().err
+
+
+def test_each_profile_names_its_route_and_a_wrong_one_is_not_written(tmp_path, capsys,
+                                                                     monkeypatch):
+    import grpo_kernels
+
+    # the chunked backend, as a CPU runs it outside the tests (the interpreter: minutes here)
+    with grpo_kernels.force_backend("chunked"):
+        _routes_named(tmp_path, capsys, monkeypatch)
+
+
+def _routes_named(tmp_path, capsys, monkeypatch):
+    args = ["--head", "tiny", "--tokens", "64", "--device", "cpu", "--dtype", "float32",
+            "--warmup", "0", "--steps", "1", "--providers", "ours", "ours-4pass",
+            "--out", str(tmp_path)]
+    assert profile_head.main(args) == 0
+    out = capsys.readouterr().out
+    assert "ours: route: three-pass" in out and "ours-4pass: route: four-pass" in out
+    # the rule says three-pass when `ours` is built, and its calls then take four passes
+    from grpo_kernels.ops import route
+
+    decide, seen = route.linear_loss_route, []
+
+    def later_four_pass(*a, **kw):
+        seen.append(1)
+        return decide(*a, **kw) if len(seen) == 1 else route.Route(route.FOUR_PASS, "test")
+
+    monkeypatch.setattr(route, "linear_loss_route", later_four_pass)
+    (path,) = tmp_path.glob("*-profile.csv")
+    before = path.read_text()
+    assert profile_head.main(args[:-4] + ["ours", "--out", str(tmp_path)]) == 1
+    assert "ours: wrong route: took four-pass, expected three-pass" in capsys.readouterr().out
+    assert path.read_text() == before

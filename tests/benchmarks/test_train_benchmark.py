@@ -13,6 +13,23 @@ def test_trainer_step_benchmark_smoke(provider):
     assert row["step_time_s_median"] > 0 and row["tokens_per_s_median"] > 0
     assert row["peak_memory_gib"] > 0 and row["device"].startswith("CPU")
     assert row["kernel_fallbacks"] == 0
+    # the route of each of our loss calls (none for the reference's loss), and no contradiction
+    assert row["status"] == "ok", row
+    if provider == "fused":
+        assert row["loss_routes"].startswith("three-pass x"), row["loss_routes"]
+    else:
+        assert row["loss_routes"] == ""
+
+
+def test_a_row_whose_loss_took_no_route_of_ours_says_so():
+    from benchmarks.step_row import route_columns
+
+    assert route_columns("fused", ["three-pass", "three-pass"]) == {
+        "loss_routes": "three-pass x2"}
+    assert route_columns("trl", []) == {"loss_routes": ""}
+    assert route_columns("fused", [])["status"] == (
+        "wrong route: fused took no route of grpo-kernels")
+    assert route_columns("trl", ["four-pass"])["status"] == "wrong route: trl took four-pass x1"
 
 
 def test_trainer_step_row_names_the_commit_the_run_started_from(monkeypatch):
@@ -96,6 +113,7 @@ def test_trl_subclass_provider_with_synthetic_completions_and_reference(padding_
     assert row["provider"] == "grpo_kernels.trl GRPOTrainer" and row["beta"] == 0.04
     assert row["generation"] == "synthetic" and row["padding_free"] == padding_free
     assert row["scoring_s"] > 0 and row["loss_s"] > 0
+    assert row["status"] == "ok" and row["loss_routes"].startswith("three-pass x"), row
 
 
 def test_warmup_steps_replay_the_timed_steps_lengths():
