@@ -199,7 +199,9 @@ def _decide(hidden, weight, bias, backend, params, softcap, grad_filter,
     if backend == "chunked":
         V, D = weight.shape
         V = V if rows is None else rows
-        rows, why_not = chunked_loss_grad.chunk_rows(hidden.shape[0], V, D, weight.dtype, budget)
+        # a frozen head gets no d W accumulator from the launcher: budget none for it
+        rows, why_not = chunked_loss_grad.chunk_rows(hidden.shape[0], V, D, weight.dtype, budget,
+                                                     want_dw=weight.requires_grad)
         if rows is None:
             return no(why_not)
     return Route(THREE_PASS, f"scalar loss with a gradient, token-level loss: chunks of whole "

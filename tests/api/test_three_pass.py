@@ -249,6 +249,13 @@ def test_route_and_its_reasons(monkeypatch):
     big = torch.empty(2_000_000, 8)  # the budget holds too few whole rows of 2M logits
     assert "fewer than" in _route(leaf(torch.randn(1024, 8)), big, None).reason
     assert _route(leaf(torch.randn(1024, 8)), big, None, backend="triton").three_pass
+    # a frozen 16-bit head (LoRA's base) has no d W accumulator to hold: 12 MiB holds its
+    # float32 copy (8 MiB) and 64 rows of 4,096 logits, not also a float32 [4096, 512] d W
+    monkeypatch.setenv(route.CHUNK_ENV, "12")
+    h16, w16 = leaf(torch.randn(64, 512, dtype=torch.bfloat16)), torch.randn(4096, 512).bfloat16()
+    assert _route(h16, w16, None).three_pass
+    trained = _route(h16, leaf(w16), None)
+    assert not trained.three_pass and "d weight" in trained.reason, trained
     monkeypatch.setenv(route.CHUNK_ENV, "lots")
     with pytest.raises(ValueError, match="GRPO_KERNELS_CHUNK_MIB must be a number of MiB > 0"):
         _route(h, w, None)
