@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..reference import transform_logits
-from .output_head import logit_rows, resolved_head, text_config
-from .unwrap import unwrap_model
+from .output_head import logit_rows, resolved_head
+from .unwrap import text_config, unwrap_model
 
 __all__ = ["check_output_head", "logit_transform"]
 
@@ -55,7 +55,7 @@ _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _config_transform(inner: nn.Module) -> dict:
     """The logit transform `inner`'s (text) config names (`logit_transform`)."""
-    cfg = text_config(inner)
+    cfg = text_config(getattr(inner, "config", None))
     softcap = _first_set(cfg, ("final_logit_softcapping", "logits_soft_cap",
                                 "output_logit_soft_cap"))
     scale = _first_set(cfg, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
@@ -219,7 +219,8 @@ def _check_logit_transform(inner: nn.Module, head_out, logits, input_scale: floa
     named = _config_transform(inner)
     # a wrapper may leave its text config's transform unapplied; a model whose own config names
     # one it does not apply is refused (a transform it applies some other way would pass here)
-    wrapped = text_config(inner) is not getattr(inner, "config", None)
+    config = getattr(inner, "config", None)
+    wrapped = text_config(config) is not config
     errors = []
     for transform in _transform_parts(named, input_scale) if wrapped else [named]:
         want = transform_logits(y, **transform)
@@ -291,5 +292,5 @@ def _probe_ids(inner: nn.Module) -> torch.Tensor:
     the padding token: its embedding is zero, and so is a Llama-style body's output on it, the
     head's output and the logits, which the check would then find equal whatever the head."""
     device = next(inner.parameters()).device
-    vocab = getattr(text_config(inner), "vocab_size", None) or 4
+    vocab = getattr(text_config(getattr(inner, "config", None)), "vocab_size", None) or 4
     return (torch.arange(1, 3, device=device) % max(vocab, 1)).unsqueeze(0)
