@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from grpo_kernels.hf.unwrap import text_config
+
 from . import continuous, sharding, static_decode
 from .length_forcing import EosSchedule, lengths_to_force
 from .models import completion_mask, encode_prompts, position_ids, render_prompts
@@ -222,7 +224,7 @@ def _router_logits_off(model):
     config for the call, so that every path (continuous batching's engine takes no keyword from
     here) and the prompt prefill run without them."""
     config = continuous.base_model(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     asking = [c for c in {id(c): c for c in (config, text)}.values()
               if getattr(c, "output_router_logits", False)]
     for c in asking:

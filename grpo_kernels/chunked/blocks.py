@@ -23,12 +23,15 @@ TILE_ELEMENTS = 2**24
 KEEP_ELEMENTS = TILE_ELEMENTS // 2
 
 
-def _chunk_rows(V: int, chunk_elements: int | None) -> int:
+def block_rows(V: int, chunk_elements: int | None) -> int:
+    """Rows of one [rows, V] logits block (at least 1): `chunk_elements` (None: CHUNK_ELEMENTS)
+    over V."""
     return max(1, (chunk_elements or CHUNK_ELEMENTS) // max(V, 1))
 
 
-def _tile_shape(N: int, V: int, chunk_elements: int | None, buffers: int) -> tuple[int, int]:
-    """(rows, cols) of a linear-head logits tile: `buffers` such tiles fit the element budget."""
+def tile_shape(N: int, V: int, chunk_elements: int | None, buffers: int) -> tuple[int, int]:
+    """(rows, cols) of a [rows, cols] linear-head logits tile of N tokens and V columns: `buffers`
+    such tiles fit the element budget (`chunk_elements`; None: TILE_ELEMENTS)."""
     budget = max(1, (chunk_elements or TILE_ELEMENTS) // buffers)
     rows = max(1, min(N, max(TILE_ROWS, budget // max(V, 1))))  # whole rows when V is small
     cols = max(1, min(V, budget // rows))
@@ -52,24 +55,25 @@ def row_parts(n: int, rows: int):
         yield r0, r, lambda x, r0=r0, r=r: x[r0:r0 + r]
 
 
-def _active_rows(g, gh):
-    """Indices of tokens with a non-zero gradient coefficient (None: all of them)."""
+def active_rows(g, gh):
+    """[Na] indices of the tokens whose gradient coefficient g [N] or gh [N] (None: g alone) is
+    not zero; None where all N are."""
     busy = g != 0 if gh is None else (g != 0) | (gh != 0)
     if bool(busy.all()):
         return None
     return busy.nonzero().squeeze(1)
 
 
-def _pick(x, idx, dtype):
-    """[N, ...] -> the active tokens' rows (all of them when idx is None), floating point ones in
-    the compute dtype; None stays None."""
+def pick_rows(x, idx, dtype):
+    """x [N, ...] -> [Na, ...], the rows `idx` [Na] (`active_rows`; None: all N rows), floating
+    point ones in the compute dtype; None stays None."""
     if x is None:
         return None
     x = x if idx is None else x.index_select(0, idx)  # advanced indexing would fork threads
     return x.to(dtype) if x.is_floating_point() else x
 
 
-def _row_blocks(B: int, T: int, C: int):
+def row_blocks(B: int, T: int, C: int):
     """Split [B, T] rows into blocks of about C: whole sequences when C >= T, else pieces of one
     sequence. Yields (block of a [B, T, ...] tensor, block of a flat [B·T, ...] one): each block
     of a [B, T, V] view is itself a view, so sliced logits are never copied whole; one block of
@@ -91,8 +95,8 @@ def _row_blocks(B: int, T: int, C: int):
                        (lambda v, i=b * T + t, n=n: v[i:i + n]))
 
 
-def _block(buf, shape):
-    """The first elements of a flat buffer viewed as `shape` ([b, t, V])."""
+def block_view(buf, shape):
+    """The first b·t·V elements of a flat buffer `buf` [>= b·t·V], viewed as `shape` [b, t, V]."""
     n = shape[0] * shape[1] * shape[2]
     return buf.view(shape) if buf.numel() == n else buf[:n].view(shape)
 

@@ -44,10 +44,10 @@ import torch
 
 from .blocks import (
     KEEP_ELEMENTS,
-    _active_rows,
-    _pick,
-    _tile_shape,
+    active_rows,
+    pick_rows,
     row_parts,
+    tile_shape,
 )
 from .tiles import (
     LOG2E,
@@ -96,7 +96,7 @@ def linear_logprob_forward(hidden, weight, bias, targets, temperature, chunk_ele
     temperature, cap = head_transform(temperature, softcap, logit_scale)
     keep, lse_sum = (keep, lse_sum) if cap is None else (None, None)
     dtype = compute_dtype(hidden, weight, bias)
-    rows, cols = _tile_shape(N, V, chunk_elements, buffers=2)
+    rows, cols = tile_shape(N, V, chunk_elements, buffers=2)
     with torch.no_grad():
         # z = α·h @ W^T + b, log2 units; with a cap, α = s/c and the tile is capped after
         h, b, alpha = log2_head(hidden, bias, dtype, temperature,
@@ -176,7 +176,7 @@ def linear_logprob_backward(
                                logp=logp)
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
-    idx = _active_rows(g_logp, g_ent)
+    idx = active_rows(g_logp, g_ent)
     V = weight.shape[0]
     if (hidden.shape[0] == 0 or (idx is not None and idx.numel() == 0) or V == 0
             or not (want_dh or want_dw or want_db)):
@@ -184,13 +184,13 @@ def linear_logprob_backward(
         return tuple(torch.zeros_like(x) if want else None
                      for x, want in ((hidden, want_dh), (weight, want_dw), (bias, want_db)))
     dtype, inv_t = compute_dtype(hidden, weight, bias), 1.0 / temperature
-    pick = functools.partial(_pick, idx=idx, dtype=dtype)  # [N, ...] -> active rows [Na, ...]
+    pick = functools.partial(pick_rows, idx=idx, dtype=dtype)  # [N, ...] -> active rows [Na, ...]
     with torch.no_grad():
         h, b, alpha = log2_head(pick(hidden), bias, dtype, temperature)  # [Na, D]
         g, gh, from_tile = pick(g_logp), pick(g_ent), bool(kept)
         offset, sums = row_offset(lse, kept, pick, lse_sum)  # [Na] each; sums: S or None
         fast = b is None and gh is None  # fast_mode: one tile buffer, general_mode: two
-        rows, cols = _tile_shape(h.shape[0], V, chunk_elements, buffers=1 if fast else 2)
+        rows, cols = tile_shape(h.shape[0], V, chunk_elements, buffers=1 if fast else 2)
         if own_sums is not None and not from_tile:
             sums = own_sums(tile_sums(weight, h, b, offset, alpha, rows, cols))
         if fast:

@@ -7,7 +7,7 @@ and s = Σ 2^(z - m)). The linear head's launchers are in `linear_launchers.py`,
 docstring gives what both share: float32 accumulation (float64 for float64 inputs), scratch
 buffers allocated once per call, logits held in log2 units so that every exponential is exp2.
 
-The input is cut into row blocks of at most `chunk_elements` elements (`blocks._row_blocks`):
+The input is cut into row blocks of at most `chunk_elements` elements (`blocks.row_blocks`):
 whole sequences, or pieces of one; each block is a view of the input, read in its own dtype, so
 sliced logits are never copied whole. The forward writes z - m of a block into one scratch
 buffer and takes lse, the entropy and the target's log-prob from it; the backward writes d x of
@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .blocks import _block, _chunk_rows, _row_blocks, zero_rows_without_gradient
+from .blocks import block_rows, block_view, row_blocks, zero_rows_without_gradient
 from .tiles import (
     LN2,
     LOG2E,
@@ -48,7 +48,7 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, so
     B, T, V = logits.shape
     out = empty_stats(B * T, logits.device)
     dtype, scale = compute_dtype(logits), LOG2E / temperature
-    C = _chunk_rows(V, chunk_elements)
+    C = block_rows(V, chunk_elements)
     stats = None
     if keep is not None:
         stats = [torch.empty(B * T, dtype=dtype, device=logits.device) for _ in range(2)]
@@ -56,13 +56,13 @@ def logits_logprob_forward(logits, targets, temperature, chunk_elements=None, so
     with torch.no_grad():
         z_buf, e_buf = (torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
                         for _ in range(2))
-        for rows, tokens in _row_blocks(B, T, C):
+        for rows, tokens in row_blocks(B, T, C):
             x = rows(logits)  # [b, t, V], a view of the input (read in its own dtype)
             m = x.amax(dim=-1).to(dtype).mul_(scale)  # [b, t]: the max of z = x·log2(e)/τ
             # z - m in the compute dtype: one pass that reads x and writes the buffer
-            z = torch.add(m.neg()[..., None], x, alpha=scale, out=_block(z_buf, x.shape))
+            z = torch.add(m.neg()[..., None], x, alpha=scale, out=block_view(z_buf, x.shape))
             picked = z.gather(-1, tokens(targets).view(*x.shape[:2], 1)).view(-1)  # z_target - m
-            s, t = exp_sums(z, _block(e_buf, x.shape))
+            s, t = exp_sums(z, block_view(e_buf, x.shape))
             finish_stats(m.view(-1), s.view(-1), t.view(-1), picked, [tokens(o) for o in out])
             if stats is not None:  # m and s (finish_stats left both as they were)
                 tokens(stats[0]).copy_(m.view(-1))
@@ -95,19 +95,19 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     dx3 = torch.empty_like(logits) if out is None else out
     dtype, inv_t = compute_dtype(logits), 1.0 / temperature
     scale = LOG2E * inv_t  # z = x·log2(e)/τ: logits in log2 units
-    C = _chunk_rows(V, chunk_elements)
+    C = block_rows(V, chunk_elements)
     ref, sums = _logits_reference(lse, kept, dtype)  # [B·T] each (ref in log2 units)
     with torch.no_grad():
         z_buf = torch.empty(min(C, B * T) * V, dtype=dtype, device=logits.device)
         e_buf = None if g_ent is None else torch.empty_like(z_buf)
-        for rows, tokens in _row_blocks(B, T, C):
+        for rows, tokens in row_blocks(B, T, C):
             x, dx = rows(logits), rows(dx3)  # [b, t, V] views
             per_token = functools.partial(torch.Tensor.view, size=(*x.shape[:2], 1))
             g, gh = tokens(g_logp).to(dtype), None if g_ent is None else tokens(g_ent)
             if not (bool(g.any()) or (gh is not None and bool(gh.any()))):
                 dx.zero_()
                 continue
-            z = _block(z_buf, x.shape)
+            z = block_view(z_buf, x.shape)
             neg_ref = per_token(-tokens(ref))
             ids = per_token(tokens(targets))
             s = None if sums is None else per_token(tokens(sums))  # [b, t, 1]
@@ -125,7 +125,7 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
                 torch.add(neg_ref, x, alpha=scale, out=z)  # log2 p + log2 s
                 ent2 = per_token(tokens(ent).to(dtype) * LOG2E)  # H·log2(e)
                 # s·(-d z without the one-hot): log2 p + H·log2(e) = z - ref + (H·log2(e) - log2 s)
-                neg_dz_tile(z, _block(e_buf, x.shape),
+                neg_dz_tile(z, block_view(e_buf, x.shape),
                             ent2 if s is None else ent2 - torch.xlogy(LOG2E, s),
                             per_token(g), per_token(gh.to(dtype) * LN2))
                 z.scatter_add_(-1, ids, one * per_token(g))  # -s·d z

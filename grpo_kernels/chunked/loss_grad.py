@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import _pick, row_parts
+from .blocks import pick_rows, row_parts
 from .tiles import (
     LN2,
     compute_dtype,
@@ -199,7 +199,7 @@ def linear_loss_grad(hidden, weight, bias, targets, temperature,
     want_db = bias is not None and bool(needs[2])
     V, D = weight.shape
     dtype = compute_dtype(hidden, weight, bias)
-    pick = functools.partial(_pick, idx=rows, dtype=dtype)  # [N, ...] -> [Na, ...]
+    pick = functools.partial(pick_rows, idx=rows, dtype=dtype)  # [N, ...] -> [Na, ...]
     Na = hidden.shape[0] if rows is None else rows.numel()
     budget = CPU_BUDGET_BYTES if budget_bytes is None else budget_bytes
     plan = _plan(Na, V, D, weight.dtype, budget, dtype, want_dw)

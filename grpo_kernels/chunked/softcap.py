@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 
 from .blocks import (
-    _active_rows,
-    _chunk_rows,
-    _pick,
-    _row_blocks,
-    _tile_shape,
+    active_rows,
+    block_rows,
+    pick_rows,
+    row_blocks,
     row_parts,
+    tile_shape,
     zero_rows_without_gradient,
 )
 from .tiles import (
@@ -61,7 +61,7 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
     (`tiles.target_column`: 1 - p of a dominant target, not through the lse)."""
     want_dh, want_dw = bool(needs[0]), bool(needs[1])
     want_db = bias is not None and bool(needs[2])
-    idx = _active_rows(g_logp, g_ent)
+    idx = active_rows(g_logp, g_ent)
     V, D = weight.shape
     if (hidden.shape[0] == 0 or (idx is not None and idx.numel() == 0) or V == 0
             or not (want_dh or want_dw or want_db)):
@@ -70,17 +70,17 @@ def linear_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temp
     dtype = compute_dtype(hidden, weight, bias)
     s = 1.0 if logit_scale is None else float(logit_scale)
     with torch.no_grad():
-        h = _pick(hidden, idx, dtype)  # [Na, D], the tokens with a gradient
-        g = _pick(g_logp, idx, dtype)[:, None]
-        gh = None if g_ent is None else _pick(g_ent, idx, dtype)[:, None]
-        ent_a = None if g_ent is None else _pick(ent, idx, dtype)[:, None]
-        lse_a, tg = _pick(lse, idx, dtype)[:, None], _pick(targets, idx, dtype)
-        target_x = target_column(_pick(logp, idx, dtype), g[:, 0],
+        h = pick_rows(hidden, idx, dtype)  # [Na, D], the tokens with a gradient
+        g = pick_rows(g_logp, idx, dtype)[:, None]
+        gh = None if g_ent is None else pick_rows(g_ent, idx, dtype)[:, None]
+        ent_a = None if g_ent is None else pick_rows(ent, idx, dtype)[:, None]
+        lse_a, tg = pick_rows(lse, idx, dtype)[:, None], pick_rows(targets, idx, dtype)
+        target_x = target_column(pick_rows(logp, idx, dtype), g[:, 0],
                                  None if gh is None else gh[:, 0],
                                  None if gh is None else ent_a[:, 0])  # [Na] or None
         b = None if bias is None else bias.to(dtype)
         Na = h.shape[0]
-        rows, cols = _tile_shape(Na, V, chunk_elements, buffers=3)
+        rows, cols = tile_shape(Na, V, chunk_elements, buffers=3)
         dh = torch.zeros((Na, D), dtype=dtype, device=h.device) if want_dh else None
         dw = torch.empty_like(weight) if want_dw else None
         db = torch.zeros(V, dtype=dtype, device=h.device) if want_db else None
@@ -123,7 +123,7 @@ def logits_forward(logits, targets, temperature, softcap, logit_scale, chunk_ele
     out = empty_stats(B * T, logits.device)
     dtype = compute_dtype(logits)
     with torch.no_grad():
-        for rows, tokens in _row_blocks(B, T, _chunk_rows(V, chunk_elements)):
+        for rows, tokens in row_blocks(B, T, block_rows(V, chunk_elements)):
             z, _ = _transformed(rows(logits), dtype, softcap, logit_scale, temperature, LOG2E)
             m = z.amax(dim=-1)  # [b, t], log2 units
             z.sub_(m[..., None])
@@ -142,7 +142,7 @@ def logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, softc
     dtype = compute_dtype(logits)
     s = 1.0 if logit_scale is None else float(logit_scale)
     with torch.no_grad():
-        for rows, tokens in _row_blocks(B, T, _chunk_rows(V, chunk_elements)):
+        for rows, tokens in row_blocks(B, T, block_rows(V, chunk_elements)):
             x, dx = rows(logits), rows(dx3)
 
             def per_token(v, shape=x.shape[:2]):

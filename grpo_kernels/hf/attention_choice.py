@@ -44,7 +44,7 @@ from . import torch_varlen
 from .packed_rows import agreement_atol, check_packed_attention, logits_disagree
 from .row_layout import RowLayout, parse_row_layout
 from .shared_prompt import check_shared_prompt
-from .unwrap import text_vocab_size, unwrap_model
+from .unwrap import text_config, text_vocab_size, unwrap_model
 
 __all__ = ["ATTENTION_RULES", "IMPLEMENTATIONS", "AttentionChoice", "AttentionRule",
            "attention_refusal", "choose_attention", "using_attention"]
@@ -238,8 +238,7 @@ def _model_refusal(model, implementation: str) -> str | None:
     flag = _SUPPORT_FLAG.get(implementation)
     if flag is not None and not getattr(model, flag, False):
         return f"{name} does not support it ({flag} is False)"
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
+    text = text_config(model.config)
     if getattr(text, "attn_logit_softcapping", None) and implementation not in (
             "eager", "flex_attention"):
         return "the model soft-caps its attention logits, which only eager and flex apply"

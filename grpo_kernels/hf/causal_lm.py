@@ -50,13 +50,12 @@ from .. import value_checks
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from ..params import FIELD_NAMES
-from .head_check import (  # noqa: F401  (_HEAD_CHECKED: the check's cache, for tests)
-    _HEAD_CHECKED,
-    _check_head_input,
-    _last_hidden,
-    _probe_ids,
+from .head_check import (
+    check_head_input,
     check_output_head,
+    last_hidden,
     logit_transform,
+    probe_ids,
 )
 from .moe import router_logits_off
 from .output_head import head_for, output_head, resolved_head, unwrap_model
@@ -187,9 +186,9 @@ def completion_hidden_states(
     _check_mask_form(inner, attention_mask)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
         # masks need not slice to one row (a BlockMask cannot): ordinary text for the check
-        body = _check_head_input(inner, _probe_ids(inner).to(input_ids.device), None)
+        body = check_head_input(inner, probe_ids(inner).to(input_ids.device), None)
     else:
-        body = _check_head_input(inner, input_ids, attention_mask)
+        body = check_head_input(inner, input_ids, attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                   **model_kwargs)
     if return_router_logits:
@@ -210,7 +209,7 @@ def completion_hidden_states(
             raise RuntimeError(f"calling {type(model).__name__} never ran its body "
                                f"{type(body).__name__}; cannot capture the hidden states")
         out = captured[-1]
-    hidden = value_checks.poison(keep_positions(_last_hidden(out), logits_to_keep), right_padded)
+    hidden = value_checks.poison(keep_positions(last_hidden(out), logits_to_keep), right_padded)
     if not return_router_logits:
         return hidden
     router_logits = getattr(out, "router_logits", None)

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..reference import transform_logits
-from .output_head import logit_rows, resolved_head, text_config
-from .unwrap import unwrap_model
+from .output_head import logit_rows, resolved_head
+from .unwrap import text_config, unwrap_model
 
 __all__ = ["check_output_head", "logit_transform"]
 
@@ -38,7 +38,7 @@ def logit_transform(model: nn.Module) -> dict:
     (Cohere), output_multiplier, lm_head_multiplier (Falcon-H1), or a divisor logits_scaling
     (Granite divides the logits by it, MiniCPM3 the head's input; HyperCLOVA X multiplies) or
     logits_mup_width_multiplier (Inkling divides the head's input). A scale on the head's input
-    is one on its output for a head without bias (`_check_head_input` refuses one with a bias).
+    is one on its output for a head without bias (`check_head_input` refuses one with a bias).
     `check_output_head` checks the result against the model's own logits once per model; where
     those showed that the model leaves part of it unapplied (see the module docstring), the part
     it applies."""
@@ -55,7 +55,7 @@ _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _config_transform(inner: nn.Module) -> dict:
     """The logit transform `inner`'s (text) config names (`logit_transform`)."""
-    cfg = text_config(inner)
+    cfg = text_config(getattr(inner, "config", None))
     softcap = _first_set(cfg, ("final_logit_softcapping", "logits_soft_cap",
                                 "output_logit_soft_cap"))
     scale = _first_set(cfg, ("logit_scale", "output_multiplier", "lm_head_multiplier"))
@@ -76,7 +76,7 @@ def _body(inner: nn.Module) -> nn.Module:
     attribute: Llama4ForCausalLM's says "language_model" and it holds `model`), its
     PreTrainedModel child that holds the output embedding (or its one PreTrainedModel child):
     a causal LM inside a wrapper (Kosmos 2.5's text_model beside its vision_model) gives its
-    own body. `_check_head_input` then checks that the head reads its output."""
+    own body. `check_head_input` then checks that the head reads its output."""
     from transformers import PreTrainedModel
 
     body = getattr(inner, "base_model", None)
@@ -105,7 +105,9 @@ def _bodies(inner: nn.Module) -> list[nn.Module]:
     return [body, *(c for c in body.children() if isinstance(c, PreTrainedModel))]
 
 
-def _last_hidden(out) -> torch.Tensor:
+def last_hidden(out) -> torch.Tensor:
+    """[B, L, D] last hidden states of a body's output: a tuple's first element, else its
+    last_hidden_state."""
     return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
 
@@ -113,10 +115,11 @@ def _last_hidden(out) -> torch.Tensor:
 _HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
-    """Once per model: run its own forward on one sequence and check that the output embedding
-    is applied to the body's output as is, and that the model's logits are `logit_transform`'s
-    z of the head's output. BERT-style heads (a dense+norm transform first, e.g.
+def check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
+    """Once per model: run its own forward on one sequence (the first row of input_ids [B, L]
+    and of attention_mask [B, L] or None) and check that the output embedding is applied to the
+    body's output as is, and that the model's logits are `logit_transform`'s z of the head's
+    output. BERT-style heads (a dense+norm transform first, e.g.
     RobertaForCausalLM), a rescaled hidden state or an unknown logit transform would otherwise
     give silently wrong losses. Returns the body (`_bodies`: the first one the forward ran)."""
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
@@ -134,7 +137,7 @@ def _check_head_input(inner: nn.Module, input_ids, attention_mask) -> nn.Module:
         if key not in seen:
             seen[key] = _last_position(x)
 
-    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: keep(i, _last_hidden(out)))
+    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: keep(i, last_hidden(out)))
              for i, b in enumerate(bodies)]
     hooks += [head.register_forward_pre_hook(lambda _m, args: keep("head", args[0])),
               head.register_forward_hook(lambda _m, _a, out: keep("head_out", out))]
@@ -219,7 +222,8 @@ def _check_logit_transform(inner: nn.Module, head_out, logits, input_scale: floa
     named = _config_transform(inner)
     # a wrapper may leave its text config's transform unapplied; a model whose own config names
     # one it does not apply is refused (a transform it applies some other way would pass here)
-    wrapped = text_config(inner) is not getattr(inner, "config", None)
+    config = getattr(inner, "config", None)
+    wrapped = text_config(config) is not config
     errors = []
     for transform in _transform_parts(named, input_scale) if wrapped else [named]:
         want = transform_logits(y, **transform)
@@ -283,13 +287,13 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor | None = None) -
     transform is replaced; `completion_hidden_states` runs the same check."""
     inner = unwrap_model(model)
     resolved_head(inner)
-    _check_head_input(inner, _probe_ids(inner) if input_ids is None else input_ids, None)
+    check_head_input(inner, probe_ids(inner) if input_ids is None else input_ids, None)
 
 
-def _probe_ids(inner: nn.Module) -> torch.Tensor:
+def probe_ids(inner: nn.Module) -> torch.Tensor:
     """[1, 2] the check's default text: two ordinary tokens, 1 and 2. Not id 0, which is often
     the padding token: its embedding is zero, and so is a Llama-style body's output on it, the
     head's output and the logits, which the check would then find equal whatever the head."""
     device = next(inner.parameters()).device
-    vocab = getattr(text_config(inner), "vocab_size", None) or 4
+    vocab = getattr(text_config(getattr(inner, "config", None)), "vocab_size", None) or 4
     return (torch.arange(1, 3, device=device) % max(vocab, 1)).unsqueeze(0)

@@ -25,7 +25,7 @@ import sys
 
 from torch import nn
 
-from .unwrap import unwrap_model
+from .unwrap import text_config, unwrap_model
 
 __all__ = ["load_balancing_loss", "router_logits_off"]
 
@@ -49,7 +49,7 @@ def load_balancing_loss(model: nn.Module):
     if params[:len(_SIGNATURE)] != _SIGNATURE:
         raise NotImplementedError(f"{name}'s load_balancing_loss_func takes {params}, not "
                                   f"Mixtral's {_SIGNATURE}: its arguments are not known")
-    config = inner.config.get_text_config()
+    config = text_config(inner.config)
     num_experts = getattr(inner, "num_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(inner, "num_experts_per_tok", None) or getattr(
         config, "num_experts_per_tok", None)
@@ -73,6 +73,6 @@ def router_logits_off(model: nn.Module) -> dict:
     add the auxiliary loss over the attention mask it is given (Mixtral's reads a 2-D mask and
     fails on a 4-D one); {} otherwise, so that other models get no keyword they do not take."""
     config = getattr(unwrap_model(model), "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     asks = any(getattr(c, "output_router_logits", False) for c in (config, text))
     return {"output_router_logits": False} if asks else {}

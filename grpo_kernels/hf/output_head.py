@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .head_adapters import ResolvedHead, fold_lora, resolve_head
-from .unwrap import unwrap_model
+from .unwrap import text_config, unwrap_model
 from .zero3 import gathered_head
 
 __all__ = ["head_for", "output_head", "resolved_head", "unwrap_model"]
@@ -57,15 +57,8 @@ def logit_rows(inner: nn.Module, head_rows: int) -> int | None:
     """U where the model returns the outputs of its head's first U < head_rows rows only (the
     (text) config's unpadded_vocab_size: Inkling pads its head beyond the vocabulary), else
     None."""
-    rows = getattr(text_config(inner), "unpadded_vocab_size", None)
+    rows = getattr(text_config(getattr(inner, "config", None)), "unpadded_vocab_size", None)
     return rows if isinstance(rows, int) and 0 < rows < head_rows else None
-
-
-def text_config(inner: nn.Module):
-    """`inner`'s text config: its config's text sub-config (a vision-language model's), or its
-    config itself."""
-    config = getattr(inner, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 _HEAD_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

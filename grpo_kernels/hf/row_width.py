@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from .unwrap import config_size
+from .unwrap import config_size, text_config
 
 __all__ = ["RowWidthRule", "choose_row_width", "first_fit", "pair_cost", "row_width_rule",
            "takes_boundaries"]
@@ -53,7 +53,7 @@ def pair_cost(config) -> float | None:
     """b / a of the module docstring for a transformers config: a position pair's attention
     FLOPs over a position's dense FLOPs in one decoder layer; None if the config lacks the
     sizes (hidden_size, num_attention_heads, intermediate_size)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     D, H, F = (config_size(text, n)
                for n in ("hidden_size", "num_attention_heads", "intermediate_size"))
     if not all(isinstance(x, int) and x > 0 for x in (D, H, F)):

@@ -48,7 +48,7 @@ from .packed_rows import (
     logits_disagree,
 )
 from .row_width import choose_row_width, first_fit
-from .unwrap import text_vocab_size
+from .unwrap import text_config, text_vocab_size
 
 __all__ = ["check_shared_prompt", "share_prompts", "shared_prompt_mask"]
 
@@ -200,7 +200,7 @@ def _config_refusal(config) -> str | None:
     if impl not in MASKED_IMPLEMENTATIONS:
         return (f"attention {impl!r} takes no 4-D mask (shared prompts need one of "
                 f"{', '.join(MASKED_IMPLEMENTATIONS)})")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ())
     if kinds - {"full_attention"}:
         return (f"layers of kind {sorted(kinds - {'full_attention'})} (a 4-D mask would replace "

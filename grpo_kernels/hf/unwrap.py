@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["config_size", "prompt_learning_adapter", "text_vocab_size", "unwrap_model"]
+__all__ = ["config_size", "prompt_learning_adapter", "text_config", "text_vocab_size",
+           "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -21,10 +22,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def text_config(config):
+    """The text part of a model's config: a multimodal (vision-language) config's text
+    sub-config, else the config itself (also where it is None or no transformers config)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def text_vocab_size(config) -> int:
     """The vocabulary size of a model's config: a multimodal config's is its text config's (the
     top level has none); 2 where neither says. The layout checks draw their tokens from it."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
 
 

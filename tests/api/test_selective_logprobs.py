@@ -112,7 +112,7 @@ def test_leading_dims_and_empty_input(backend):
 
 def test_chunked_path_bounds_its_temporaries():
     """Chunk rows are chosen from the element budget, so [chunk, V] never grows with N."""
-    assert blocks._chunk_rows(151936, 2**24) == 110
+    assert blocks.block_rows(151936, 2**24) == 110
     hidden, weight, _, ids = make_head(4, 50, 8, 64, torch.float32, "cpu")
     h2, ids2 = hidden.reshape(-1, 8), ids.reshape(-1)
     small = chunked.linear_logprob_forward(h2, weight, None, ids2, 1.0, chunk_elements=64 * 7)
