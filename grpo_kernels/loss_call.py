@@ -98,7 +98,7 @@ def terms_args(inputs: LossInputs, params: GRPOParams) -> tuple:
 
 def _terms_from_op(outputs, inputs: LossInputs, params: GRPOParams) -> GRPOTerms:
     """GRPOTerms from a token-terms op's [N] outputs."""
-    logp, ent, _, token_loss, _, kl, ratio = outputs
+    logp, ent, _, token_loss, _, kl, ratio, *_ = outputs
     shape = inputs.mask.shape  # [B, T], or [N] packed
     return GRPOTerms(token_loss.sum(), logp.reshape(shape), ent.reshape(shape),
                      ratio.reshape(shape), kl.reshape(shape) if params.beta != 0.0 else None)
@@ -259,6 +259,6 @@ def logits_call(logits, completion_ids, advantages, completion_mask, old_logps, 
                                         eager_inplace(inplace), *terms_args(inputs, params),
                                         *transform)
         return _terms_from_op(outputs, inputs, params), inputs
-    logp, ent, _ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
-                                       "completion_ids", eager_inplace(inplace), *transform)
+    logp, ent, *_ = OPS.logits_logprobs(x, ids.reshape(-1), params.temperature, backend,
+                                        "completion_ids", eager_inplace(inplace), *transform)
     return _unfused_terms(logp, ent, inputs, params, entropy_gather), inputs

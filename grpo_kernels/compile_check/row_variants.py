@@ -32,11 +32,12 @@ def logits_variants(arch: int, V: int, dtype, quick: bool):
     rows = dict(x_ptr=Ptr(e), tgt_ptr=Ptr("i64"), lse_ptr=Ptr("fp32"), ent_ptr=Ptr("fp32"),
                 N=8 * T, V=V, T=T, stride_xb=T * V, stride_xt=V, inv_temp=1.0)
     for epi, tr in _with_transforms(EPILOGUES[:2] if quick else EPILOGUES, EPILOGUES[:2], quick):
-        # with the epilogue, the logits-input loss skips blocks of weight 0 (ops.launch)
+        # with the epilogue, the logits-input loss skips blocks of weight 0 (ops.launch); m
+        # and log s are written for the backward (`LogitsOp.forward`)
         fcfg, fopts = _split_cfg(tile_configs.logits(V, None, arch=arch,
                                                      softcap_backward=epi[0] and tr[1]))
         args = dict(rows, logp_ptr=Ptr("fp32"), max_ptr=Ptr("fp32"), logs_ptr=Ptr("fp32"),
-                    **_epilogue_args(epi), **fcfg, SKIP_ZERO_WEIGHT=epi[0], SPLIT_LSE=False,
+                    **_epilogue_args(epi), **fcfg, SKIP_ZERO_WEIGHT=epi[0], SPLIT_LSE=True,
                     **_transform_args(tr))
         yield Variant(f"logits_fwd[{e},V={V},epi={_tag(epi)}{_transform_tag(tr)}]",
                       lgt._logits_logprob_fwd_kernel, args, fopts, "logits_fwd", True)
@@ -45,7 +46,7 @@ def logits_variants(arch: int, V: int, dtype, quick: bool):
                                                      softcap_backward=tr[1]))
         args = dict(_backward_rows(rows), dx_ptr=Ptr(e), glogp_ptr=Ptr("fp32"),
                     gent_ptr=Ptr("fp32"), logp_ptr=Ptr("fp32"), stride_db=T * V, stride_dt=V,
-                    HAS_GENT=gent, ALIASED=False, SPLIT_LSE=False, **bcfg,
+                    HAS_GENT=gent, ALIASED=False, SPLIT_LSE=True, **bcfg,
                     **_transform_args(tr))
         yield Variant(f"logits_bwd[{e},V={V},gent={gent}{_transform_tag(tr)}]",
                       lgt._logits_logprob_bwd_kernel, args, bopts, "logits_bwd", True)

@@ -118,7 +118,7 @@ def _forward_rows(x_ptr, tgt_ptr, lse_ptr, ent_ptr, logp_ptr, max_ptr, logs_ptr,
         logp = (z_tgt - m) - log_s
         g = _store_token_results(offs_n, n_mask, lse, ent, logp, lse_ptr, ent_ptr, logp_ptr,
                                  epi_tensors, epi_scalars, EPI_FLAGS)
-        if SPLIT_LSE:  # never with SKIP_ZERO_WEIGHT (the launcher refuses it)
+        if SPLIT_LSE:  # a skipped row's m stays the NaN the launcher wrote (its mark)
             tl.store(max_ptr + offs_n, m, mask=n_mask)
             tl.store(logs_ptr + offs_n, log_s, mask=n_mask)
     else:  # no epilogue either: its inputs at padding may be anything (an old log-prob of -100
@@ -150,12 +150,12 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
     two [B·T] float32 tensors to write the lse's terms into, the row max m of z and log s,
     s = Σ e^(z - m) (lse = m + log s), for `logits_logprob_backward(split=...)`.
     skip_zero_weight (with an epilogue): rows of weight 0 are not computed where a whole row
-    block has weight 0 (one row per block at V >= 4096): logp and entropy 0 there, lse NaN
-    (`_forward_rows`); `logits_logprob_backward` recomputes such a row if it has a gradient."""
-    if skip_zero_weight and (epilogue is None or not EPILOGUE.value & epilogue.flags
-                             or split_out is not None):
+    block has weight 0 (one row per block at V >= 4096): logp and entropy 0 there, lse NaN, and
+    with split_out m NaN, log s unwritten (`_forward_rows`); `logits_logprob_backward`
+    recomputes such a row if it has a gradient."""
+    if skip_zero_weight and (epilogue is None or not EPILOGUE.value & epilogue.flags):
         raise ValueError("skip_zero_weight needs the GRPO epilogue, whose weights say which "
-                         "rows to skip, and no split_out")
+                         "rows to skip")
     B, T, V = logits.shape
     N = B * T
     f32 = dict(device=logits.device, dtype=torch.float32)
@@ -168,6 +168,8 @@ def logits_logprob_forward(logits, targets, temperature, epilogue=None, softcap=
                               softcap_backward=skip_zero_weight and softcap is not None)
     ep = epilogue or no_epilogue(logp)
     m, log_s = (lse, lse) if split_out is None else split_out
+    if skip_zero_weight and split_out is not None:
+        m.fill_(float("nan"))  # a skipped row's mark, as its lse's (the kernel writes live rows)
     _logits_logprob_fwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, targets, lse, ent, logp, m, log_s, ep.tensors, ep.scalars,
         N, V, T, logits.stride(0), logits.stride(1), 1.0 / temperature,
@@ -323,24 +325,25 @@ def logits_logprob_backward(logits, targets, lse, ent, g_logp, g_ent, temperatur
     where they need to be (`_with_skipped_rows`). logp: None or the forward's log-probs [B·T],
     the target column's (else, and at a skipped row, z/τ - lse: `_d_logits_sweep`). split: None
     or the forward's (m, log s) [B·T] each (`logits_logprob_forward(split_out=...)`): every
-    other column's p is read against them, not through the lse (not with skipped_rows)."""
-    if skipped_rows and split is not None:
-        raise ValueError("split (the forward's m and log s) cannot mark skipped rows")
+    other column's p is read against them, not through the lse; with skipped_rows a NaN m marks
+    a skipped row, whose recomputed lse then stands for m and 0 for log s."""
     B, T, V = logits.shape
     N = B * T
     dx = torch.empty_like(logits) if out is None else out
     aliased = shared_rows(logits, dx) and dx.element_size() != logits.element_size()
     if N == 0:
         return dx
-    # NaN where there is no log-prob: none given, or a skipped row's (0; its lse is NaN)
+    shift, log_s = (lse, lse) if split is None else split  # shift: the lse, or m
+    # NaN where there is no log-prob: none given, or a skipped row's (0; its shift is NaN)
     logp = torch.full_like(lse, float("nan")) if logp is None else (
-        torch.where(torch.isnan(lse), lse, logp) if skipped_rows else logp)
+        torch.where(torch.isnan(shift), shift, logp) if skipped_rows else logp)
     if skipped_rows:
-        lse, ent = _with_skipped_rows(logits, lse, ent, g_logp, g_ent, temperature, softcap,
-                                      logit_scale)
+        stale = torch.isnan(shift)
+        shift, ent = _with_skipped_rows(logits, shift, ent, g_logp, g_ent, temperature,
+                                        softcap, logit_scale)
+        log_s = shift if split is None else torch.where(stale, 0.0, log_s)
     cfg = tile_configs.logits(V, logits.device, softcap_backward=softcap is not None,
                               converting_backward=dx.dtype != logits.dtype)
-    shift, log_s = (lse, lse) if split is None else split
     _logits_logprob_bwd_kernel[(triton.cdiv(N, cfg["ROWS"]),)](
         logits, dx, targets, shift, log_s, ent, g_logp, g_ent if g_ent is not None else g_logp,
         logp, N, V, T, logits.stride(0), logits.stride(1), dx.stride(0), dx.stride(1),

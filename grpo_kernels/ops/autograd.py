@@ -78,13 +78,15 @@ def linear_grads(ctx, g_logp, g_ent, backward=None, lse_sum=None):
 
 
 def logits_grads(ctx, g_logp, g_ent, backward=None):
-    """d logits from the saved (logits, targets, lse, ent, logp); in place when ctx.inplace.
-    backward: the eager bodies (out of place, in place) of logits_logprobs_backward[_], called
-    directly (default: the operators)."""
-    logits, targets, lse, ent, logp = ctx.saved_tensors[:5]
+    """d logits from the saved (logits, targets, lse_terms, ent, logp); in place when
+    ctx.inplace. The lse is m + log s, as the forward summed it (bitwise its lse; NaN at a row
+    it skipped). backward: the eager bodies (out of place, in place) of
+    logits_logprobs_backward[_], called directly (default: the operators)."""
+    logits, targets, terms, ent, logp = ctx.saved_tensors[:5]
     if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
         return None
     temperature, backend, inplace, softcap, logit_scale = ctx.config
+    lse = terms[0] + terms[1]
     args = (targets, lse, ent, _per_token(g_logp, lse),
             None if g_ent is None else g_ent.float().contiguous(), temperature, backend, softcap,
             logit_scale)
@@ -92,9 +94,9 @@ def logits_grads(ctx, g_logp, g_ent, backward=None):
     out_of_place, in_place = backward or (ops.logits_logprobs_backward,
                                           ops.logits_logprobs_backward_)
     if inplace:
-        in_place(logits, *args, logp=logp)
+        in_place(logits, *args, logp=logp, lse_terms=terms)
         return logits  # d logits now lives in the logits buffer (version counter bumped)
-    return out_of_place(logits, *args, logp=logp)
+    return out_of_place(logits, *args, logp=logp, lse_terms=terms)
 
 
 def setup_linear(ctx, inputs, output):
@@ -116,16 +118,19 @@ def linear_backward(ctx, g_logp, g_ent, _g_lse, _g_lse_sum, backward=None):
 
 
 def setup_logits(ctx, inputs, output):
+    """Saves (logits, targets, lse_terms, entropy, logp): the lse's terms m and log s [2, N]
+    in place of the lse [N] (4 bytes more per row), so that the backward reads p as the
+    forward formed it."""
     logits, targets, temperature, backend, _, inplace, *rest = inputs
-    logp, ent, lse = output
+    logp, ent, lse, terms = output
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(logits, targets, lse, ent, _saved_logp(logp))
+    ctx.mark_non_differentiable(lse, terms)
+    ctx.save_for_backward(logits, targets, terms, ent, _saved_logp(logp))
     ctx.n_inputs = len(inputs)
     ctx.config = (temperature, backend, inplace, *_transform(rest))
 
 
-def logits_backward(ctx, g_logp, g_ent, _g_lse, backward=None):
+def logits_backward(ctx, g_logp, g_ent, _g_lse, _g_lse_terms, backward=None):
     with torch.no_grad():
         grads = (logits_grads(ctx, g_logp, g_ent, backward),)
     return _grads_for(ctx, once_differentiable(grads))
@@ -143,12 +148,13 @@ def split_terms_args(args) -> tuple:
 
 
 def _save_terms(ctx, tensors, output, n_inputs: int):
-    """Saves (kernel tensors, targets, lse, entropy, logp, coef_logp)."""
-    logp, ent, lse, _, coef_logp, kl, ratio = output
+    """Saves (kernel tensors, targets, lse, entropy, logp, coef_logp); the logits op's
+    lse_terms [2, N] in place of its lse (`setup_logits`)."""
+    logp, ent, lse, _, coef_logp, kl, ratio, *terms = output
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, coef_logp, kl, ratio)
+    ctx.mark_non_differentiable(lse, coef_logp, kl, ratio, *terms)
     ctx.n_inputs = n_inputs
-    ctx.save_for_backward(*tensors, lse, ent, _saved_logp(logp), coef_logp)
+    ctx.save_for_backward(*tensors, *(terms or [lse]), ent, _saved_logp(logp), coef_logp)
 
 
 def _token_grads(ctx, g_logp, g_token_loss):

@@ -120,10 +120,11 @@ def _linear_logprobs_backward_fake(hidden, weight, bias, targets, lse, ent, g_lo
 torch.library.define(
     "grpo_kernels::logits_logprobs",
     "(Tensor logits, Tensor targets, Tensor temperature, str backend, str ids_name, "
-    f"bool inplace, {TRANSFORM_ARGS}) -> (Tensor logp, Tensor entropy, Tensor lse)")
+    f"bool inplace, {TRANSFORM_ARGS}) "
+    "-> (Tensor logp, Tensor entropy, Tensor lse, Tensor lse_terms)")
 LOGITS_BWD_ARGS = ("Tensor targets, Tensor lse, Tensor entropy, Tensor g_logp, "
                    f"Tensor? g_entropy, Tensor temperature, str backend, {TRANSFORM_ARGS}, "
-                   "Tensor? logp=None")
+                   "Tensor? logp=None, Tensor? lse_terms=None")
 torch.library.define("grpo_kernels::logits_logprobs_backward",
                      f"(Tensor logits, {LOGITS_BWD_ARGS}) -> Tensor")
 # in place: d logits overwrites the logits (inplace=True of the public functions, eager only)
@@ -133,8 +134,10 @@ torch.library.define("grpo_kernels::logits_logprobs_backward_",
 
 def _logits_logprobs(logits, targets, temperature, backend, ids_name, inplace, softcap=None,
                      logit_scale=None, keep=None):
-    """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse).
-    keep: see `_LogitsLogprobs`."""
+    """logits [B, T, V] (unit last stride), targets [B·T] int64 -> float32 (logp, ent, lse)
+    [B·T] each and lse_terms [2, B·T]: the Triton forward's m and log s (lse = m + log s), for
+    its backward to read p as it formed it; (lse, 0) from the chunked launcher
+    (`LogitsOp.forward`). keep: see `_LogitsLogprobs`."""
     check_token_id_values(ids_name, targets, logits.shape[-1], "logits.shape[-1]")
     op = LogitsOp(IMPLS[backend], temperature, softcap=softcap, logit_scale=logit_scale)
     return op.forward(targets, None, logits, keep=keep)
@@ -145,15 +148,19 @@ torch.library.impl("grpo_kernels::logits_logprobs", "default", _logits_logprobs)
 
 @torch.library.register_fake("grpo_kernels::logits_logprobs")
 def _logits_logprobs_fake(logits, targets, *args):
-    return tuple(logits.new_empty(targets.shape[0], dtype=F32) for _ in range(3))
+    n = targets.shape[0]
+    return (*(logits.new_empty(n, dtype=F32) for _ in range(3)),
+            logits.new_empty(2, n, dtype=F32))
 
 
 def _logits_backward(logits, targets, lse, ent, g_logp, g_ent, temperature, backend,
-                     softcap=None, logit_scale=None, logp=None, *, inplace, kept=None):
-    """logp: the forward's log-probs [B·T] or None (`LogitsOp.backward`)."""
+                     softcap=None, logit_scale=None, logp=None, lse_terms=None, *, inplace,
+                     kept=None):
+    """logp: the forward's log-probs [B·T] or None; lse_terms: its (m, log s) [2, B·T] or
+    None (`LogitsOp.backward`)."""
     op = LogitsOp(IMPLS[backend], temperature, inplace, softcap, logit_scale)
     return op.backward((logits,), targets, lse, ent, g_logp, g_ent, (True,), kept=kept,
-                       logp=logp)[0]
+                       logp=logp, lse_terms=lse_terms)[0]
 
 
 def _logits_logprobs_backward(logits, *args, kept=None, **kw):
@@ -183,7 +190,7 @@ def _logits_logprobs_backward_inplace_fake(logits, *args):
 # The GRPO arguments of a token-terms op, each [N] float32 in the kernels' token order, then the
 # hyperparameters (TokenLossArgs' fields). Outputs, each [N] float32: logp and entropy
 # (differentiable), lse, weight·ℓ (differentiable), weight·dℓ/dlogp, kl (0 when beta == 0) and
-# the importance ratio.
+# the importance ratio; the logits op's also lse_terms [2, N] (`_logits_logprobs`).
 TERMS_ARGS = ("Tensor weights, Tensor advantages, Tensor? old_logps, Tensor? ref_logps, "
               "Tensor? importance_sampling_ratio, " + TokenLossArgs.op_schema())
 TERMS_OUT = ("(Tensor logp, Tensor entropy, Tensor lse, Tensor token_loss, Tensor coef_logp, "
@@ -196,7 +203,7 @@ torch.library.define(
     "grpo_kernels::logits_grpo_terms",
     "(Tensor logits, Tensor targets, Tensor temperature, str backend, bool inplace, "
     f"{TERMS_ARGS}, "
-    f"{TRANSFORM_ARGS}) -> {TERMS_OUT}")
+    f"{TRANSFORM_ARGS}) -> {TERMS_OUT[:-1]}, Tensor lse_terms)")
 
 
 def _terms(op, targets, tensors, grpo_args):
@@ -235,7 +242,7 @@ def _linear_grpo_terms_fake(hidden, weight, bias, targets, *args):
 
 @torch.library.register_fake("grpo_kernels::logits_grpo_terms")
 def _logits_grpo_terms_fake(logits, targets, *args):
-    return _terms_fake(targets)
+    return (*_terms_fake(targets), targets.new_empty(2, targets.shape[0], dtype=F32))
 
 
 torch.library.register_autograd("grpo_kernels::linear_logprobs", autograd.linear_backward,
@@ -338,10 +345,10 @@ class _LogitsLogprobs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_logp, g_ent, g_lse):
+    def backward(ctx, g_logp, g_ent, g_lse, g_lse_terms):
         kept, ctx.kept = ctx.kept, None
         grads = autograd.logits_backward(
-            ctx, g_logp, g_ent, g_lse,
+            ctx, g_logp, g_ent, g_lse, g_lse_terms,
             backward=(functools.partial(_logits_logprobs_backward, kept=kept),
                       functools.partial(_logits_logprobs_backward_inplace, kept=kept)))
         return *grads, None

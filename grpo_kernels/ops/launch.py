@@ -165,20 +165,33 @@ class LogitsOp(BoundOp):
         self.inplace = inplace
 
     def forward(self, targets, epilogue, logits, keep=None):
-        """keep: a dict for the chunked launcher's per-token statistics (chunked backend only)."""
+        """(logp, entropy, lse, lse_terms), float32 [B·T] each but lse_terms [2, B·T]: the
+        lse's terms (m, log s) as the Triton forward formed them (lse = m + log s), with which
+        its backward reads p as that forward did; (lse, 0) where the chunked launcher ran.
+        keep: a dict for the chunked launcher's per-token statistics (chunked backend only)."""
+        terms = logits.new_empty(2, targets.shape[0], dtype=torch.float32)
         if epilogue is not None:  # a failure here is handled by `grpo_token_terms`
-            # padding (weight 0) is not read: its log-prob and entropy are 0, its lse NaN,
-            # which the backward resolves (`skipped_rows`) should such a row get a gradient
-            return self.impl.logits_logprob_forward(logits, targets, self.temperature,
-                                                    epilogue=epilogue, skip_zero_weight=True,
-                                                    **self.transform)
+            # padding (weight 0) is not read: its log-prob and entropy are 0, its lse and m
+            # NaN, which the backward resolves (`skipped_rows`) should such a row get a gradient
+            out = self.impl.logits_logprob_forward(logits, targets, self.temperature,
+                                                   epilogue=epilogue, skip_zero_weight=True,
+                                                   split_out=tuple(terms), **self.transform)
+            return (*out, terms)
         extra = {} if keep is None or self.on_triton else {"keep": keep}
-        return self._launch((logits,), "forward", (), "logits_logprob_forward", logits,
-                            targets, self.temperature, **extra, **self.transform)
+        out = self._launch((logits,), "forward", (), "logits_logprob_forward", logits,
+                           targets, self.temperature, **extra, **self.transform,
+                           triton_kw={"split_out": tuple(terms)})
+        if not self.on_triton:  # the chunked launcher (also in place of a failed kernel)
+            terms[0].copy_(out[2])
+            terms[1].zero_()
+        return (*out, terms)
 
-    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None, logp=None):
+    def backward(self, inputs, targets, lse, ent, g_logp, g_ent, needs, kept=None, logp=None,
+                 lse_terms=None):
         """logp: None or the forward's log-probs [B·T], from which the Triton kernel takes the
-        target column's 1 - p (the chunked launcher has the forward's statistics in `kept`)."""
+        target column's 1 - p (the chunked launcher has the forward's statistics in `kept`).
+        lse_terms: None or the forward's (m, log s) [2, B·T] (`forward`), against which the
+        Triton kernel reads every other column's p."""
         (logits,) = inputs
         if not needs[0]:
             return (None,)
@@ -187,7 +200,9 @@ class LogitsOp(BoundOp):
         dx = self._launch(inputs, "backward", options, "logits_logprob_backward", logits,
                           targets, lse, ent, g_logp, g_ent, self.temperature,
                           out=logits if self.inplace else None, skipped_rows=True, **extra,
-                          **self.transform, triton_kw=_torch_kw(logp=logp))
+                          **self.transform,
+                          triton_kw=_torch_kw(logp=logp, split=None if lse_terms is None
+                                              else tuple(lse_terms)))
         if self.inplace:
             # the kernel wrote through a raw pointer: bump the version so that any other
             # autograd node that saved these logits fails loudly instead of using gradients
@@ -215,7 +230,8 @@ def epilogue_variant(rule: TokenLossArgs, flags: int) -> str:
 def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights, advantages,
                      old_logps=None, ref_logps=None, importance_sampling_ratio=None):
     """Token-level GRPO on a bound op: (logp, entropy, lse, weight·ℓ, weight·dℓ/dlogp, kl,
-    ratio), each [N] float32 (kl is 0 when beta == 0).
+    ratio), each [N] float32 (kl is 0 when beta == 0), then the logits op's lse_terms
+    [2, N] (`LogitsOp.forward`).
 
     targets [N]; tensors: the op's inputs (hidden, weight, bias) or (logits,); the GRPO inputs
     are [N] float32 in the kernels' token order, weights = grpo_math.token_weights flattened.
@@ -230,7 +246,7 @@ def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights
         key = op.variant(epilogue_variant(rule, epilogue.flags), tensors)
         if not fallback.use_fallback(key):
             try:
-                logp, ent, lse = op.forward(targets, epilogue, *tensors)
+                logp, ent, lse, *terms = op.forward(targets, epilogue, *tensors)
             except Exception as exc:
                 # the epilogue runs only inside the Triton forward: a kernel that fails to
                 # compile or launch re-runs unfused on the chunked PyTorch backend
@@ -238,9 +254,9 @@ def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights
                     raise
             else:
                 fallback.succeeded(key)
-                return (logp, ent, lse, *epilogue.outputs)
+                return (logp, ent, lse, *epilogue.outputs, *terms)
         op = op.on_torch()
-    logp, ent, lse = op.forward(targets, None, *tensors)
+    logp, ent, lse, *terms = op.forward(targets, None, *tensors)
 
     def weighted_loss(lp):  # Σ weight·ℓ over [N] (token level: no layout needed)
         loss, ratio, kl = per_token_loss(lp, old_logps, ref_logps, advantages, weights, rule,
@@ -250,4 +266,4 @@ def grpo_token_terms(op: BoundOp, targets, tensors, rule: TokenLossArgs, weights
 
     coef_logp, (lossw, ratio, kl) = torch.func.grad(weighted_loss, has_aux=True)(logp)
     kl = torch.zeros_like(logp) if kl is None else kl
-    return logp, ent, lse, lossw, coef_logp, kl, ratio
+    return logp, ent, lse, lossw, coef_logp, kl, ratio, *terms

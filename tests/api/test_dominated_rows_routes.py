@@ -13,8 +13,8 @@ strict xfail until that forward takes the target logit from its own tiles. The T
 three-pass route's row backward reads every other column's p against its row forward's m and
 log s, and its second backward runs the three passes again from the saved coefficients, its
 statistics over its own recomputed logits (`test_triton_three_pass_at_dominated_rows`). The
-logits-input ops on Triton save only the lse for their backward, which reads a dominant
-non-target token's p through it: a strict xfail (`test_triton_logits_dominated_by_another_token`).
+logits-input ops on Triton save the row forward's m and log s for their backward, which reads a
+dominant non-target token's p against them (`test_triton_logits_dominated_by_another_token`).
 """
 
 import pytest
@@ -181,18 +181,14 @@ def check_logits_triton(ours_fn, ref_fn, logits, g_scale, temperature):
     check_logits(ours_fn, ref_fn, logits, g_scale, temperature, backend="triton")
 
 
-OTHER_ON_LOGITS = ("the Triton logits-input ops save only the lse, and their backward reads a "
-                   "dominant non-target token's p through it: d logits 10-13x (grpo_loss) and "
-                   "23-30x (log-probs and entropy) PyTorch's float32 error at V = 64, in the "
-                   "interpreter")
-
-
-@pytest.mark.xfail(strict=True, reason=OTHER_ON_LOGITS)
 @pytest.mark.parametrize("temperature", [1.0, 0.01])
 @pytest.mark.parametrize("loss", ["grpo_loss", "logprobs"])
 def test_triton_logits_dominated_by_another_token(temperature, loss):
     """grpo_loss (dapo, beta = 0.04) and logprobs_from_logits with entropy on logits whose rows
-    a token other than the target dominates (z/τ = 40 against the target's 40 - margin)."""
+    a token other than the target dominates (z/τ = 40 against the target's 40 - margin). The
+    operators save the forward's m and log s and the backward reads each column's p against
+    them: read through the lse in nats, d logits were 10-13x (grpo_loss) and 23-30x (log-probs
+    and entropy) PyTorch's float32 error at V = 64, in the interpreter."""
     x, ids = dominated_logits(64, temperature)
     ids = (ids + 1) % 64  # the former target dominates the row
     if loss == "logprobs":

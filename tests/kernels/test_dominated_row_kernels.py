@@ -80,10 +80,32 @@ def test_fused_kernel(temperature):
     check(dx, x, ids, ep.outputs[1], temperature)
 
 
-def test_split_refused_with_skipped_rows():
-    """A backward that resolves rows the forward skipped reads their lse: no split beside it."""
+@pytest.mark.parametrize("entropy", [False, True])
+def test_split_beside_skipped_rows(entropy):
+    """The forward with the epilogue skipping padding (`skip_zero_weight`) and writing m, log s
+    (`split_out`), as the logits-input GRPO operator runs it: a skipped row's m is NaN, its
+    mark; the backward given `split` and `skipped_rows` recomputes such a row where it has a
+    gradient (its lse for m, 0 for log s) and reads the others against the forward's m and
+    log s. d logits as a forward that skips nothing, at every row."""
     x, ids = dominated_rows(1.0)
-    z = torch.zeros(N, device=KERNEL_DEVICE)
-    with pytest.raises(ValueError, match="split"):
-        rows_kernels.logits_logprob_backward(x, ids, z, z, z, None, 1.0, skipped_rows=True,
-                                             split=(z, z))
+    gen = torch.Generator().manual_seed(4)
+    weights = torch.full((N,), 1.0 / N)
+    weights[:4] = 0.0  # the first row block (4 rows at V = 64) is skipped, padding
+    adv = torch.randn(N, generator=gen)
+    rule = GRPOParams(loss_type="dapo").token_loss_args
+    ep = epilogue_args(rule, weights.to(KERNEL_DEVICE), adv.to(KERNEL_DEVICE), None, None, None)
+    split = tuple(torch.empty(N, device=KERNEL_DEVICE) for _ in range(2))
+    logp, ent, lse = rows_kernels.logits_logprob_forward(x, ids, 1.0, ep, split_out=split,
+                                                         skip_zero_weight=True)
+    skipped = torch.isnan(lse).cpu()
+    assert skipped.any() and not skipped.all()
+    assert torch.equal(torch.isnan(split[0]).cpu(), skipped)
+    full = rows_kernels.logits_logprob_forward(x, ids, 1.0)
+    g = torch.randn(N, generator=gen).to(KERNEL_DEVICE)  # padding too gets a gradient here
+    gh = 0.3 * g.flip(0) if entropy else None
+    got = rows_kernels.logits_logprob_backward(x, ids, lse, ent, g, gh, 1.0, logp=logp,
+                                               skipped_rows=True, split=split)
+    want = rows_kernels.logits_logprob_backward(x, ids, full[2], full[1], g, gh, 1.0,
+                                                logp=full[0])
+    assert torch.isnan(split[0][skipped.to(KERNEL_DEVICE)]).all()  # saved marks kept
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

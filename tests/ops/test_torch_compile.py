@@ -189,9 +189,9 @@ def _logits_call(call, head, inplace):
     hidden, weight, bias, ids = head
     x = leaf(hidden @ weight.T + bias)
     y = x * 1.0  # the op may write d logits over its input: not over the leaf
-    logp, ent, lse = call(y, ids.reshape(-1), 0.7, "chunked", "targets", inplace)
+    logp, ent, lse, lse_terms = call(y, ids.reshape(-1), 0.7, "chunked", "targets", inplace)
     (logp * 0.3 + ent).sum().backward()
-    return [logp, ent, lse, x.grad], type(logp.grad_fn).__name__
+    return [logp, ent, lse, x.grad, lse_terms], type(logp.grad_fn).__name__
 
 
 @pytest.mark.parametrize("inplace", [False, True])
