@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import kernel_variants, perf_model, specialization, static_report
+from . import all_variants, kernel_variants, perf_model, specialization, static_report
 
 
 @dataclass
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         print(f"--arch must be one of {sorted(perf_model.ARCH)}, got {args.arch}",
               file=sys.stderr)
         return 2
-    variants = [v for v in kernel_variants.variants(args.arch, quick=args.quick)
+    variants = [v for v in all_variants.variants(args.arch, quick=args.quick)
                 if re.search(args.only, v.name) and (v.default or not args.default_only)]
     results = compile_all(variants, args.arch, want_sass=args.report, jobs=args.jobs)
     failures = spilled = 0

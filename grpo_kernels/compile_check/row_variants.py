@@ -1,6 +1,6 @@
 """The row kernels' variants (`kernels/logits_logprobs.py`, `kernels/logits_loss_grad.py`): as
 the logits-input ops launch them on a model's [B, T, V] logits, and as the three-pass route
-launches them on its float32 [C, V] logits chunk. `kernel_variants.variants` collects them."""
+launches them on its float32 [C, V] logits chunk. `all_variants.variants` collects them."""
 
 from __future__ import annotations
 

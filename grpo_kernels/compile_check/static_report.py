@@ -109,7 +109,7 @@ def render(arch: int, variants: list, results: list, quick: bool) -> str:
              "counts from the SASS (`cuobjdump -sass`). `tensor-core ops` are per iteration of "
              "the innermost loop that holds them; `atomics` counts ATOM/RED instructions in the "
              "binary. `default` = launched with no opt-in setting (see "
-             "`kernel_variants.variants`).", "",
+             "`all_variants.variants`).", "",
              "| kernel | default | regs | spills | smem | blocks/SM | stages | tensor-core ops "
              "| atomics |", "|---|---|---|---|---|---|---|---|---|"]
     for v, r in zip(variants, results):
