@@ -76,8 +76,9 @@ def make_shape(head: str, n_tokens: int, dims: tuple[int, int] | None = None) ->
 # so that a rate never passes the matmul ceiling. N counts the positions the loss reads (the
 # unmasked ones): a provider that also computes the padding's rows does more than the work.
 # Logits path (logits [N, V] given): forward reads the logits once, backward reads them again and
-# writes their gradient; three passes over N·V elements in all. Padding tokens are counted: all
-# providers get the same mask.
+# writes their gradient; three passes over P·V elements in all, P the unmasked positions as for
+# the head (the same mask for every provider): a provider that also reads the padding's rows
+# does more than the work.
 HEAD_FLOPS = {"score": 2.0, "forward": 2.0, "backward": 4.0, "fwd+bwd": 6.0}  # × rows·V·D
 
 
@@ -91,9 +92,14 @@ def flops(shape: Shape, mode: str, rows: int | None = None) -> float:
     return head_flops(shape.N if rows is None else rows, shape.V, shape.D, mode)
 
 
-def logits_bytes(shape: Shape, mode: str, elem_size: int) -> float:
-    passes = {"score": 1, "forward": 1, "backward": 2, "fwd+bwd": 3}[mode]
-    return float(passes) * shape.N * shape.V * elem_size
+LOGITS_PASSES = {"score": 1, "forward": 1, "backward": 2, "fwd+bwd": 3}  # × rows·V elements
+
+
+def logits_bytes(shape: Shape, mode: str, elem_size: int, rows: int | None = None) -> float:
+    """The bytes `mode` of the logits-path loss moves over the logits [rows, V] (elements of
+    `elem_size` bytes); rows: the positions counted (default: all N)."""
+    rows = shape.N if rows is None else rows
+    return float(LOGITS_PASSES[mode]) * rows * shape.V * elem_size
 
 
 # ---- environment ----------------------------------------------------------------------------

@@ -291,5 +291,13 @@ def fused_case(loss: Callable[[], torch.Tensor], inputs: tuple, note: str = "", 
                 positions=int(mask.sum()), **kw)
 
 
+def logits_case(loss: Callable[[], torch.Tensor], inputs: tuple, note: str = "", **kw) -> Case:
+    """The Case of a logits-path provider: `inputs` as `logits_inputs` returns them (the logits
+    receive gradients), the bytes counted on the unmasked positions."""
+    logits, ids, adv, mask, old, ref = inputs
+    return Case(loss, [logits], nbytes(*inputs), note, [ids, adv, mask, old, ref],
+                positions=int(mask.sum()), **kw)
+
+
 def nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))

@@ -1,5 +1,5 @@
 # Sourced by benchmarks/gpu_trainer.sh: one step of a device script under a deadline, with a
-# summary row per step. Expects START (gpu_common.sh), DEADLINE_S, MIN_STEP_S, SUMMARY (a CSV
+# summary row per step. Expects START (gpu_common.sh), DEADLINE, MIN_STEP_S, SUMMARY (a CSV
 # with the header "step,status,seconds,command") and LOG, and `stamp`.
 #   row NAME STATUS SECONDS COMMAND       appends a summary row (and says it)
 #   run_step NAME BUDGET_S MODULES CMD... runs CMD under `timeout` (its budget or what is left
@@ -20,9 +20,9 @@ run_step() {
     row "$name" "n/a: ${modules} not installed" 0 "$*"
     return
   fi
-  local left=$(( DEADLINE_S - ($(date +%s) - START) ))
+  local left=$(( DEADLINE - ($(date +%s) - START) ))
   if [ "$left" -lt "$MIN_STEP_S" ]; then
-    row "$name" "skipped: ${left}s left of the ${DEADLINE_S}s deadline" 0 "$*"
+    row "$name" "skipped: ${left}s left of the ${DEADLINE}s deadline" 0 "$*"
     return
   fi
   local limit=$(( budget < left ? budget : left ))

@@ -23,8 +23,9 @@
 #               subclass, and grpo_train with the static path; on a GPU each with one warm-up
 #               step that replays the timed step's lengths (compiles, cuBLAS and attention
 #               set-ups at those shapes), so all three are timed in the steady state of a run.
-# Steps run under a DEADLINE_S deadline, each under `timeout` (its budget or what is left), and
-# each appends its rows as it finishes, so a step cut short leaves the others.
+# Steps run under a DEADLINE_S deadline (a device run's; a dry run's is 280 s), each under
+# `timeout` (its budget or what is left), and each appends its rows as it finishes, so a step cut
+# short leaves the others; the peers' install is cut to what is left too.
 #
 # Usage (repository root; OUT = where results go, default ./gpu_out):
 #   BENCH_COMMIT=<short sha> OUT=/some/dir bash benchmarks/gpu_trainer.sh
@@ -52,20 +53,11 @@ DRY_RUN="${DRY_RUN:-0}"
 PARTS="${PARTS:-generation,loss,steps}"
 source benchmarks/gpu_common.sh
 
-# ---- shapes and budgets: one block per mode --------------------------------------------------
-if [ "$DRY_RUN" = 1 ]; then  # the CPU, tiny shapes: every step runs, in a few minutes
-  KIND=cpu; DEADLINE_S=280; MIN_STEP_S=15
-  SHAPE=(--device cpu --tiny --profile_bytes off)
-  G=4; CAP=16; PROMPT_SHORT=16; PROMPT_LONG=48; WARM_TOKENS=4
-  LOSS_RUN=(--warmup 1 --steps 1); STEP_RUN=(--warmup 0 --steps 1)
-  LOSS_BUDGET_S=60; STEP_BUDGET_S=90; GEN_BUDGET_S=90
-  PROBE=(--tiny); PROBE_BUDGET_S=45; NO_CUDNN_BUDGET_S=90
-  GEN=(--tiny --max_new "$CAP" --prompt_tokens "$PROMPT_SHORT" --threads 1 --repeats 1)
-  GEN_PATHS=per-row,padded,static-eager,continuous  # a CPU compile takes ~40 s: not here
-  AUTOCAST_PATHS=padded,static-eager
-  STATIC=static-eager  # grpo_train's whole step on the static path (uncompiled on the CPU)
-else
-  KIND=cuda; DEADLINE_S="${DEADLINE_S:-450}"; MIN_STEP_S=30
+# ---- shapes and budgets: one block per mode (gpu_common.sh's use_block checks that both set the
+# same variables). DEADLINE: seconds from the start, read by every step's timeout and by
+# install_peers; a device run takes it from DEADLINE_S.
+device_block() {
+  KIND=cuda; DEADLINE="${DEADLINE_S:-450}"; MIN_STEP_S=30
   SHAPE=(--device cuda)
   G=8; CAP=1024; PROMPT_SHORT=64; PROMPT_LONG=1024; WARM_TOKENS=16
   LOSS_RUN=(--warmup 2 --steps 2); STEP_RUN=(--warmup 1 --steps 1)
@@ -75,7 +67,20 @@ else
   GEN_PATHS=per-row,padded,continuous,static
   AUTOCAST_PATHS=padded,static
   STATIC=static
-fi
+}
+dry_block() {  # the CPU, tiny shapes: every step runs, in a few minutes
+  KIND=cpu; DEADLINE=280; MIN_STEP_S=15
+  SHAPE=(--device cpu --tiny --profile_bytes off)
+  G=4; CAP=16; PROMPT_SHORT=16; PROMPT_LONG=48; WARM_TOKENS=4
+  LOSS_RUN=(--warmup 1 --steps 1); STEP_RUN=(--warmup 0 --steps 1)
+  LOSS_BUDGET_S=60; STEP_BUDGET_S=90; GEN_BUDGET_S=90
+  PROBE=(--tiny); PROBE_BUDGET_S=45; NO_CUDNN_BUDGET_S=90
+  GEN=(--tiny --max_new "$CAP" --prompt_tokens "$PROMPT_SHORT" --threads 1 --repeats 1)
+  GEN_PATHS=per-row,padded,static-eager,continuous  # a CPU compile takes ~40 s: not here
+  AUTOCAST_PATHS=padded,static-eager
+  STATIC=static-eager  # grpo_train's whole step on the static path (uncompiled on the CPU)
+}
+use_block device_block dry_block
 SUMMARY="$OUT/gpu_trainer.csv"
 LOG="$OUT/gpu_trainer.log"
 [ -f "$SUMMARY" ] || echo "step,status,seconds,command" > "$SUMMARY"
@@ -86,7 +91,7 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 source benchmarks/gpu_steps.sh  # row, run_step
 
-stamp "environment (DRY_RUN=$DRY_RUN, PARTS=$PARTS)"
+stamp "environment (DRY_RUN=$DRY_RUN, PARTS=$PARTS, deadline ${DEADLINE}s)"
 write_env
 # TRL and datasets from .whl/ (a dry run installs them into a scratch folder: the environment
 # stays as it is, and the next dry run meets the same one)

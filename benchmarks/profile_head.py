@@ -8,7 +8,9 @@ warm-up steps, then `torch.profiler` over the timed steps. The table lists each 
 GPU: each CUDA kernel, cuBLAS and Triton alike; on a CPU: each ATen operator) with its calls
 and self time per step, largest first, and the share of the step's device time it takes, so
 that a per-kernel "before and after" is one run of this at two commits. Rows are appended to
-`<out>/<device>-profile.csv` as they are measured (machine, date, commit and command in each).
+`<out>/<device>-profile.csv` as they are measured (machine, date, commit, the route our loss's
+calls took, empty for another library's, and command in each). A file written before a column
+was added is first rewritten with the whole header, its rows' new cells empty.
 
 What bounds the numbers: torch.profiler's own overhead (a few microseconds per launch), and on
 a CPU the operators' self time, which counts their threads' wall time. Never a zero input: the
@@ -29,8 +31,8 @@ import torch
 from . import HEADS, RESULTS_DIR, device_slug, environment, make_shape, show_routes
 from .providers import PROVIDERS, LossConfig
 
-COLUMNS = ("device", "date", "commit", "provider", "head", "N", "kernel", "calls_per_step",
-           "ms_per_step", "share", "command")
+COLUMNS = ("device", "date", "commit", "provider", "route", "head", "N", "kernel",
+           "calls_per_step", "ms_per_step", "share", "command")
 
 
 def kernel_times(step, steps: int, device: torch.device) -> dict[str, tuple[int, float]]:
@@ -73,9 +75,11 @@ def profile(provider_key: str, head: str, tokens: int, dtype, device, warmup: in
     route, wrong = case.route_check("fwd+bwd")  # the routes of the first call
     total = sum(ms for _, ms in times.values()) or 1.0
     ranked = sorted(times.items(), key=lambda kv: -kv[1][1])
-    return [dict(provider=provider_key.split("/", 1)[1], head=head, N=tokens, kernel=name,
-                 calls_per_step=round(calls / steps, 2), ms_per_step=round(ms / steps, 4),
-                 share=round(ms / total, 4)) for name, (calls, ms) in ranked], route, wrong
+    taken = route.removeprefix("route: ") if route else ""  # "three-pass", ...; "": none
+    return [dict(provider=provider_key.split("/", 1)[1], route=taken, head=head, N=tokens,
+                 kernel=name, calls_per_step=round(calls / steps, 2),
+                 ms_per_step=round(ms / steps, 4), share=round(ms / total, 4))
+            for name, (calls, ms) in ranked], route, wrong
 
 
 def markdown(rows: list[dict], top: int) -> str:
@@ -89,6 +93,29 @@ def markdown(rows: list[dict], top: int) -> str:
         out.append(f"| {r['provider']} | `{name}` | {r['calls_per_step']} | "
                    f"{r['ms_per_step']:.3f} | {100 * r['share']:.1f} % |")
     return "\n".join(out)
+
+
+def upgrade_csv(path: Path) -> str | None:
+    """Rewrites an existing `path` whose header lacks some of COLUMNS with the whole header (the
+    new cells of its rows empty), so that appended rows line up; returns why it cannot (a column
+    this module does not write), else None."""
+    if not path.exists() or not path.stat().st_size:
+        return None
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = list(reader.fieldnames or ()), list(reader)
+    if header == list(COLUMNS):
+        return None
+    other = [c for c in header if c not in COLUMNS]
+    if other:
+        return f"{str(path)!r} has columns this module does not write: {', '.join(other)}"
+    part = path.with_name(path.name + ".part")
+    with part.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    part.replace(path)
+    return None
 
 
 def append_rows(path: Path, rows: list[dict], env: dict, command: str) -> None:
@@ -128,6 +155,9 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.profile_head " + " ".join(argv or sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{device_slug(device)}-profile.csv"
+    problem = upgrade_csv(path)
+    if problem:
+        parser.error(f"--out: {problem}; move it aside or pass another --out")
     show_routes()  # stderr: which route each provider's loss took
     failed = []
     for key in keys:

@@ -30,8 +30,8 @@ from .cases import (  # noqa: F401  (GRADED, Case, logits_inputs: re-exported fo
     env_vars,
     fused_case,
     fused_inputs,
+    logits_case,
     logits_inputs,
-    nbytes,
 )
 from .peer_providers import PEERS
 
@@ -177,14 +177,14 @@ def _fused_liger(shape, dtype, device, cfg):
 def _logits_ours(shape, dtype, device, cfg):
     import grpo_kernels
 
-    logits, ids, adv, mask, old, ref = logits_inputs(shape, dtype, device, cfg)
+    inputs = logits_inputs(shape, dtype, device, cfg)
+    logits, ids, adv, mask, old, ref = inputs
 
     def loss():
         return grpo_kernels.grpo_loss(logits, ids, adv, mask, old, ref, **cfg.ours(),
                                       inplace=cfg.inplace)[0]
 
-    return Case(loss, [logits], nbytes(logits, ids, adv, mask, old, ref),
-                f"inplace={cfg.inplace}", [ids, adv, mask, old, ref])
+    return logits_case(loss, inputs, f"inplace={cfg.inplace}")
 
 
 def _logits_reference(compiled: bool):
@@ -192,9 +192,8 @@ def _logits_reference(compiled: bool):
         from grpo_kernels import reference
 
         fn = _compiled(reference.grpo_loss) if compiled else reference.grpo_loss
-        logits, ids, adv, mask, old, ref = logits_inputs(shape, dtype, device, cfg)
-        return Case(lambda: fn(logits, ids, adv, mask, old, ref, **cfg.ours())[0], [logits],
-                    nbytes(logits, ids, adv, mask, old, ref), keep=[ids, adv, mask, old, ref])
+        inputs = logits_inputs(shape, dtype, device, cfg)
+        return logits_case(lambda: fn(*inputs, **cfg.ours())[0], inputs)
 
     return build
 
@@ -202,7 +201,8 @@ def _logits_reference(compiled: bool):
 def _logits_liger(shape, dtype, device, cfg):
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-    logits, ids, adv, mask, old, ref = logits_inputs(shape, dtype, device, cfg, extra=1)
+    inputs = logits_inputs(shape, dtype, device, cfg, extra=1)
+    logits, ids, adv, mask, old, ref = inputs
 
     def loss():
         # Liger's defaults differ from TRL's (temperature 0.9, eps_high 0.4): pass all of ours.
@@ -212,8 +212,7 @@ def _logits_liger(shape, dtype, device, cfg):
             loss_type=cfg.loss_type, reduce=True,
         )[0]
 
-    return Case(loss, [logits], nbytes(logits, ids, adv, mask, old, ref),
-                f"inplace={cfg.inplace}; logits [B,T+1,V]", [ids, adv, mask, old, ref])
+    return logits_case(loss, inputs, f"inplace={cfg.inplace}; logits [B,T+1,V]")
 
 
 def _references(kernel: str, build, eager_note: str, compiled_note: str) -> tuple[Provider, ...]:

@@ -110,14 +110,14 @@ def _status(exc: BaseException) -> str:
 
 def _rates(kernel: str, shape: Shape, mode: str, ms: float, elem: int, ceilings: dict,
            rows: int | None = None) -> dict:
-    """TFLOP/s for the fused linear loss (on `rows` positions, default N), GB/s for the logits
-    path, and % of the ceiling."""
+    """TFLOP/s for the fused linear loss, GB/s for the logits path (both on `rows` positions,
+    default N), and % of the ceiling."""
     sec = ms * 1e-3
     if kernel == "fused_linear":
         tflops = flops(shape, mode, rows) / sec / 1e12
         top = ceilings.get("matmul_tflops")
         return dict(tflops=tflops, pct_ceiling=100.0 * tflops / top if top else None)
-    gbps = logits_bytes(shape, mode, elem) / sec / 1e9
+    gbps = logits_bytes(shape, mode, elem, rows) / sec / 1e9
     top = ceilings.get("copy_gbps")
     return dict(gbps=gbps, pct_ceiling=100.0 * gbps / top if top else None)
 
@@ -142,7 +142,7 @@ def _result(case: Case, provider: Provider, shape: Shape, mode: str, dtype, devi
     if mode in case.rated_modes:
         out.update(_rates(provider.kernel, shape, mode, t.p50, dtype.itemsize, ceilings,
                           case.positions))
-        if provider.kernel == "fused_linear" and case.positions is not None:
+        if case.positions is not None:
             notes.append(f"rate on {case.positions} of {shape.N} positions (unmasked)")
     if memory:
         gbytes = case.grad_bytes if grads else 0

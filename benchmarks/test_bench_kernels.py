@@ -52,7 +52,7 @@ def _run(benchmark, device, kernel, name, shape, mode, dtype, cfg=CFG, rounds=5)
         provider=provider.key, shape=shape.detail, dtype=str(dtype), device=str(device),
         note=case.note,
         work=flops(shape, mode, case.positions) if kernel == "fused_linear"
-        else logits_bytes(shape, mode, dtype.itemsize),
+        else logits_bytes(shape, mode, dtype.itemsize, case.positions),
         work_unit="FLOP" if kernel == "fused_linear" else "byte",
     )
     benchmark.pedantic(target, setup=setup, rounds=rounds, warmup_rounds=1, iterations=1)

@@ -93,7 +93,7 @@ STEPS = """
 set -u
 cd "$ROOT"
 stamp() { echo "[stamp] $*"; }
-START=$(date +%s); DEADLINE_S=$DEADLINE; MIN_STEP_S=3
+START=$(date +%s); MIN_STEP_S=3  # DEADLINE: from the environment
 SUMMARY="$OUT/s.csv"; LOG="$OUT/s.log"
 echo "step,status,seconds,command" > "$SUMMARY"
 source benchmarks/gpu_steps.sh
@@ -121,3 +121,51 @@ def test_step_runner_rows(tmp_path, deadline):
     assert rows == {"fine": "ok", "missing": "n/a: no_such_module_for_this_test not installed",
                     "broken": "failed: exit 3", "slow": "timeout after 1s", "with, comma": "ok"}
     assert "a, b" in (tmp_path / "s.log").read_text()
+
+
+def _tree(tmp_path: Path, drop: str = "") -> Path:
+    """A copy of the device script and what it sources (`drop` cut from gpu_trainer.sh), with a
+    .whl/ and an install_wheels.sh that only says how `timeout` called it."""
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / ".whl").mkdir()
+    (tree / ".whl" / "x.whl").write_text("")
+    for name in ("gpu_common.sh", "gpu_steps.sh", "gpu_trainer.sh"):
+        text = (ROOT / "benchmarks" / name).read_text()
+        if name == "gpu_trainer.sh" and drop:
+            assert drop in text
+            text = text.replace(drop, "", 1)
+        (tree / "benchmarks" / name).write_text(text)
+    (tree / "benchmarks" / "install_wheels.sh").write_text(
+        "echo \"called as: $(tr '\\0' ' ' < /proc/$PPID/cmdline)\"\n")
+    return tree
+
+
+def _run(tree: Path, out: Path, **env) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=path, **env)
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(["bash", "benchmarks/gpu_trainer.sh"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_peers_install_is_cut_to_the_deadline(tmp_path):
+    """A device run's deadline (DEADLINE_S) bounds the peers' install as it bounds each step:
+    here 25 s, under the install's own 60 s and under every step's minimum (all skipped)."""
+    run = _run(_tree(tmp_path), tmp_path / "out", DRY_RUN="0", PARTS="steps", DEADLINE_S="25")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    env = (tmp_path / "out" / "env.txt").read_text()
+    (called,) = [line.split()[3] for line in env.splitlines() if line.startswith("called as:")]
+    assert 0 < int(called) <= 25, env[-500:]  # timeout N bash benchmarks/install_wheels.sh
+    assert "deadline 25s" in (tmp_path / "out" / "steps.txt").read_text()
+    rows = read(tmp_path / "out" / "gpu_trainer.csv")
+    assert rows and all(r["status"].startswith(("skipped: ", "n/a: ")) for r in rows), rows
+
+
+def test_the_dry_run_sets_what_the_device_run_sets(tmp_path):
+    """The dry run's settings are checked against the device run's before anything runs: one
+    that only the device run sets stops the script (exit 2) and is named."""
+    tree = _tree(tmp_path, drop=" NO_CUDNN_BUDGET_S=90")
+    run = _run(tree, tmp_path / "out", DRY_RUN="1", PARTS="none")
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "must set the same variables" in run.stderr and "NO_CUDNN_BUDGET_S" in run.stderr

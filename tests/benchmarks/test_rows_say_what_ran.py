@@ -1,13 +1,14 @@
 """What a sweep row says beside its time: the work it is rated on (6·N·V·D for a fused linear
-step, over the positions the loss reads) and the route our loss calls took, observed in the call
-itself and checked against the one the provider stands for."""
+step, three passes over the logits for the logits path, both over the positions the loss reads)
+and the route our loss calls took, observed in the call itself and checked against the one the
+provider stands for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks import flops, head_flops, make_shape
+from benchmarks import flops, head_flops, logits_bytes, make_shape
 from benchmarks.providers import PROVIDERS, LossConfig
 from benchmarks.runner import sweep
 
@@ -48,6 +49,25 @@ def test_rates_count_six_nvd_over_the_unmasked_positions():
         assert r["tflops"] == pytest.approx(want, rel=1e-9), r
         assert r["pct_ceiling"] == pytest.approx(100 * want, rel=1e-9)
         assert f"rate on {positions} of {SHAPE.N} positions" in r["note"], r
+
+
+def test_logits_rates_count_the_bytes_of_the_unmasked_positions():
+    """The logits path's GB/s counts its passes (1 forward, 2 backward, 3 fwd+bwd) over the
+    logits of the P unmasked positions, as the head's FLOPs are counted, and says P."""
+    case = PROVIDERS["logits/reference"].build(SHAPE, torch.float32, CPU, CFG)
+    positions = int(case.keep[2].sum())  # the mask
+    assert 0 < positions < SHAPE.N and case.positions == positions
+    del case
+    rows = sweep([PROVIDERS["logits/reference"]], [SHAPE], ["forward", "fwd+bwd"],
+                 torch.float32, CPU, CFG, {"copy_gbps": 1.0}, ENV, "test", memory=False,
+                 timing={"budget_s": 0})
+    for r, passes in zip(rows, (1, 3), strict=True):
+        assert r["status"] == "ok", r
+        want = passes * positions * SHAPE.V * 4 / (r["ms_p50"] * 1e-3) / 1e9
+        assert r["gbps"] == pytest.approx(want, rel=1e-9), r
+        assert r["pct_ceiling"] == pytest.approx(100 * want, rel=1e-9)
+        assert f"rate on {positions} of {SHAPE.N} positions" in r["note"], r
+    assert logits_bytes(SHAPE, "backward", 2, rows=10) == 2 * 10 * SHAPE.V * 2
 
 
 def test_each_row_names_the_route_its_calls_took():
