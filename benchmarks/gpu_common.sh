@@ -14,7 +14,8 @@
 #   step_cap NAME SECONDS   CAP = step_limit SECONDS; false, after a "skipped NAME: deadline"
 #                       stamp, when 20 s or less are left
 #   install_peers SECONDS   the peers from .whl/ (benchmarks/install_wheels.sh; a dry run
-#                       installs into a scratch folder put on PYTHONPATH), into $OUT/env.txt
+#                       installs into a scratch folder put on PYTHONPATH), into $OUT/env.txt;
+#                       skipped as a step is (step_cap) when 20 s or less are left
 #   dry_says TEXT       " [dry run: TEXT]" in a dry run, nothing in a device run (for stamps)
 #   carry_size          one line: the size of the tracked tree and of .whl/
 #   make_scratch VAR    VAR = a new temporary folder, removed when the script exits
@@ -76,15 +77,17 @@ install_peers() {
   if ! ls .whl/*.whl > /dev/null 2>&1; then
     stamp "install peers: skipped, no .whl/ (benchmarks/fetch_wheels.sh); the peers found here:"
     bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
+  elif ! step_cap "install peers" "$1"; then  # (timeout 0 would mean no limit)
+    return 0
   elif [ "$DRY_RUN" = 1 ]; then  # a rehearsal leaves the environment as it is
     make_scratch site
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     stamp "install peers from .whl/$(dry_says "pip --target $site, missing ones only")"
-    TARGET="$site" timeout "$(step_limit "$1")" bash benchmarks/install_wheels.sh \
+    TARGET="$site" timeout "$CAP" bash benchmarks/install_wheels.sh \
       >> "$OUT/env.txt" 2>&1
   else
     stamp "install peers from .whl/"
-    timeout "$(step_limit "$1")" bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
+    timeout "$CAP" bash benchmarks/install_wheels.sh >> "$OUT/env.txt" 2>&1
   fi
   tail -n 3 "$OUT/env.txt"
 }
