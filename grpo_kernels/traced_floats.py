@@ -42,7 +42,6 @@ def traced(value, like: torch.Tensor, dtype: torch.dtype | None = None):
     return scalar_tensor(value, like.dtype if dtype is None else dtype, like.device)
 
 
-
 def exp(value, like: torch.Tensor):
     """math.exp(value) in eager code; under torch.compile torch.exp of a 0-d float64 tensor on
     like's device (math.exp fixes a symbolic float to its value). A float32 tensor compared with

@@ -24,6 +24,7 @@ variant, LoHa/LoKr/IA3/..., trainable token indices, a quantized base layer) rai
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 import warnings
@@ -91,22 +92,26 @@ def not_a_linear_map(layer: nn.Module) -> str | None:
         return f"has parameters of its own besides weight and bias ({', '.join(extra)})"
     if type(layer).forward is nn.Linear.forward:
         return None
-    weight = layer.weight
     try:
-        with torch.no_grad():
-            # fixed values, no random draw: the caller's RNG stream stays as it was
-            x = torch.linspace(-1.0, 1.0, 2 * layer.in_features, device=weight.device)
-            x = x.to(weight.dtype).view(2, layer.in_features)
-            y = layer(x)
-            same = (isinstance(y, torch.Tensor) and y.shape == (2, layer.out_features)
-                    and torch.allclose(y, nn.functional.linear(x, weight, layer.bias),
-                                       rtol=1e-3, atol=1e-5))
+        what = _map_probe(layer, layer.weight, layer.bias, (2, layer.in_features))
     except Exception as exc:  # noqa: BLE001  (any failure: not a plain linear layer)
         return f"has a forward of its own that fails on [2, in_features] ({exc})"
-    if not same:
-        what = type(y).__name__ if not isinstance(y, torch.Tensor) else f"{tuple(y.shape)}"
-        return f"has a forward of its own whose output ({what}) is not x·Wᵀ + b"
-    return None
+    return None if what is None else (
+        f"has a forward of its own whose output ({what}) is not x·Wᵀ + b")
+
+
+def _map_probe(layer: nn.Module, weight: torch.Tensor, bias, shape: tuple) -> str | None:
+    """None if `layer` computes x·Wᵀ + b (weight [V, D], bias [V] | None) on a fixed input of
+    `shape` (last dimension D), else what it gave instead (its output's shape or type); raises
+    what the layer's forward raises."""
+    with torch.no_grad():  # fixed values, no random draw: the caller's RNG stream stays as is
+        x = torch.linspace(-1.0, 1.0, math.prod(shape), device=weight.device)
+        x = x.to(weight.dtype).view(shape)
+        y, want = layer(x), nn.functional.linear(x, weight, bias)
+    if isinstance(y, torch.Tensor) and y.shape == want.shape and torch.allclose(
+            y.float(), want.float(), rtol=1e-3, atol=1e-5):
+        return None
+    return type(y).__name__ if not isinstance(y, torch.Tensor) else f"{tuple(y.shape)}"
 
 
 def _check_linear_map(head: nn.Module, where: str) -> None:
@@ -130,17 +135,11 @@ def _not_a_linear_head(head: nn.Module) -> str | None:
             or not (bias is None or isinstance(bias, torch.Tensor))):
         return None
     try:
-        with torch.no_grad():  # fixed values, no random draw (the caller's RNG stream)
-            x = torch.linspace(-1.0, 1.0, 2 * weight.shape[1], device=weight.device)
-            x = x.to(weight.dtype).view(1, 2, weight.shape[1])
-            y, want = head(x), nn.functional.linear(x, weight, bias)
+        what = _map_probe(head, weight, bias, (1, 2, weight.shape[1]))
     except Exception:  # noqa: BLE001  (the model's forward check decides)
         return None
-    if isinstance(y, torch.Tensor) and y.shape == want.shape and torch.allclose(
-            y.float(), want.float(), rtol=1e-3, atol=1e-5):
-        return None
-    what = type(y).__name__ if not isinstance(y, torch.Tensor) else f"{tuple(y.shape)}"
-    return f"has a forward whose output ({what}) on a [1, 2, D] input is not x·Wᵀ + b"
+    return None if what is None else (
+        f"has a forward whose output ({what}) on a [1, 2, D] input is not x·Wᵀ + b")
 
 
 def _lora_terms(layer: nn.Module, where: str) -> list[LoraTerm]:
