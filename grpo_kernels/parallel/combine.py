@@ -5,8 +5,9 @@ Each rank's launchers give, over its own shard's logits z_v (z = cap(s·y) / τ 
 log2 units for c and s, nats for the rest):
 
     (c_r, s_r)  a reference and the sum against it, s_r = Σ_{v in shard r} 2^(z_v·log2(e) - c_r)
-                (the row launchers' max m and s; the linear launchers' r = lse_r·log2(e) and
-                their S, `chunked.tiles.reference_sums`; s_r = 1 where a launcher gives no S)
+                (the chunked row launcher's max m and s; the Triton row forward's m and log s
+                in nats, `split_reference`; the linear launchers' r = lse_r·log2(e) and their
+                S, `chunked.tiles.reference_sums`; s_r = 1 where a launcher gives no S)
     H_r         the shard's own entropy, lse_r - Σ_{v in r} p_rv·z_v with p_rv = e^{z_v - lse_r}
     logp_r      z_target - lse_r where the target falls in shard r (its launcher's, which at a
                 dominated row keeps float32's relative precision: ln2·(z_t - m) - ln s)
@@ -29,9 +30,11 @@ operations on it, so the results, and everything computed from them (the GRPO te
 the metrics), are bitwise equal on every rank.
 
 The backward reads each column's p from (M, S) the way the launchers read it from their own
-statistics, so that a dominant token's p (target or not) keeps float32's precision: the row
-launchers take {"max": M, "sum": S} as their kept statistics (p = 2^(z - M) / S, and at the
-dominant column z - M is the forward's own z - m_r, bit for bit), the linear launchers the lse
+statistics, so that a dominant token's p (target or not) keeps float32's precision: the chunked
+row launcher takes {"max": M, "sum": S} as its kept statistics (p = 2^(z - M) / S, and at the
+dominant column z - M is the forward's own z - m_r, bit for bit), the Triton row backward the
+split (ln2·M, ln S) in nats (`Stats.split`: p = e^((z - m) - ln S), ln2·M is the forward's m_r
+exactly), the linear launchers the lse
 and S' = S·2^(M - r) against r = lse·log2(e) as they form it (`lse_sum_at`); the target
 column's p - 1 comes from logp, and its one-hot term only on the rank that holds the target
 (`shard_targets`).
@@ -48,7 +51,7 @@ from ..chunked.tiles import neg_lse_reference
 from .shard import VocabShard, all_gather
 
 F32, F64 = torch.float32, torch.float64
-LN2 = 0.6931471805599453
+LN2, LOG2E = 0.6931471805599453, 1.4426950408889634
 
 
 class Stats(NamedTuple):
@@ -67,6 +70,14 @@ class Stats(NamedTuple):
         (`chunked.logits_launchers.logits_logprob_backward`): p = 2^(z - M) / S, float32 [n] each
         (M exactly; S rounded once)."""
         return {"max": self.ref.to(F32), "sum": self.sums.to(F32)}
+
+    def split(self) -> tuple:
+        """(m, ln S) [n] float32 each, the Triton row backward's `split` (nats): it reads
+        p = e^((z - m) - ln S). M is c_r = m_r·log2(e) of the shard that holds the largest
+        logit (`split_reference`), so m = ln2·M rounds back to that forward's float32 m_r
+        exactly (the float64 products err by ~1e-16, far below float32's half ulp), and the
+        dominant column's z - m is the forward's own, 0."""
+        return (LN2 * self.ref).to(F32), torch.xlogy(1.0, self.sums).to(F32)
 
     def lse_sum_at(self, dtype) -> torch.Tensor:
         """S' = Σ_v 2^(z_v·log2(e) - r) = S·2^(M - r) [n] float32, r = lse·log2(e) formed as
@@ -96,6 +107,13 @@ def lse_reference(lse_r: torch.Tensor, dtype) -> torch.Tensor:
     """c_r = lse_r·log2(e) [n] as the linear launchers form it in their compute dtype `dtype`
     (`chunked.tiles.reference_sums` forms their S against this value, bit for bit)."""
     return -neg_lse_reference(lse_r.to(dtype))
+
+
+def split_reference(m: torch.Tensor, log_s: torch.Tensor) -> tuple:
+    """(c_r, s_r) [n] float64 from the Triton row forward's terms of its lse in nats, m (the
+    row max of z) and log s, s = Σ e^(z - m) (`logits_logprob_forward(split_out=...)`):
+    c_r = m·log2(e), s_r = e^(log s), so that s_r = Σ 2^(z·log2(e) - c_r)."""
+    return m.to(F64) * LOG2E, log_s.to(F64).exp()
 
 
 def combine(shard: VocabShard, ref_r: torch.Tensor, sum_r: torch.Tensor, logp_r: torch.Tensor,

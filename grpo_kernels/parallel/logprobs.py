@@ -21,8 +21,6 @@ the backward (hidden's dtype) when hidden requires grad.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -72,7 +70,7 @@ def shard_forward(op: LinearHeadOp, head, fwd_ids, shard: VocabShard, owner) -> 
 
 
 def backward(op: LinearHeadOp, shard: VocabShard, head, bwd_ids, stats, g_logp, g_ent,
-             needs, own_sums: bool = False) -> tuple:
+             needs) -> tuple:
     """(d hidden summed over the group, d weight [V_r, D], d bias [V_r]) of Σ g_logp·logp +
     Σ g_ent·H, from the whole vocabulary's (logp, entropy, lse, lse_sum) [N] (`shard_forward`);
     None where not needed.
@@ -82,19 +80,14 @@ def backward(op: LinearHeadOp, shard: VocabShard, head, bwd_ids, stats, g_logp, 
     the same logits): the partial sums of d hidden then travel and add up in float32 and are
     rounded to hidden's dtype once, as the whole head rounds them. On Triton the mixed kernels
     keep the 16-bit tensor cores, and the partial sums travel in hidden's dtype (one more
-    rounding of d hidden per rank), as do a 16-bit head's.
-
-    own_sums: the chunked launcher reads p against S formed over its own recomputed logits,
-    each rank's share summed over the group (one more all-reduce of [N] values), not against
-    the saved lse_sum (None then): for statistics of a forward whose GEMMs rounded otherwise."""
+    rounding of d hidden per rank), as do a 16-bit head's."""
     hidden, weight, bias = head
     dtype = hidden.dtype
     if dtype != weight.dtype and needs[0] and not op.on_triton:
         head = (hidden.float(), weight, bias)
     logp, ent, lse, lse_sum = stats
     grads = op.backward(head, bwd_ids, lse, ent, g_logp, g_ent, needs, shard_targets=True,
-                        logp=logp, lse_sum=lse_sum,
-                        own_sums=functools.partial(all_reduce_, shard) if own_sums else None)
+                        logp=logp, lse_sum=lse_sum)
     grads = tuple(g if need else None for g, need in zip(grads, needs))
     d_hidden = all_reduce_(shard, grads[0])
     return (None if d_hidden is None else d_hidden.to(dtype), *grads[1:])

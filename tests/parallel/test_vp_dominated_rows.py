@@ -3,10 +3,11 @@
 40 - margin (`test_dominated_rows.dominated_head`, V = 4096 in two shards of 2048), at τ = 1 and
 at τ = 0.01 with moderate raw logits. The log-probs and the gradients of hidden and weight
 against a float64 truth stay within twice PyTorch's own float32 error plus a tiny floor, as
-on a whole head (tests/api/test_dominated_rows.py), on both routes of the chunked backend (and
-the three-pass route's second backward of a retained graph, which recomputes the logits and
-sums its own S' over the group), and on the Triton three-pass route at rows dominated by their
-target (`vp_cases.dominated_cases`).
+on a whole head (tests/api/test_dominated_rows.py), on both routes of the chunked backend and
+on the Triton three-pass route (and the three-pass route's second backward of a retained graph,
+which runs the passes again and combines the statistics of its own logits over the group)
+(`vp_cases.dominated_cases`). The Triton four-pass route's cases are strict xfails: its
+linear-head kernels read the target and p through the lse (`vp_cases.through_lse`).
 
 Such a row's p ≈ 1 read as e^{z - lse} through the float32 lse in nats carries the lse's
 rounding (2e-6 at |lse| ≈ 40), tens to hundreds of times PyTorch's error; the shards' (max,
@@ -32,7 +33,13 @@ def dominated(tmp_path_factory):
     return [json.loads((out / f"dominated-rank{r}.json").read_text()) for r in range(TP)]
 
 
-@pytest.mark.parametrize("name", list(vc.dominated_cases()))
+THROUGH_LSE = pytest.mark.xfail(strict=True, reason="the Triton linear-head kernels' forward logp "
+                                "and backward read the target and p through the lse in nats")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=THROUGH_LSE) if vc.through_lse(opts) else name
+    for name, opts in vc.dominated_cases().items()])
 def test_dominated_rows_within_torch_error(dominated, name):
     """Each quantity's largest error over the whole tensor (over every rank's rows of d W)
     within twice PyTorch's plus 1e-9, the api tests' bound: 1e-9 is about one float32 rounding
