@@ -29,7 +29,7 @@ def digits_reward(completions, **kwargs):
 
 
 def make_trainer(cls, model_dir, peft_config=None, padding_free=True, share_prompt=True,
-                 processing_class=None, dataset=None, **overrides):
+                 processing_class=None, dataset=None, reward_funcs=digits_reward, **overrides):
     """A tiny trainer of class `cls` (TRL's or ours; padding_free and share_prompt go to ours
     only): micro-batch B, 4 generations, completions up to T tokens, gradient accumulation 2,
     4 micro-batches per generation; `overrides` are GRPOConfig fields."""
@@ -46,7 +46,7 @@ def make_trainer(cls, model_dir, peft_config=None, padding_free=True, share_prom
                                                    share_prompt=share_prompt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cls(model=model_dir, reward_funcs=digits_reward, args=GRPOConfig(**cfg),
+        return cls(model=model_dir, reward_funcs=reward_funcs, args=GRPOConfig(**cfg),
                    train_dataset=DATASET if dataset is None else dataset,
                    peft_config=peft_config, processing_class=processing_class, **ours)
 

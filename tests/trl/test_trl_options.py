@@ -3,7 +3,9 @@
 shape the batch the loss sees, in short training runs: mask_truncated_completions (all-zero
 completion masks), pad_to_multiple_of (completions wider than max_completion_length, dr_grpo's
 normalizer), scale_rewards, gradient accumulation of 1 and 3 with num_iterations 2, gradient
-checkpointing under LoRA, and the evaluation loop (num_generations_eval)."""
+checkpointing under LoRA, and the evaluation loop (num_generations_eval); and one generation
+batch (reward_weights, multi_objective_aggregation, scale_rewards, unscored completions, the old
+and reference log-probs at a sampling temperature)."""
 
 import warnings
 
@@ -67,6 +69,26 @@ COMBINATIONS = {
     # evaluation: no accumulation scaling, no entropy controller step
     "eval-dr_grpo-quantile-entropy": dict(loss_type="dr_grpo", entropy_coef=0.1,
                                           top_entropy_quantile=0.5, mode="eval"),
+    "eval-vespo-quantile-entropy": dict(loss_type="vespo", entropy_coef=0.1,
+                                        top_entropy_quantile=0.5, mode="eval"),
+    # quantile 0: only the highest-entropy token trains the policy and carries the bonus
+    "quantile-0-entropy": dict(loss_type="bnpo", top_entropy_quantile=0.0, entropy_coef=0.1),
+    # dapo on sequence-level ratios (TRL warns, and weights each sequence by its length)
+    "dapo-seq-kl": dict(loss_type="dapo", importance_sampling_level="sequence", beta=0.04,
+                        noise=1.0),
+    # per-token advantages on one ratio per sequence: clip flags and metrics per token
+    "token-advantages-seq-delta-kl": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                          delta=1.1, beta=0.04, noise=1.0, extra=dict(
+                                              advantages=torch.randn(B, T, generator=_g))),
+    # the adaptive controller starting from 0: the bonus is on (policy_loss logged) at c = 0
+    "adaptive-from-0": dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.0,
+                            entropy_target=50.0, patch=dict(_last_world_entropy=1.0)),
+    # vllm_importance_sampling_mode="token_mask": ratios out of bounds are 0 at real tokens
+    # (1 at padding); vespo takes log(0) into φ as TRL does (floored at log 1e-8)
+    "vespo-token-mask-ratios": dict(loss_type="vespo", patch=_VLLM, extra=dict(
+        importance_sampling_ratio=torch.where(
+            torch.arange(T)[None] < torch.tensor([[7], [3], [5], [1]]),
+            (torch.rand(B, T, generator=_g) + 0.5) * (torch.arange(T) != 1), 1.0))),
 }
 
 
@@ -94,6 +116,62 @@ def test_vespo_at_sequence_level_is_vespo(model_dir):
             assert ours._metrics["train"][k][-1] == pytest.approx(v[-1], rel=3e-5), k
         for p, q in zip(ref.model.parameters(), ours.model.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=3e-5, atol=1e-6)
+
+
+UNSCORED = []  # the completions a reward function left unscored (None), as they were seen
+
+
+def digits_or_none(completions, **kwargs):
+    """The digit count, or None (unscored) for an empty completion."""
+    UNSCORED.extend(not c[0]["content"] for c in completions)
+    return [None if not c[0]["content"] else float(sum(ch.isdigit() for ch in c[0]["content"]))
+            for c in completions]
+
+
+def length_mod_3(completions, **kwargs):
+    """A second reward: length mod 3, None for an empty completion (no function scores it)."""
+    return [None if not c[0]["content"] else float(len(c[0]["content"]) % 3)
+            for c in completions]
+
+
+# GRPOConfig fields shaping a generation batch: the advantages (reward weights, aggregation,
+# scaling) and the old and reference log-probs scored inside generation (temperature)
+GENERATION = {
+    "weighted-sum-kl-iterations": dict(reward_weights=[1.0, -0.5], beta=0.04, num_iterations=2,
+                                       temperature=0.7),
+    "normalize-then-sum-kl": dict(multi_objective_aggregation="normalize_then_sum",
+                                  reward_weights=[1.0, 2.0], beta=0.04),
+    "batch-scale-truncated": dict(scale_rewards="batch", mask_truncated_completions=True,
+                                  temperature=1.3),
+}
+
+
+@pytest.mark.parametrize("cfg", GENERATION.values(), ids=GENERATION.keys())
+def test_generation_batch_matches_trl(model_dir, cfg):
+    """One `_generate_and_score_completions` from the same seed: every tensor of the batch the
+    loss will see (advantages, old and reference log-probs, ...) and every metric logged."""
+    outputs = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        trainer = make_trainer(cls, model_dir, reward_funcs=[digits_or_none, length_mod_3],
+                               **cfg)
+        trainer.model.train()
+        UNSCORED.clear()
+        torch.manual_seed(1)  # the sampling
+        rows = [dict(DATASET[i]) for i in range(4) for _ in range(4)]  # 4 prompts × 4
+        with force_backend("chunked"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            batch = trainer._generate_and_score_completions(rows)
+        outputs.append((batch, {k: v[-1] for k, v in trainer._metrics["train"].items()}))
+    (want, want_metrics), (got, got_metrics) = outputs
+    assert any(UNSCORED) and not all(UNSCORED)  # an unscored completion: its advantage is 0
+    assert got.keys() == want.keys() and ("ref_per_token_logps" in want) == ("beta" in cfg)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: (
+                f"{k}: {m}"))
+    assert got_metrics.keys() == want_metrics.keys()
+    for k, v in want_metrics.items():
+        assert got_metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), k
 
 
 def _lora():
