@@ -59,7 +59,7 @@ class GRPOParams:
     loss_type: str = "dapo"  # one of ALL_LOSS_TYPES (loss_specs.py)
     importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO)
     max_completion_length: int | None = None  # dr_grpo's fixed normalizer
-    use_bias_correction_kl: bool = False  # multiply the k3 KL by the importance ratio
+    use_bias_correction_kl: bool = True  # the k3 KL times the importance ratio (as TRL)
     entropy_coef: float = 0.0  # loss -= entropy_coef * mean entropy (needs entropy grads)
     sapo_temperature_pos: float = 1.0  # SAPO soft-gate temperature for A > 0
     sapo_temperature_neg: float = 1.05  # SAPO soft-gate temperature for A <= 0

@@ -140,6 +140,9 @@ class TrainConfig:
         "lower clip: ratio >= 1 - epsilon_low (TRL's GRPOConfig calls it epsilon)")
     epsilon_high: float | None = option(None, "upper clip (none = epsilon_low)")
     delta: float | None = option(None, "two-sided clipping cap on the ratio")
+    use_bias_correction_kl: bool = option(True,
+        "the k3 KL times the importance ratio, as TRL's GRPOConfig by default (off: the KL "
+        "alone; with beta > 0 it changes the gradient even where the ratio is 1)")
     importance_sampling_level: str = option("token", "\"sequence\" = GSPO")
     scale_rewards: str = option("group",
         "advantages divided by the std of the group, the batch, or not")

@@ -127,7 +127,7 @@ def test_several_vocabulary_tiles(backend, loss_type):
 
 EXTRAS = [
     dict(entropy_coef=0.01),
-    dict(use_bias_correction_kl=True),
+    dict(use_bias_correction_kl=False),  # the default is True, as TRL's
     dict(num_items_in_batch=37),
     dict(entropy_coef=0.02, num_items_in_batch=torch.tensor(50.0)),
     dict(epsilon_low=0.1, epsilon_high=None),

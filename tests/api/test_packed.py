@@ -20,7 +20,7 @@ D, V = 8, 32
 BACKENDS = ["triton", "chunked", "reference"]
 CONFIGS = {
     "beta-entropy-bias": dict(beta=0.04, entropy_coef=0.01, bias=True, temperature=0.7),
-    "delta-bias_correction": dict(beta=0.04, delta=1.5, use_bias_correction_kl=True),
+    "delta-no_bias_correction": dict(beta=0.04, delta=1.5, use_bias_correction_kl=False),
     "isr_N-token_adv": dict(isr="N", token_adv=True, entropy_coef=0.02),
     "isr_S-num_items": dict(isr="S", num_items_in_batch=13, beta=0.04),
     "no_old_logps": dict(old=False),

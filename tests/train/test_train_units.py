@@ -20,7 +20,7 @@ from grpo_train.checkpoint import (
 )
 from grpo_train.checks import grad_filter_value
 from grpo_train.cli import field_docs, parse_config
-from grpo_train.config import AUTO, AUTO_AT_SETUP, TrainConfig, resolve_auto
+from grpo_train.config import AUTO, AUTO_AT_SETUP, TrainConfig, grpo_params, resolve_auto
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
@@ -114,6 +114,14 @@ def test_automatic_micro_batch_size_divides_the_per_process_batch():
 def test_resolve_auto_keeps_explicit_values():
     cfg = resolve_auto(TrainConfig(learning_rate=0.5, beta=0.0))
     assert cfg.learning_rate == 0.5 and cfg.beta == 0.0 and cfg.num_iterations == 4
+
+
+@pytest.mark.parametrize("argv, expected", [([], True), (["--use_bias_correction_kl"], True),
+                                            (["--no_use_bias_correction_kl"], False)])
+def test_bias_correction_flag_reaches_the_loss(argv, expected):
+    """The KL's importance-ratio correction is on by default, as TRL's GRPOConfig, and the
+    flag turns it off in the loss' GRPOParams."""
+    assert grpo_params(resolve_auto(parse_config(argv))).use_bias_correction_kl is expected
 
 
 # ---- data ------------------------------------------------------------------------------------

@@ -170,21 +170,16 @@ def test_the_trainer_checks_before_loading_the_model(monkeypatch):
         GRPOTrainer(model="/nonexistent/model")
 
 
-
 # GRPOParams fields whose GRPOConfig namesake has another default, and why
 NOT_TRLS_DEFAULT = {
     # dr_grpo's normalizer only: None makes dr_grpo without it an error instead of a silent
     # 512 (the TRL subclass reads the trainer's value)
     "max_completion_length",
 }
-BIAS_CORRECTION_DEFAULT = pytest.mark.xfail(strict=True, reason=(
-    "GRPOParams defaults to False, TRL 1.16's GRPOConfig to True: the functions and grpo_train "
-    "leave the KL uncorrected unless asked (the TRL subclass reads the config)"))
 
 
 @pytest.mark.parametrize("field", [
-    pytest.param(name, marks=BIAS_CORRECTION_DEFAULT if name == "use_bias_correction_kl" else ())
-    for name in FIELD_NAMES if name not in NOT_TRLS_DEFAULT])
+    name for name in FIELD_NAMES if name not in NOT_TRLS_DEFAULT])
 def test_loss_defaults_are_trls(field):
     """Each GRPOParams default is the default of TRL 1.16's GRPOConfig field of that name
     (epsilon_low is TRL's epsilon): a loss called without a setting computes what TRL's
