@@ -24,7 +24,6 @@ variant, LoHa/LoKr/IA3/..., trainable token indices, a quantized base layer) rai
 from __future__ import annotations
 
 import logging
-import math
 import re
 import sys
 import warnings
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .head_probe import probe_map
 
 _LOG = logging.getLogger(__name__)
 
@@ -92,26 +93,11 @@ def not_a_linear_map(layer: nn.Module) -> str | None:
         return f"has parameters of its own besides weight and bias ({', '.join(extra)})"
     if type(layer).forward is nn.Linear.forward:
         return None
-    try:
-        what = _map_probe(layer, layer.weight, layer.bias, (2, layer.in_features))
-    except Exception as exc:  # noqa: BLE001  (any failure: not a plain linear layer)
-        return f"has a forward of its own that fails on [2, in_features] ({exc})"
+    what, error = probe_map(layer, layer.weight, layer.bias, (2, layer.in_features))
+    if error is not None:  # any failure: not a plain linear layer
+        return f"has a forward of its own that fails on [2, in_features] ({error})"
     return None if what is None else (
         f"has a forward of its own whose output ({what}) is not x·Wᵀ + b")
-
-
-def _map_probe(layer: nn.Module, weight: torch.Tensor, bias, shape: tuple) -> str | None:
-    """None if `layer` computes x·Wᵀ + b (weight [V, D], bias [V] | None) on a fixed input of
-    `shape` (last dimension D), else what it gave instead (its output's shape or type); raises
-    what the layer's forward raises."""
-    with torch.no_grad():  # fixed values, no random draw: the caller's RNG stream stays as is
-        x = torch.linspace(-1.0, 1.0, math.prod(shape), device=weight.device)
-        x = x.to(weight.dtype).view(shape)
-        y, want = layer(x), nn.functional.linear(x, weight, bias)
-    if isinstance(y, torch.Tensor) and y.shape == want.shape and torch.allclose(
-            y.float(), want.float(), rtol=1e-3, atol=1e-5):
-        return None
-    return type(y).__name__ if not isinstance(y, torch.Tensor) else f"{tuple(y.shape)}"
 
 
 def _check_linear_map(head: nn.Module, where: str) -> None:
@@ -134,9 +120,8 @@ def _not_a_linear_head(head: nn.Module) -> str | None:
             or type(weight).__name__ == "DTensor"
             or not (bias is None or isinstance(bias, torch.Tensor))):
         return None
-    try:
-        what = _map_probe(head, weight, bias, (1, 2, weight.shape[1]))
-    except Exception:  # noqa: BLE001  (the model's forward check decides)
+    what, error = probe_map(head, weight, bias, (1, 2, weight.shape[1]))
+    if error is not None:  # the model's forward check decides
         return None
     return None if what is None else (
         f"has a forward whose output ({what}) on a [1, 2, D] input is not x·Wᵀ + b")
@@ -183,7 +168,11 @@ def resolve_head(head: nn.Module, where: str) -> ResolvedHead:
     """What `head` (a model's output embedding) computes, as base weight, bias and LoRA terms.
 
     `where` names the module in error messages (e.g. "Qwen2ForCausalLM.lm_head").
-    Raises NotImplementedError for adapters the fused head cannot reproduce.
+    Raises NotImplementedError for adapters the fused head cannot reproduce, and for a head
+    (or LoRA base layer) that does not compute x·Wᵀ + b. That check is free for a plain
+    nn.Linear; any other head is probed with a small forward and a host read, whose verdict
+    is kept between calls until something it depends on changes (`head_probe`: with a
+    trained head, once per optimizer step).
     """
     peft = _peft()
     if peft is not None:

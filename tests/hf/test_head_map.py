@@ -53,3 +53,23 @@ def test_a_head_that_is_its_linear_map_runs():
         logits = model(input_ids=ids).logits[:, -T - 1:-1].float()
     want = logits.log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
     torch.testing.assert_close(causal_lm_logprobs(model, ids, torch.ones_like(ids), T), want)
+
+
+def test_the_probe_runs_once_over_repeated_fused_calls(monkeypatch):
+    """The head's linear-map probe (a forward and a host read) runs on the first fused call
+    and is kept while the head is unchanged (hf/head_probe.py)."""
+    from grpo_kernels.hf import head_probe
+
+    runs = []
+    probe = head_probe._run_probe
+    monkeypatch.setattr(head_probe, "_run_probe", lambda *a: runs.append(1) or probe(*a))
+    model = model_with_head(1.0)
+    ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    first = causal_lm_logprobs(model, ids, torch.ones_like(ids), T)
+    for _ in range(3):
+        torch.testing.assert_close(causal_lm_logprobs(model, ids, torch.ones_like(ids), T), first)
+    assert len(runs) == 1
+    model.lm_head.scale = 2.0  # no longer x·Wᵀ: probed again, and refused
+    with pytest.raises(NotImplementedError, match="not x·Wᵀ"):
+        causal_lm_logprobs(model, ids, torch.ones_like(ids), T)
+    assert len(runs) == 2
