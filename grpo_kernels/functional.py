@@ -115,7 +115,8 @@ def selective_logprobs(
         check_linear_head(hidden, weight, bias)
         ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1],
                               hidden.device, check_values=False)  # the op checks the range
-        return (check_temperature(temperature), check_logit_transform(softcap, logit_scale),
+        tau = check_temperature(temperature)
+        return (tau, check_logit_transform(softcap, logit_scale, tau),
                 ids.reshape(-1), check_grad_filter(grad_filter, hidden.dtype),
                 linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias))
 
@@ -165,7 +166,7 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
     check_flags(return_entropy=return_entropy, inplace=inplace)
     check_logits(logits)
     temperature = check_temperature(temperature)
-    transform = check_logit_transform(softcap, logit_scale)
+    transform = check_logit_transform(softcap, logit_scale, temperature)
     lead = logits.shape[:-1]
     ids = check_token_ids("targets", targets, logits.shape[-1], lead, logits.device,
                           "logits.shape[-1]", check_values=False)  # the op checks the range

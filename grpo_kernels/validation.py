@@ -1,16 +1,21 @@
 """Input validation: every public function checks its inputs here and fails with an error that
 names the argument and what was expected. Kernels never see an out-of-range index. Checks of
-values (token ids in range, finite advantages, a positive normalizer) are `value_checks.py`'s."""
+values (token ids in range, finite advantages, a positive normalizer) are `value_checks.py`'s;
+the checks of the scalar options (flags, temperature, softcap, grad_filter) `option_checks.py`'s."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from . import value_checks
-from .params import is_finite
+from .option_checks import (  # noqa: F401  (the scalar options' checks, imported from here too)
+    check_flags,
+    check_grad_filter,
+    check_logit_transform,
+    check_temperature,
+)
 from .value_checks import check_finite_advantages, check_token_id_values  # noqa: F401
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -102,13 +107,6 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
         _same_device("bias", bias, hidden.device, hidden_name)
 
 
-def check_flags(**flags) -> None:
-    """Each keyword a Python bool ("False" reads as true: inplace="False" overwrote logits)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-
-
 def check_logits(logits, ndim: int | None = None) -> None:
     """Floating-point logits [..., V] (exactly `ndim` dimensions if given), V >= 1."""
     _tensor("logits", logits, ndim=ndim)
@@ -116,55 +114,6 @@ def check_logits(logits, ndim: int | None = None) -> None:
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must end in a vocabulary dimension V >= 1, "
                          f"got shape {tuple(logits.shape)}")
-
-
-def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    return float(temperature)
-
-
-def _number_or_none(name: str, value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
-    if not is_finite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
-
-
-def check_logit_transform(softcap, logit_scale) -> tuple[float | None, float | None]:
-    """(softcap, logit_scale) as floats or None: the logit transform z = c·tanh(s·y / c) (s = 1
-    without a scale; z = s·y without a cap) applied to the raw logits y before the temperature.
-    softcap must be finite and > 0 (Gemma 2's final_logit_softcapping); logit_scale finite and
-    non-zero (Cohere's logit_scale)."""
-    softcap = _number_or_none("softcap", softcap)
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 (z = softcap·tanh(y / softcap)), got {softcap}")
-    logit_scale = _number_or_none("logit_scale", logit_scale)
-    if logit_scale == 0:
-        raise ValueError("logit_scale must be non-zero (z = logit_scale·y), got 0.0")
-    return softcap, logit_scale
-
-
-def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
-    """None (exact), "auto" (finfo(dtype).eps / 32: 2^-12 for bfloat16, as Cut Cross-Entropy's
-    default) or a number >= 0 -> the eps the backward kernel takes, or None."""
-    if grad_filter is None:
-        return None
-    if isinstance(grad_filter, str):
-        if grad_filter != "auto":
-            raise ValueError(f'grad_filter must be None, "auto" or a number >= 0, '
-                             f"got {grad_filter!r}")
-        return torch.finfo(dtype).eps / 32
-    if (isinstance(grad_filter, bool) or not isinstance(grad_filter, (int, float))
-            or not math.isfinite(grad_filter) or grad_filter < 0):
-        raise ValueError(f'grad_filter must be None, "auto" or a finite number >= 0, '
-                         f"got {grad_filter!r}")
-    return float(grad_filter)
 
 
 @dataclass
@@ -380,7 +329,8 @@ def check_linear_loss_inputs(
     packed = cu_seqlens is not None
     if hidden.dim() != (2 if packed else 3):
         want = "[N, D] with cu_seqlens (a packed batch)" if packed else "[B, T, D]"
-        raise ValueError(f"hidden must be {want}, got shape {tuple(hidden.shape)}")
+        hint = "; a packed batch's hidden [N, D] needs cu_seqlens" if hidden.dim() == 2 else ""
+        raise ValueError(f"hidden must be {want}, got shape {tuple(hidden.shape)}{hint}")
     lead = hidden.shape[:-1]
     ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], lead, hidden.device,
                           check_values=check_values)

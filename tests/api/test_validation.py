@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the argument; never a silent wrong answer."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_head
@@ -79,6 +80,21 @@ CASES = [
     ("num items tensor", lambda k: k.update(num_items_in_batch=torch.ones(3)), ValueError,
      "num_items_in_batch"),
     ("not a tensor", lambda k: k.update(hidden=[[1.0]]), TypeError, "hidden must be a torch"),
+    ("hidden 2-d, no cu_seqlens", lambda k: k.update(hidden=k["hidden"][0]), ValueError,
+     "a packed batch's hidden [N, D] needs cu_seqlens"),
+    # float hyperparameters enter float32 arithmetic: 1e39 is inf there (a clamp bound failed
+    # to convert on the chunked path), and a divisor under 1.2e-38 has no finite inverse
+    ("epsilon beyond float32", lambda k: k.update(epsilon_low=1e39), ValueError,
+     "epsilon_low must be a finite number within float32's range"),
+    ("delta beyond float32", lambda k: k.update(delta=1e300), ValueError,
+     "delta must be a finite number within float32's range"),
+    ("temperature under float32's normal range", lambda k: k.update(temperature=1e-300),
+     ValueError, "temperature must be > 0 (the logits are divided by it"),
+    ("sapo temperature under float32's normal range",
+     lambda k: k.update(loss_type="sapo", sapo_temperature_neg=1e-39), ValueError,
+     "sapo_temperature_neg must be > 0"),
+    ("numpy float32 hyperparameter", lambda k: k.update(beta=np.float32(0.04)), ValueError,
+     "beta must be a finite number (a Python int or float), got np.float32(0.04) of type"),
 ]
 
 
@@ -181,6 +197,8 @@ def test_device_mismatch_names_both_tensors(inputs, source, impl):
 BAD_NORMALIZERS = [(0, "got 0"), (-1, "got -1"), (float("nan"), "got nan"),
                    (float("inf"), "got inf"), (torch.tensor(0.0), "got 0.0")]
 BAD_IDS = ["0", "-1", "nan", "inf", "tensor0"]
+# finite, but inf in float32 (the loss came out 0): as a number and as a float64 tensor
+TOO_LARGE = [(1e300, "got 1e+300"), (torch.tensor(1e300, dtype=torch.float64), "got 1e+300")]
 
 
 def _entry_points():
@@ -222,7 +240,8 @@ def _entry_points():
 ENTRY_POINTS = list(_entry_points())
 
 
-@pytest.mark.parametrize("bad", BAD_NORMALIZERS, ids=BAD_IDS)
+@pytest.mark.parametrize("bad", BAD_NORMALIZERS + TOO_LARGE,
+                         ids=BAD_IDS + ["1e300", "float64 tensor 1e300"])
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_bad_num_items_in_batch_is_refused(entry, bad):
     value, shown = bad
@@ -341,3 +360,11 @@ def test_a_vocab_group_that_is_not_a_process_group_is_refused(make, inputs):
     with pytest.raises(TypeError, match="vocab_group must be None or a torch.distributed "
                                         "ProcessGroup"):
         make(*inputs)
+
+
+def test_reference_logprobs_from_logits_checks_the_temperature():
+    """The reference twin refuses what `logprobs_from_logits` refuses (it returned NaN)."""
+    logits, ids = torch.randn(2, V), torch.zeros(2, dtype=torch.long)
+    for bad in (0.0, -1.0, 1e-300):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            reference.logprobs_from_logits(logits, ids, temperature=bad)
