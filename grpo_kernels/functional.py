@@ -45,6 +45,7 @@ from .loss_call import (
 from .ops import forward_only, route
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS, direct
+from .option_checks import check_entropy_gather
 from .params import GRPOParams, signature_with_params
 from .validation import (
     check_flags,
@@ -256,6 +257,7 @@ def fused_linear_grpo_loss(
         if bad is not None:
             raise bad
         check_flags(return_terms=return_terms, return_token_values=return_token_values)
+        check_entropy_gather(entropy_gather)
         return linear_call(hidden, weight, completion_ids, advantages, completion_mask,
                            old_logps, ref_logps, bias, num_items_in_batch,
                            importance_sampling_ratio, cu_seqlens, grad_filter, params,
@@ -320,6 +322,7 @@ def grpo_loss(
     """
     check_flags(inplace=inplace, return_terms=return_terms,
                 return_token_values=return_token_values)
+    check_entropy_gather(entropy_gather)
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = logits_call(logits, completion_ids, advantages, completion_mask, old_logps,
                                 ref_logps, num_items_in_batch, importance_sampling_ratio,

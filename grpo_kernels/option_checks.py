@@ -23,6 +23,15 @@ def check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def check_entropy_gather(entropy_gather) -> None:
+    """None or a function (`grpo_options.high_entropy_mask` calls it with top_entropy_quantile
+    < 1; anything else failed there as "'int' object is not callable")."""
+    if entropy_gather is not None and not callable(entropy_gather):
+        raise TypeError("entropy_gather must be None or a function that maps this process's "
+                        "entropies [M] to every process's, got "
+                        f"{type(entropy_gather).__name__}")
+
+
 def check_temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")

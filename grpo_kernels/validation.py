@@ -24,6 +24,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _tensor(name: str, x, *, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:  # a sparse tensor failed inside (no reshape for sparse)
+        raise TypeError(f"{name} must be a dense tensor (torch.strided), got {x.layout}; "
+                        "convert it with .to_dense()")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else ndim
         if x.dim() not in allowed:

@@ -80,6 +80,10 @@ CASES = [
     ("num items tensor", lambda k: k.update(num_items_in_batch=torch.ones(3)), ValueError,
      "num_items_in_batch"),
     ("not a tensor", lambda k: k.update(hidden=[[1.0]]), TypeError, "hidden must be a torch"),
+    ("sparse hidden", lambda k: k.update(hidden=k["hidden"].to_sparse()), TypeError,
+     "hidden must be a dense tensor (torch.strided), got torch.sparse_coo"),  # failed inside
+    ("sparse mask", lambda k: k.update(completion_mask=torch.ones(B, T).to_sparse()), TypeError,
+     "completion_mask must be a dense tensor"),
     ("hidden 2-d, no cu_seqlens", lambda k: k.update(hidden=k["hidden"][0]), ValueError,
      "a packed batch's hidden [N, D] needs cu_seqlens"),
     # float hyperparameters enter float32 arithmetic: 1e39 is inf there (a clamp bound failed
@@ -368,3 +372,12 @@ def test_reference_logprobs_from_logits_checks_the_temperature():
     for bad in (0.0, -1.0, 1e-300):
         with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
             reference.logprobs_from_logits(logits, ids, temperature=bad)
+
+
+@pytest.mark.parametrize("loss", ["fused_linear_grpo_loss", "grpo_loss"])
+def test_an_entropy_gather_that_is_not_a_function_is_refused(inputs, loss):
+    """It failed where the entropy quantile called it ("'int' object is not callable")."""
+    hidden, weight, ids, adv = inputs
+    first = (hidden, weight) if loss == "fused_linear_grpo_loss" else (hidden @ weight.T,)
+    with pytest.raises(TypeError, match="entropy_gather must be None or a function"):
+        getattr(gk, loss)(*first, ids, adv, top_entropy_quantile=0.5, entropy_gather=3)
