@@ -170,7 +170,8 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
     transform = check_logit_transform(softcap, logit_scale, temperature)
     lead = logits.shape[:-1]
     ids = check_token_ids("targets", targets, logits.shape[-1], lead, logits.device,
-                          "logits.shape[-1]", check_values=False)  # the op checks the range
+                          "logits.shape[-1]", check_values=False,  # the op checks the range
+                          source="logits")
     x = as_btv(logits)
     logp, ent, *_ = OPS.logits_logprobs(x, ids.reshape(-1), temperature, backend_for(x),
                                         "targets", eager_inplace(inplace), *transform)

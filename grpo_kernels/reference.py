@@ -16,6 +16,7 @@ from .validation import (
     check_linear_head,
     check_linear_loss_inputs,
     check_logit_transform,
+    check_logits,
     check_logits_loss_inputs,
     check_temperature,
     check_token_ids,
@@ -36,9 +37,14 @@ def transform_logits(logits, softcap=None, logit_scale=None):
 def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logit_scale=None,
                          return_entropy=False):
     """logits [..., V] -> logp [...] (and entropy [...]), float32 (float64 for float64 input),
-    of softmax(cap(s·logits) / temperature) (`transform_logits`; the temperature comes last)."""
+    of softmax(cap(s·logits) / temperature) (`transform_logits`; the temperature comes last).
+    Checked as `grpo_kernels.logprobs_from_logits` checks them (a gather would take targets of
+    another shape, or fail inside on an id outside [0, V))."""
     temperature = check_temperature(temperature)
     softcap, logit_scale = check_logit_transform(softcap, logit_scale, temperature)
+    check_logits(logits)
+    targets = check_token_ids("targets", targets, logits.shape[-1], logits.shape[:-1],
+                              logits.device, "logits.shape[-1]", source="logits")
     z = transform_logits(logits, softcap, logit_scale) / temperature
     log_p = F.log_softmax(z, dim=-1)
     logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -50,16 +50,19 @@ def _float(name: str, x: torch.Tensor) -> None:
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device,
-                    vocab_from: str = "weight.shape[0]", check_values: bool = True) -> torch.Tensor:
-    """Integer ids of `shape` in [0, vocab_size); returns them as contiguous int64.
-    check_values=False leaves the range check to the caller (the custom ops run it in their
-    eager implementation, so that torch.compile never reads a tensor's value)."""
+                    vocab_from: str = "weight.shape[0]", check_values: bool = True,
+                    source: str = "hidden") -> torch.Tensor:
+    """Integer ids of `shape` (`source`'s leading dimensions) in [0, vocab_size), on `source`'s
+    device (hidden, or logits); returns them as contiguous int64. check_values=False leaves the
+    range check to the caller (the custom ops run it in their eager implementation, so that
+    torch.compile never reads a tensor's value)."""
     _tensor(name, ids)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor (int64), got {ids.dtype}")
     if tuple(ids.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(ids.shape)}")
-    _same_device(name, ids, device, "hidden")
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({source}.shape[:-1]), got "
+                         f"{tuple(ids.shape)}")
+    _same_device(name, ids, device, source)
     if check_values:
         check_token_id_values(name, ids, vocab_size, vocab_from)
     return ids.to(torch.int64).contiguous()
@@ -299,7 +302,7 @@ def check_logits_loss_inputs(
                          f"{tuple(logits.shape)}")
     *lead, V = logits.shape
     ids = check_token_ids("completion_ids", completion_ids, V, lead, logits.device,
-                          "logits.shape[-1]", check_values)
+                          "logits.shape[-1]", check_values, source="logits")
     B, T = (1, lead[0]) if packed else lead
     inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
