@@ -143,7 +143,8 @@ class GRPOParams:
         if self.max_completion_length is not None:
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-                raise ValueError(f"max_completion_length must be a positive int, got {m!r}")
+                raise ValueError(f"max_completion_length must be a positive int (a Python int), "
+                                 f"got {m!r}")
 
     def _check_options(self) -> None:
         """The sequence and batch options (docs/semantics.md, "Sequence and batch options")."""

@@ -97,6 +97,9 @@ CASES = [
     ("sapo temperature under float32's normal range",
      lambda k: k.update(loss_type="sapo", sapo_temperature_neg=1e-39), ValueError,
      "sapo_temperature_neg must be > 0"),
+    ("numpy int length", lambda k: k.update(loss_type="dr_grpo",
+                                           max_completion_length=np.int64(5)), ValueError,
+     "max_completion_length must be a positive int (a Python int), got np.int64(5)"),
     ("numpy float32 hyperparameter", lambda k: k.update(beta=np.float32(0.04)), ValueError,
      "beta must be a finite number (a Python int or float), got np.float32(0.04) of type"),
 ]
