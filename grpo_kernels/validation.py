@@ -58,7 +58,8 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device
     torch.compile never reads a tensor's value)."""
     _tensor(name, ids)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (int64), got {ids.dtype}")
+        raise TypeError(f"{name} must be an integer tensor (token ids, of any integer dtype), "
+                        f"got {ids.dtype}")
     if tuple(ids.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} ({source}.shape[:-1]), got "
                          f"{tuple(ids.shape)}")

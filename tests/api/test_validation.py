@@ -24,7 +24,7 @@ CASES = [
     ("negative ids", lambda k: k["completion_ids"].__setitem__((0, 0), -100), ValueError,
      "not -100"),
     ("float ids", lambda k: k.update(completion_ids=k["completion_ids"].float()), TypeError,
-     "completion_ids must be an integer"),
+     "completion_ids must be an integer tensor (token ids, of any integer dtype)"),
     ("ids shape", lambda k: k.update(completion_ids=k["completion_ids"][:, :3]), ValueError,
      "completion_ids must have shape"),
     ("hidden 2-d", lambda k: k.update(hidden=k["hidden"][0]), ValueError, "[B, T, D]"),
