@@ -4,7 +4,8 @@ The public API lives in this package's root modules: `functional` (the losses an
 log-probs), `modules` (their nn.Module forms), `params` (GRPOParams), `loss_specs` (the loss
 types: an objective and a normalizer each), `objectives` (each objective's formulas),
 `grpo_math` (the shared PyTorch math), `token_layouts` (the padded and packed token layouts),
-`reference` (the pure-PyTorch twin that materializes logits) and `validation`.
+`reference` (the pure-PyTorch twin that materializes logits) and `validation` (with
+`option_checks`, the checks of the scalar options).
 Subpackages hold the layers beneath (`kernels`: the Triton kernels, `chunked`: the chunked
 PyTorch path, for CPU tensors and float64, `ops`: the custom operators and backends), the
 integrations (`hf`, `trl`) and the static GPU tools (`compile_check`). `fallback_counts()` says

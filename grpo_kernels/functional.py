@@ -45,6 +45,7 @@ from .loss_call import (
 from .ops import forward_only, route
 from .ops.backends import backend_for
 from .ops.custom_ops import OPS, direct
+from .option_checks import check_entropy_gather
 from .params import GRPOParams, signature_with_params
 from .validation import (
     check_flags,
@@ -115,7 +116,8 @@ def selective_logprobs(
         check_linear_head(hidden, weight, bias)
         ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1],
                               hidden.device, check_values=False)  # the op checks the range
-        return (check_temperature(temperature), check_logit_transform(softcap, logit_scale),
+        tau = check_temperature(temperature)
+        return (tau, check_logit_transform(softcap, logit_scale, tau),
                 ids.reshape(-1), check_grad_filter(grad_filter, hidden.dtype),
                 linear_inputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias))
 
@@ -165,10 +167,11 @@ def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logi
     check_flags(return_entropy=return_entropy, inplace=inplace)
     check_logits(logits)
     temperature = check_temperature(temperature)
-    transform = check_logit_transform(softcap, logit_scale)
+    transform = check_logit_transform(softcap, logit_scale, temperature)
     lead = logits.shape[:-1]
     ids = check_token_ids("targets", targets, logits.shape[-1], lead, logits.device,
-                          "logits.shape[-1]", check_values=False)  # the op checks the range
+                          "logits.shape[-1]", check_values=False,  # the op checks the range
+                          source="logits")
     x = as_btv(logits)
     logp, ent, *_ = OPS.logits_logprobs(x, ids.reshape(-1), temperature, backend_for(x),
                                         "targets", eager_inplace(inplace), *transform)
@@ -255,6 +258,7 @@ def fused_linear_grpo_loss(
         if bad is not None:
             raise bad
         check_flags(return_terms=return_terms, return_token_values=return_token_values)
+        check_entropy_gather(entropy_gather)
         return linear_call(hidden, weight, completion_ids, advantages, completion_mask,
                            old_logps, ref_logps, bias, num_items_in_batch,
                            importance_sampling_ratio, cu_seqlens, grad_filter, params,
@@ -319,6 +323,7 @@ def grpo_loss(
     """
     check_flags(inplace=inplace, return_terms=return_terms,
                 return_token_values=return_token_values)
+    check_entropy_gather(entropy_gather)
     params = GRPOParams.resolve(params, hyperparameters)
     terms, inputs = logits_call(logits, completion_ids, advantages, completion_mask, old_logps,
                                 ref_logps, num_items_in_batch, importance_sampling_ratio,

@@ -129,7 +129,7 @@ def linear_call(hidden, weight, completion_ids, advantages, completion_mask, old
     then the three-pass path (`ops/three_pass.py`) or `linear_terms`. Returns the checked call:
     (ids [N], inputs, grad_filter's eps, backend, head = contiguous (hidden [N, D], weight
     [V, D], bias [V] | None), transform = (softcap, logit_scale))."""
-    transform = check_logit_transform(softcap, logit_scale)
+    transform = check_logit_transform(softcap, logit_scale, params.temperature)
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
@@ -246,7 +246,7 @@ def logits_call(logits, completion_ids, advantages, completion_mask, old_logps, 
                   params: GRPOParams, sampling_logps=None, entropy_gather=None,
                   softcap=None, logit_scale=None) -> tuple[GRPOTerms, LossInputs]:
     """The route of every logits-input GRPO loss (see `linear_call`)."""
-    transform = check_logit_transform(softcap, logit_scale)
+    transform = check_logit_transform(softcap, logit_scale, params.temperature)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,

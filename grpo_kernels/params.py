@@ -35,9 +35,34 @@ def is_finite(value) -> bool:
     return value == value and abs(value) != math.inf
 
 
+# float32's largest finite number and its smallest normal one. The hyperparameters and the logit
+# transform enter float32 arithmetic (the kernels, the per-token math): a larger value is inf
+# there (a clamp bound of 1e39 fails to convert, a temperature of 1e300 gives NaN), and a divisor
+# (temperature, softcap, a sapo temperature) below the smallest normal one has no finite inverse
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def in_float32_range(value) -> bool:
+    """A finite number that float32 holds as a finite number (|value| <= FLOAT32_MAX); traceable
+    on a symbolic number, as `is_finite`."""
+    return is_finite(value) and abs(value) <= FLOAT32_MAX
+
+
 def _check_finite(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not is_finite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):  # np.float32 is neither
+        raise ValueError(f"{name} must be a finite number (a Python int or float), got "
+                         f"{value!r} of type {type(value).__name__}")
+    if not in_float32_range(value):
+        raise ValueError(f"{name} must be a finite number within float32's range "
+                         f"(|{name}| <= 3.4e38), got {value!r}")
+
+
+def _check_divisor(name: str, value: float, why: str) -> None:
+    """> 0, and at least float32's smallest normal number: its inverse stays finite."""
+    if value < FLOAT32_TINY:
+        raise ValueError(f"{name} must be > 0 ({why}; at least 1.2e-38, float32's smallest "
+                         f"normal number), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -101,14 +126,13 @@ class GRPOParams:
         if self.beta < 0:  # a negative KL weight would reward drifting from the reference
             raise ValueError(f"beta must be >= 0 (the KL weight; 0 turns the KL term off), "
                              f"got {self.beta}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        _check_divisor("temperature", self.temperature, "the logits are divided by it")
         if self.delta is not None:
             _check_finite("delta", self.delta)
             if self.delta <= 0:
                 raise ValueError(f"delta must be > 0 (a cap on the ratio), got {self.delta}")
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be > 0")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _check_divisor(name, getattr(self, name), "sapo's gate divides by it")
         self._check_options()
         if spec.normalizer.needs_max_completion_length and self.max_completion_length is None:
             raise ValueError(f"loss_type={self.loss_type!r} needs max_completion_length (its "
@@ -119,7 +143,8 @@ class GRPOParams:
         if self.max_completion_length is not None:
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-                raise ValueError(f"max_completion_length must be a positive int, got {m!r}")
+                raise ValueError(f"max_completion_length must be a positive int (a Python int), "
+                                 f"got {m!r}")
 
     def _check_options(self) -> None:
         """The sequence and batch options (docs/semantics.md, "Sequence and batch options")."""

@@ -16,6 +16,7 @@ from .validation import (
     check_linear_head,
     check_linear_loss_inputs,
     check_logit_transform,
+    check_logits,
     check_logits_loss_inputs,
     check_temperature,
     check_token_ids,
@@ -36,8 +37,14 @@ def transform_logits(logits, softcap=None, logit_scale=None):
 def logprobs_from_logits(logits, targets, *, temperature=1.0, softcap=None, logit_scale=None,
                          return_entropy=False):
     """logits [..., V] -> logp [...] (and entropy [...]), float32 (float64 for float64 input),
-    of softmax(cap(s·logits) / temperature) (`transform_logits`; the temperature comes last)."""
-    softcap, logit_scale = check_logit_transform(softcap, logit_scale)
+    of softmax(cap(s·logits) / temperature) (`transform_logits`; the temperature comes last).
+    Checked as `grpo_kernels.logprobs_from_logits` checks them (a gather would take targets of
+    another shape, or fail inside on an id outside [0, V))."""
+    temperature = check_temperature(temperature)
+    softcap, logit_scale = check_logit_transform(softcap, logit_scale, temperature)
+    check_logits(logits)
+    targets = check_token_ids("targets", targets, logits.shape[-1], logits.shape[:-1],
+                              logits.device, "logits.shape[-1]", source="logits")
     z = transform_logits(logits, softcap, logit_scale) / temperature
     log_p = F.log_softmax(z, dim=-1)
     logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -60,7 +67,7 @@ def selective_logprobs(hidden, weight, targets, bias=None, *, temperature=1.0, s
     check_linear_head(hidden, weight, bias)
     check_grad_filter(grad_filter, hidden.dtype)
     temperature = check_temperature(temperature)
-    check_logit_transform(softcap, logit_scale)
+    check_logit_transform(softcap, logit_scale, temperature)
     ids = check_token_ids("targets", targets, weight.shape[0], hidden.shape[:-1], hidden.device)
     return logprobs_from_logits(_head_logits(hidden, weight, bias), ids,
                                 temperature=temperature, softcap=softcap,
@@ -75,7 +82,7 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask=None, old_logp
     """Reference for `grpo_kernels.grpo_loss`: logits [B, T, V] (packed: [N, V] and
     cu_seqlens) -> (loss, metrics)."""
     params = GRPOParams.resolve(params, hyperparameters)
-    transform = check_logit_transform(softcap, logit_scale)
+    transform = check_logit_transform(softcap, logit_scale, params.temperature)
     ids, inputs = check_logits_loss_inputs(logits, completion_ids, params, completion_mask,
                                            advantages, old_logps, ref_logps,
                                            importance_sampling_ratio, num_items_in_batch,
@@ -103,7 +110,7 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
     """Reference for `grpo_kernels.fused_linear_grpo_loss` (materializes [B, T, V] logits).
     Always exact: grad_filter is validated for signature parity and has no effect."""
     params = GRPOParams.resolve(params, hyperparameters)
-    transform = check_logit_transform(softcap, logit_scale)
+    transform = check_logit_transform(softcap, logit_scale, params.temperature)
     # validate before materializing [B, T, V] logits, with the same errors as the kernel path
     ids, inputs = check_linear_loss_inputs(hidden, weight, bias, completion_ids, params,
                                            completion_mask, advantages, old_logps, ref_logps,

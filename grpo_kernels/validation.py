@@ -1,16 +1,21 @@
 """Input validation: every public function checks its inputs here and fails with an error that
 names the argument and what was expected. Kernels never see an out-of-range index. Checks of
-values (token ids in range, finite advantages, a positive normalizer) are `value_checks.py`'s."""
+values (token ids in range, finite advantages, a positive normalizer) are `value_checks.py`'s;
+the checks of the scalar options (flags, temperature, softcap, grad_filter) `option_checks.py`'s."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from . import value_checks
-from .params import is_finite
+from .option_checks import (  # noqa: F401  (the scalar options' checks, imported from here too)
+    check_flags,
+    check_grad_filter,
+    check_logit_transform,
+    check_temperature,
+)
 from .value_checks import check_finite_advantages, check_token_id_values  # noqa: F401
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -19,6 +24,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _tensor(name: str, x, *, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:  # a sparse tensor failed inside (no reshape for sparse)
+        raise TypeError(f"{name} must be a dense tensor (torch.strided), got {x.layout}; "
+                        "convert it with .to_dense()")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else ndim
         if x.dim() not in allowed:
@@ -42,16 +50,20 @@ def _float(name: str, x: torch.Tensor) -> None:
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device,
-                    vocab_from: str = "weight.shape[0]", check_values: bool = True) -> torch.Tensor:
-    """Integer ids of `shape` in [0, vocab_size); returns them as contiguous int64.
-    check_values=False leaves the range check to the caller (the custom ops run it in their
-    eager implementation, so that torch.compile never reads a tensor's value)."""
+                    vocab_from: str = "weight.shape[0]", check_values: bool = True,
+                    source: str = "hidden") -> torch.Tensor:
+    """Integer ids of `shape` (`source`'s leading dimensions) in [0, vocab_size), on `source`'s
+    device (hidden, or logits); returns them as contiguous int64. check_values=False leaves the
+    range check to the caller (the custom ops run it in their eager implementation, so that
+    torch.compile never reads a tensor's value)."""
     _tensor(name, ids)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (int64), got {ids.dtype}")
+        raise TypeError(f"{name} must be an integer tensor (token ids, of any integer dtype), "
+                        f"got {ids.dtype}")
     if tuple(ids.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(ids.shape)}")
-    _same_device(name, ids, device, "hidden")
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({source}.shape[:-1]), got "
+                         f"{tuple(ids.shape)}")
+    _same_device(name, ids, device, source)
     if check_values:
         check_token_id_values(name, ids, vocab_size, vocab_from)
     return ids.to(torch.int64).contiguous()
@@ -102,13 +114,6 @@ def check_linear_head(hidden, weight, bias, hidden_name: str = "hidden"):
         _same_device("bias", bias, hidden.device, hidden_name)
 
 
-def check_flags(**flags) -> None:
-    """Each keyword a Python bool ("False" reads as true: inplace="False" overwrote logits)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-
-
 def check_logits(logits, ndim: int | None = None) -> None:
     """Floating-point logits [..., V] (exactly `ndim` dimensions if given), V >= 1."""
     _tensor("logits", logits, ndim=ndim)
@@ -116,55 +121,6 @@ def check_logits(logits, ndim: int | None = None) -> None:
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must end in a vocabulary dimension V >= 1, "
                          f"got shape {tuple(logits.shape)}")
-
-
-def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    return float(temperature)
-
-
-def _number_or_none(name: str, value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
-    if not is_finite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
-
-
-def check_logit_transform(softcap, logit_scale) -> tuple[float | None, float | None]:
-    """(softcap, logit_scale) as floats or None: the logit transform z = c·tanh(s·y / c) (s = 1
-    without a scale; z = s·y without a cap) applied to the raw logits y before the temperature.
-    softcap must be finite and > 0 (Gemma 2's final_logit_softcapping); logit_scale finite and
-    non-zero (Cohere's logit_scale)."""
-    softcap = _number_or_none("softcap", softcap)
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 (z = softcap·tanh(y / softcap)), got {softcap}")
-    logit_scale = _number_or_none("logit_scale", logit_scale)
-    if logit_scale == 0:
-        raise ValueError("logit_scale must be non-zero (z = logit_scale·y), got 0.0")
-    return softcap, logit_scale
-
-
-def check_grad_filter(grad_filter, dtype: torch.dtype) -> float | None:
-    """None (exact), "auto" (finfo(dtype).eps / 32: 2^-12 for bfloat16, as Cut Cross-Entropy's
-    default) or a number >= 0 -> the eps the backward kernel takes, or None."""
-    if grad_filter is None:
-        return None
-    if isinstance(grad_filter, str):
-        if grad_filter != "auto":
-            raise ValueError(f'grad_filter must be None, "auto" or a number >= 0, '
-                             f"got {grad_filter!r}")
-        return torch.finfo(dtype).eps / 32
-    if (isinstance(grad_filter, bool) or not isinstance(grad_filter, (int, float))
-            or not math.isfinite(grad_filter) or grad_filter < 0):
-        raise ValueError(f'grad_filter must be None, "auto" or a finite number >= 0, '
-                         f"got {grad_filter!r}")
-    return float(grad_filter)
 
 
 @dataclass
@@ -347,7 +303,7 @@ def check_logits_loss_inputs(
                          f"{tuple(logits.shape)}")
     *lead, V = logits.shape
     ids = check_token_ids("completion_ids", completion_ids, V, lead, logits.device,
-                          "logits.shape[-1]", check_values)
+                          "logits.shape[-1]", check_values, source="logits")
     B, T = (1, lead[0]) if packed else lead
     inputs = check_loss_inputs(B, T, logits.device, params, completion_mask, advantages,
                                old_logps, ref_logps, importance_sampling_ratio,
@@ -380,7 +336,8 @@ def check_linear_loss_inputs(
     packed = cu_seqlens is not None
     if hidden.dim() != (2 if packed else 3):
         want = "[N, D] with cu_seqlens (a packed batch)" if packed else "[B, T, D]"
-        raise ValueError(f"hidden must be {want}, got shape {tuple(hidden.shape)}")
+        hint = "; a packed batch's hidden [N, D] needs cu_seqlens" if hidden.dim() == 2 else ""
+        raise ValueError(f"hidden must be {want}, got shape {tuple(hidden.shape)}{hint}")
     lead = hidden.shape[:-1]
     ids = check_token_ids("completion_ids", completion_ids, weight.shape[0], lead, hidden.device,
                           check_values=check_values)

@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from .params import is_finite
+from .params import in_float32_range
 
 # device checks in flight: (pinned flag, event behind its copy, the error's message)
 _PENDING: deque = deque()
@@ -151,8 +151,9 @@ def check_normalizer(name: str, value, device) -> torch.Tensor | None:
     if not isinstance(value, torch.Tensor):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
-        if not (is_finite(value) and value > 0):  # a symbolic int under torch.compile
-            raise ValueError(f"{expected}, got {value!r}")
+        # a symbolic int under torch.compile; float32 must hold it (1e300 would be inf: loss 0)
+        if not (in_float32_range(value) and value > 0):
+            raise ValueError(f"{expected} (at most 3.4e38, float32's largest), got {value!r}")
         return torch.tensor(value, device=device, dtype=torch.float32)
     if value.numel() != 1:
         raise ValueError(f"{name} must be a number or a one-element tensor, "
@@ -167,7 +168,8 @@ def check_normalizer(name: str, value, device) -> torch.Tensor | None:
         out = value.reshape(()).to(device=device, dtype=torch.float32)
         defer(~((out > 0) & torch.isfinite(out)), f"{expected} (> 0, not NaN or inf)")
         return out
-    number = float(value)  # a CPU tensor: a free host read
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{expected}, got {number!r} (a tensor on {value.device})")
+    number = float(value)  # a CPU tensor: a free host read (float64 1e300 is inf in float32)
+    if not (math.isfinite(number) and number > 0 and in_float32_range(number)):
+        raise ValueError(f"{expected} (at most 3.4e38, float32's largest), got {number!r} "
+                         f"(a tensor on {value.device})")
     return value.reshape(()).to(device=device, dtype=torch.float32)

@@ -50,6 +50,7 @@ from .. import value_checks
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from ..params import FIELD_NAMES
+from ..validation import FLOAT_DTYPES
 from .head_check import (
     check_head_input,
     check_output_head,
@@ -72,6 +73,9 @@ def _check_batch(input_ids, attention_mask, logits_to_keep, prompt_end: bool = T
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(f"input_ids must be a [B, L] tensor, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:  # the embedding would fail inside the model
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
     if isinstance(logits_to_keep, torch.Tensor):
         check_packed_positions(input_ids, attention_mask, logits_to_keep)
         return None
@@ -130,6 +134,28 @@ _LOSS_KEYWORDS = frozenset(FIELD_NAMES) | {
     "return_token_values", "return_entropy"}
 
 
+def _check_input_ids(inner: nn.Module, input_ids: torch.Tensor, model_kwargs: dict) -> None:
+    """Every id inside the model's input embedding: one outside fails deep in the embedding (an
+    IndexError). Checked on the CPU, where the read is free; on CUDA a host read would wait for
+    the queue, and the embedding's own device assert stops the call. Not checked with extra
+    model inputs (a vision-language model may place image ids past the text vocabulary)."""
+    if model_kwargs or input_ids.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    try:
+        size = getattr(inner.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):  # no (standard) input embedding to read
+        return
+    if isinstance(size, int):
+        value_checks.check_token_id_values("input_ids", input_ids, size,
+                                           "get_input_embeddings().num_embeddings")
+
+
+def _check_head_dtype(head_dtype) -> None:
+    if head_dtype is not None and head_dtype not in FLOAT_DTYPES:
+        raise TypeError("head_dtype must be None or one of torch.float16, torch.bfloat16, "
+                        f"torch.float32, torch.float64, got {head_dtype!r}")
+
+
 def _check_model_kwargs(model_kwargs: dict) -> None:
     """Refuse loss keywords among the keywords that go to the model's body."""
     misplaced = sorted(set(model_kwargs) & _LOSS_KEYWORDS)
@@ -183,6 +209,7 @@ def completion_hidden_states(
     right_padded = _check_batch(input_ids, attention_mask, logits_to_keep)
     _check_model_kwargs(model_kwargs)
     inner = unwrap_model(model)
+    _check_input_ids(inner, input_ids, model_kwargs)
     _check_mask_form(inner, attention_mask)
     if model_kwargs or _is_4d(attention_mask):  # extra inputs (images, positions) and 4-D
         # masks need not slice to one row (a BlockMask cannot): ordinary text for the check
@@ -259,6 +286,7 @@ def causal_lm_grpo_loss(
     if not isinstance(loss_fn, FusedLinearGRPOLoss):
         raise TypeError(f"loss_fn must be a grpo_kernels.FusedLinearGRPOLoss, got "
                         f"{type(loss_fn).__name__}")
+    _check_head_dtype(head_dtype)
     packed = isinstance(logits_to_keep, torch.Tensor)
     if packed and (cu_seqlens is None or completion_mask is not None):
         raise ValueError("packed rows (logits_to_keep = positions) need cu_seqlens [S + 1] "
@@ -312,6 +340,7 @@ def completion_logprobs(
     (logits_to_keep = positions [N], see `causal_lm_grpo_loss`) give [N], in one chunk.
     Differentiable; see `causal_lm_logprobs` for the no-grad scoring entry point."""
     _check_batch(input_ids, attention_mask, logits_to_keep, prompt_end=False)  # per chunk below
+    _check_head_dtype(head_dtype)
     B = input_ids.shape[0]
     packed = isinstance(logits_to_keep, torch.Tensor)  # positions span all rows: one chunk
     step = max(B, 1) if batch_size is None or packed else batch_size
@@ -345,6 +374,7 @@ def hidden_logprobs(hidden: torch.Tensor, model: nn.Module, completion_ids: torc
     """Log-probs [B, T] float32 of `completion_ids` [B, T] (and entropies [B, T] if
     `return_entropy`) under `model`'s output embedding on the body's hidden states [B, T, D]
     (`completion_hidden_states`), without logits."""
+    _check_head_dtype(head_dtype)
     hidden, weight, bias = head_for(hidden, model, head_dtype)
     with _no_autocast(hidden):
         return selective_logprobs(hidden, weight, completion_ids.to(hidden.device), bias,

@@ -119,15 +119,25 @@ def boundaries_of(position_ids: torch.Tensor) -> dict:
 def check_prompt_and_completion(input_ids, attention_mask, logits_to_keep, completion_mask):
     """(prompt [S, L - T], completion [S, T]) bool masks of the tokens a padded batch puts into
     packed or shared rows, after checking the shapes, T, that every sequence has a prompt token
-    and that the completion mask is a prefix of each row."""
+    and that the completion mask is a prefix of each row, of 0s and 1s."""
+    for name, x in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor [S, L], got {type(x).__name__}")
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [S, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:  # the rows would be filled with them as they are
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
     S, L = input_ids.shape
+    if S == 0:  # no sequence: no row width (it failed as "max() arg is an empty sequence")
+        raise ValueError(f"input_ids must hold at least one sequence, got shape (0, {L})")
     T = logits_to_keep
     if isinstance(T, bool) or not isinstance(T, int) or not 0 < T < L:
         raise ValueError(f"logits_to_keep must be an int in [1, L-1] = [1, {L - 1}], got {T!r}")
     prompt = attention_mask[:, :L - T].bool()  # [S, Lp]
+    if completion_mask is not None:
+        _check_binary(completion_mask)
     comp = attention_mask[:, L - T:].bool() if completion_mask is None else completion_mask.bool()
     if comp.shape != (S, T):
         raise ValueError(f"completion_mask must be [S, T] = [{S}, {T}], got {tuple(comp.shape)}")
@@ -141,6 +151,20 @@ def check_prompt_and_completion(input_ids, attention_mask, logits_to_keep, compl
                          "its first L - T columns): the first completion token is predicted "
                          "from the position before it")
     return prompt, comp
+
+
+def _check_binary(completion_mask) -> None:
+    """A row keeps a completion token or drops it, and the loss on packed or shared rows weighs
+    every kept token 1: a weight other than 0 and 1 would be lost (it read as 1). The rows'
+    layout is read on the host anyway (their lengths), so this read adds no wait."""
+    if not isinstance(completion_mask, torch.Tensor):
+        raise TypeError(f"completion_mask must be a tensor [S, T] or None, got "
+                        f"{type(completion_mask).__name__}")
+    if completion_mask.dtype != torch.bool and not bool(
+            ((completion_mask == 0) | (completion_mask == 1)).all()):
+        raise ValueError("completion_mask must hold 0s and 1s for packed or shared rows (a "
+                         "token is kept or dropped; each kept token weighs 1 in the loss): "
+                         "other weights need padded rows")
 
 
 def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,

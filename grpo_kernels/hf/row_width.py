@@ -93,6 +93,8 @@ def takes_boundaries(config) -> bool:
 def choose_row_width(lengths: list[int], config=None) -> int:
     """W for sequences of `lengths` real tokens under the config's attention (module
     docstring); at least the longest sequence."""
+    if not len(lengths) or min(lengths) < 0:  # max() of none failed as "an empty sequence"
+        raise ValueError(f"lengths must be one or more sequence lengths >= 0, got {lengths!r}")
     longest, total = max(lengths), sum(lengths)
     rule = row_width_rule(config)
     if rule is RowWidthRule.ONE_ROW:

@@ -7,6 +7,7 @@ the raw logits about as large as the cap (spread ~C), so tanh is partly saturate
 checks that the transform changed the result, so that it could not pass without one."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -206,6 +207,9 @@ BAD = [
     (dict(logit_scale=0), ValueError, "logit_scale must be non-zero"),
     (dict(logit_scale=float("-inf")), ValueError, "logit_scale must be finite"),
     (dict(logit_scale=[0.5]), TypeError, "logit_scale must be a float or None"),
+    (dict(softcap=1e39), ValueError, "softcap must be finite, and so in float32"),  # inf there
+    (dict(logit_scale=-1e300), ValueError, "logit_scale must be finite, and so in float32"),
+    (dict(softcap=1e-39), ValueError, "softcap must be > 0"),  # under float32's normal range
 ]
 
 
@@ -225,6 +229,34 @@ def test_bad_arguments_are_refused_with_their_name(kw, error, match):
     ]
     for call in calls:
         with pytest.raises(error, match=match):
+            call()
+
+
+FACTORS = [  # each within float32's range, but a factor the kernels apply is not
+    (dict(softcap=3e38), "1 / softcap"),  # Triton: uniform log-probs; chunked: NaN
+    (dict(logit_scale=3e38), "|logit_scale| / temperature"),  # chunked: failed converting it
+    (dict(softcap=30.0, temperature=1e-37), "softcap / temperature"),
+]
+
+
+@pytest.mark.parametrize("kw,factor", FACTORS, ids=[f for _, f in FACTORS])
+def test_a_transform_factor_outside_float32_is_refused(kw, factor):
+    hidden, weight, bias, ids = _head(seed=1, T=3, V=20)
+    mask, adv, _, _ = make_grpo_batch(hidden, weight, bias, ids, seed=1)
+    module_kw = {k: v for k, v in kw.items() if k != "temperature"}
+    calls = [
+        lambda: gk.selective_logprobs(hidden, weight, ids, bias, **kw),
+        lambda: gk.logprobs_from_logits(hidden @ weight.T, ids, **kw),
+        lambda: gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, **kw),
+        lambda: gk.grpo_loss(hidden @ weight.T, ids, adv, mask, **kw),
+        lambda: gk.FusedLinearGRPOLoss(**module_kw, temperature=kw.get("temperature", 1.0))(
+            hidden, weight, ids, adv, mask),
+        lambda: reference.selective_logprobs(hidden, weight, ids, bias, **kw),
+        lambda: reference.logprobs_from_logits(hidden @ weight.T, ids, **kw),
+        lambda: reference.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, **kw),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=f"factor {re.escape(factor)} = "):
             call()
 
 

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the argument; never a silent wrong answer."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_head
@@ -23,7 +24,7 @@ CASES = [
     ("negative ids", lambda k: k["completion_ids"].__setitem__((0, 0), -100), ValueError,
      "not -100"),
     ("float ids", lambda k: k.update(completion_ids=k["completion_ids"].float()), TypeError,
-     "completion_ids must be an integer"),
+     "completion_ids must be an integer tensor (token ids, of any integer dtype)"),
     ("ids shape", lambda k: k.update(completion_ids=k["completion_ids"][:, :3]), ValueError,
      "completion_ids must have shape"),
     ("hidden 2-d", lambda k: k.update(hidden=k["hidden"][0]), ValueError, "[B, T, D]"),
@@ -79,6 +80,28 @@ CASES = [
     ("num items tensor", lambda k: k.update(num_items_in_batch=torch.ones(3)), ValueError,
      "num_items_in_batch"),
     ("not a tensor", lambda k: k.update(hidden=[[1.0]]), TypeError, "hidden must be a torch"),
+    ("sparse hidden", lambda k: k.update(hidden=k["hidden"].to_sparse()), TypeError,
+     "hidden must be a dense tensor (torch.strided), got torch.sparse_coo"),  # failed inside
+    ("sparse mask", lambda k: k.update(completion_mask=torch.ones(B, T).to_sparse()), TypeError,
+     "completion_mask must be a dense tensor"),
+    ("hidden 2-d, no cu_seqlens", lambda k: k.update(hidden=k["hidden"][0]), ValueError,
+     "a packed batch's hidden [N, D] needs cu_seqlens"),
+    # float hyperparameters enter float32 arithmetic: 1e39 is inf there (a clamp bound failed
+    # to convert on the chunked path), and a divisor under 1.2e-38 has no finite inverse
+    ("epsilon beyond float32", lambda k: k.update(epsilon_low=1e39), ValueError,
+     "epsilon_low must be a finite number within float32's range"),
+    ("delta beyond float32", lambda k: k.update(delta=1e300), ValueError,
+     "delta must be a finite number within float32's range"),
+    ("temperature under float32's normal range", lambda k: k.update(temperature=1e-300),
+     ValueError, "temperature must be > 0 (the logits are divided by it"),
+    ("sapo temperature under float32's normal range",
+     lambda k: k.update(loss_type="sapo", sapo_temperature_neg=1e-39), ValueError,
+     "sapo_temperature_neg must be > 0"),
+    ("numpy int length", lambda k: k.update(loss_type="dr_grpo",
+                                           max_completion_length=np.int64(5)), ValueError,
+     "max_completion_length must be a positive int (a Python int), got np.int64(5)"),
+    ("numpy float32 hyperparameter", lambda k: k.update(beta=np.float32(0.04)), ValueError,
+     "beta must be a finite number (a Python int or float), got np.float32(0.04) of type"),
 ]
 
 
@@ -181,6 +204,8 @@ def test_device_mismatch_names_both_tensors(inputs, source, impl):
 BAD_NORMALIZERS = [(0, "got 0"), (-1, "got -1"), (float("nan"), "got nan"),
                    (float("inf"), "got inf"), (torch.tensor(0.0), "got 0.0")]
 BAD_IDS = ["0", "-1", "nan", "inf", "tensor0"]
+# finite, but inf in float32 (the loss came out 0): as a number and as a float64 tensor
+TOO_LARGE = [(1e300, "got 1e+300"), (torch.tensor(1e300, dtype=torch.float64), "got 1e+300")]
 
 
 def _entry_points():
@@ -222,7 +247,8 @@ def _entry_points():
 ENTRY_POINTS = list(_entry_points())
 
 
-@pytest.mark.parametrize("bad", BAD_NORMALIZERS, ids=BAD_IDS)
+@pytest.mark.parametrize("bad", BAD_NORMALIZERS + TOO_LARGE,
+                         ids=BAD_IDS + ["1e300", "float64 tensor 1e300"])
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_bad_num_items_in_batch_is_refused(entry, bad):
     value, shown = bad

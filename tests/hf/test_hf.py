@@ -311,6 +311,23 @@ def test_clear_errors(qwen):
         causal_lm_grpo_loss(qwen, ids, am, T, batch["adv"][:2])
     with pytest.raises(ValueError, match="output embedding"):
         output_head(qwen.model)  # the bare body has no lm_head
+    # ids the input embedding does not hold failed inside it (IndexError, a RuntimeError for
+    # float ids): refused by name; -100 gets the padding hint
+    V = qwen.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=f"input_ids has token id {V} outside \\[0, {V}\\)"):
+        causal_lm_grpo_loss(qwen, ids.clamp(max=V - 1).index_fill(1, torch.tensor([L - 1]), V),
+                            am, T, batch["adv"])
+    with pytest.raises(ValueError, match="input_ids has token id -100 .* not -100"):
+        causal_lm_logprobs(qwen, ids.index_fill(1, torch.tensor([0]), -100), am, T)
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+        completion_hidden_states(qwen, ids.float(), am, T)
+    # a head_dtype that is not a float dtype failed in a cast ("Invalid device string") or was
+    # blamed on hidden
+    for bad in ("bfloat16", torch.int64):
+        with pytest.raises(TypeError, match="head_dtype must be None or one of"):
+            causal_lm_grpo_loss(qwen, ids, am, T, batch["adv"], head_dtype=bad)
+        with pytest.raises(TypeError, match="head_dtype must be None or one of"):
+            causal_lm_logprobs(qwen, ids, am, T, head_dtype=bad)
     # a config that names a logit transform its model does not apply: the logits check refuses
     qwen.config.logits_scaling = 4.0
     try:

@@ -81,3 +81,37 @@ def test_choose_layout_keeps_prompt_learning_adapters_padded(adapter):
     else:
         assert choice.layout is RowLayout.PADDED
         assert f"{adapter.capitalize()}TuningConfig" in choice.reason, choice.reason
+
+
+BAD_ROWS = [  # (mutate(ids, attn) -> plan_rows arguments, exception, message fragment)
+    (lambda i, a: (i.tolist(), a, None), TypeError, "input_ids must be a tensor"),
+    (lambda i, a: (i, None, None), TypeError, "attention_mask must be a tensor"),
+    (lambda i, a: (i.float(), a, None), TypeError, "input_ids must be an integer tensor"),
+    # no sequence: failed choosing the row width ("max() arg is an empty sequence")
+    (lambda i, a: (i[:0], a[:0], None), ValueError, "input_ids must hold at least one sequence"),
+    # a weight other than 0 and 1 read as 1: packed rows keep or drop a token
+    (lambda i, a: (i, a, torch.full((2, 3), 0.5)), ValueError,
+     "completion_mask must hold 0s and 1s"),
+]
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared"])
+@pytest.mark.parametrize("case", BAD_ROWS, ids=["ids list", "no mask", "float ids", "S = 0",
+                                                "weighted mask"])
+def test_plan_rows_refuses_bad_input_by_name(layout, case):
+    ids, attn = torch.randint(1, 9, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    mutate, error, fragment = case
+    input_ids, attention_mask, completion_mask = mutate(ids, attn)
+    with pytest.raises(error, match=fragment):
+        plan_rows(input_ids, attention_mask, 3, completion_mask, layout)
+    # a 0/1 mask of any dtype is taken: the rows keep its 1s
+    rows = plan_rows(ids, attn, 3, torch.tensor([[1.0, 1.0, 0.0]] * 2), layout)
+    assert rows.cu_seqlens.tolist() == [0, 2, 4]
+
+
+def test_choose_row_width_refuses_no_lengths_or_negative_ones():
+    from grpo_kernels.hf import choose_row_width
+
+    for bad in ([], [3, -1]):
+        with pytest.raises(ValueError, match="lengths must be one or more sequence lengths"):
+            choose_row_width(bad)
