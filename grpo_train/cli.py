@@ -71,7 +71,8 @@ def field_docs() -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
 
 def _default_text(name: str, default) -> str:
     if name in AUTO:
-        embedded, pretrained = AUTO[name]
+        embedded, pretrained = (("on" if v else "off") if isinstance(v, bool) else v
+                                for v in AUTO[name])
         return f"default: {embedded} for the embedded run, {pretrained} with --model"
     if name in RESOLVED_LATER:
         return f"default: {RESOLVED_LATER[name]}"
@@ -149,7 +150,7 @@ def build_parser() -> Parser:
             # percent sign is written %%); only the default's text is escaped here
             default_text = _default_text(name, default).replace("%", "%%")
             help_text = f"{docs[name]} ({default_text})".lstrip()
-            if tp is bool:
+            if _scalar_type(tp)[0] is bool:  # bool, or bool | None (an "auto" flag)
                 group.add_argument(f"--{name}", action=BoolFlag, dest=name,
                                    default=argparse.SUPPRESS, help=help_text)
             elif typing.get_origin(tp) is list:

@@ -116,11 +116,12 @@ def test_resolve_auto_keeps_explicit_values():
     assert cfg.learning_rate == 0.5 and cfg.beta == 0.0 and cfg.num_iterations == 4
 
 
-@pytest.mark.parametrize("argv, expected", [([], True), (["--use_bias_correction_kl"], True),
-                                            (["--no_use_bias_correction_kl"], False)])
+@pytest.mark.parametrize("argv, expected", [
+    ([], False), (["--use_bias_correction_kl"], True), (["--model", "m"], True),
+    (["--model", "m", "--no_use_bias_correction_kl"], False)])
 def test_bias_correction_flag_reaches_the_loss(argv, expected):
-    """The KL's importance-ratio correction is on by default, as TRL's GRPOConfig, and the
-    flag turns it off in the loss' GRPOParams."""
+    """The KL's importance-ratio correction: on with --model, as TRL's GRPOConfig default, off
+    for the embedded run (config.AUTO), and either way by the flag, in the loss' GRPOParams."""
     assert grpo_params(resolve_auto(parse_config(argv))).use_bias_correction_kl is expected
 
 
