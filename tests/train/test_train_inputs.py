@@ -14,7 +14,7 @@ from test_cli import TINY_RUN, one_line_error, run
 
 from grpo_train.checks import thread_limit, usable_cores
 from grpo_train.cli import parse_config
-from grpo_train.config import TrainConfig, resolve_auto
+from grpo_train.config import TrainConfig, grpo_params, resolve_auto
 from grpo_train.data import load_examples, read_rows, to_examples
 from grpo_train.flags import UsageError
 from grpo_train.models import render_prompts
@@ -303,3 +303,12 @@ def test_triton_backend_on_a_cpu_without_the_interpreter(tmp_path):
     line = one_line_error(proc)
     assert "--backend triton needs a CUDA device, and this run is on cpu" in line
     assert not (tmp_path / "run" / "initial_model").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], False), (["--use_bias_correction_kl"], True), (["--model", "m"], True),
+    (["--model", "m", "--no_use_bias_correction_kl"], False)])
+def test_bias_correction_flag_reaches_the_loss(argv, expected):
+    """The KL's importance-ratio correction: on with --model, as TRL's GRPOConfig default, off
+    for the embedded run (config.AUTO), and either way by the flag, in the loss' GRPOParams."""
+    assert grpo_params(resolve_auto(parse_config(argv))).use_bias_correction_kl is expected

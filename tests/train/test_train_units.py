@@ -20,7 +20,7 @@ from grpo_train.checkpoint import (
 )
 from grpo_train.checks import grad_filter_value
 from grpo_train.cli import field_docs, parse_config
-from grpo_train.config import AUTO, AUTO_AT_SETUP, TrainConfig, grpo_params, resolve_auto
+from grpo_train.config import AUTO, AUTO_AT_SETUP, TrainConfig, resolve_auto
 from grpo_train.data import (
     PromptSampler,
     arithmetic_task,
@@ -115,14 +115,6 @@ def test_resolve_auto_keeps_explicit_values():
     cfg = resolve_auto(TrainConfig(learning_rate=0.5, beta=0.0))
     assert cfg.learning_rate == 0.5 and cfg.beta == 0.0 and cfg.num_iterations == 4
 
-
-@pytest.mark.parametrize("argv, expected", [
-    ([], False), (["--use_bias_correction_kl"], True), (["--model", "m"], True),
-    (["--model", "m", "--no_use_bias_correction_kl"], False)])
-def test_bias_correction_flag_reaches_the_loss(argv, expected):
-    """The KL's importance-ratio correction: on with --model, as TRL's GRPOConfig default, off
-    for the embedded run (config.AUTO), and either way by the flag, in the loss' GRPOParams."""
-    assert grpo_params(resolve_auto(parse_config(argv))).use_bias_correction_kl is expected
 
 
 # ---- data ------------------------------------------------------------------------------------
