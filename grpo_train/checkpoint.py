@@ -168,12 +168,21 @@ def _flag_value(value) -> str:
     return "none" if value is None else repr(value) if value == "" else str(value)
 
 
+# Fields added after checkpoints were written without them, with the value every such run
+# trained with: a checkpoint that lacks one is compared as holding it (use_bias_correction_kl
+# was off in every run before it became a flag; it is on with --model now)
+ADDED_FIELDS = {"use_bias_correction_kl": False}
+
+
 def check_resumed_config(state: dict, cfg, path, say) -> None:
     """Refuse to resume checkpoint `path` (its contents: `state`) with settings that change what
     the run trains: a UsageError naming each flag with this run's value and the checkpoint's.
     The settings of RESUME_MAY_CHANGE that differ are said in one line. A field that the
-    checkpoint's config lacks (written by an older release) is not compared."""
+    checkpoint's config lacks (written by an older release) is not compared, except those of
+    ADDED_FIELDS, compared as the value those releases used."""
     saved, now = state.get("config") or {}, dataclasses.asdict(cfg)
+    if saved:
+        saved = {**ADDED_FIELDS, **saved}
     changed = [k for k in now if k in saved and saved[k] != now[k]
                and k not in ("resume", "overwrite", "output_dir")]
     may_change = RESUME_MAY_CHANGE

@@ -2,6 +2,7 @@
 checkpoint's run, a file that is not a checkpoint, an earlier checkpoint while later ones exist,
 another run's output directory, and a metrics.jsonl whose last record a crash tore."""
 
+import dataclasses
 import json
 import shutil
 
@@ -119,3 +120,22 @@ def test_eval_size_that_splits_the_training_rows_is_refused(tmp_path):
     embedded = tmp_path / "embedded"
     train(tiny_cfg(embedded, eval_size=3, steps=1))
     assert train(tiny_cfg(embedded, eval_size=5, steps=2, resume="auto"))["step"] == 2
+
+
+@pytest.mark.parametrize("model", ["", "some/model"])
+def test_a_checkpoint_without_the_bias_correction_field_trained_without_it(tmp_path, model):
+    """A checkpoint written before --use_bias_correction_kl existed trained with the KL alone;
+    with --model the flag's default is now on: resuming must not switch it on silently."""
+    from grpo_train.checkpoint import check_resumed_config
+    from grpo_train.config import resolve_auto
+
+    cfg = resolve_auto(tiny_cfg(tmp_path, model=model))
+    saved = dataclasses.asdict(cfg)
+    del saved["use_bias_correction_kl"]
+    said = []
+    if model:
+        with pytest.raises(UsageError, match="--use_bias_correction_kl on .the checkpoint's: off"):
+            check_resumed_config({"config": saved}, cfg, tmp_path, said.append)
+        cfg = dataclasses.replace(cfg, use_bias_correction_kl=False)
+    check_resumed_config({"config": saved}, cfg, tmp_path, said.append)
+    assert said == []
