@@ -118,7 +118,8 @@ def fallback_warnings(record):
 
 FORWARD = "linear-head/forward/cpu/float32/bias"
 BACKWARD = "linear-head/backward/cpu/float32/bias/d=hidden+weight+bias/g_entropy"
-FUSED = "linear-head/forward+epilogue:clipped+old+kl/cpu/float32/bias"  # dapo, beta > 0
+# dapo, beta > 0, the KL times the ratio (the default)
+FUSED = "linear-head/forward+epilogue:clipped+old+kl+bias_correct_kl/cpu/float32/bias"
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -187,7 +188,7 @@ def test_selective_logprobs_and_logits_paths_fall_back(monkeypatch):
     assert_equal(ours_logits[:-1], want_logits[:-1])  # d logits: from the Triton backward
     assert torch.allclose(ours_logits[-1], want_logits[-1], rtol=1e-5, atol=1e-6)
     named = sorted(str(w.message).split(" failed")[0] for w in fallback_warnings(record))
-    logits = "logits/forward+epilogue:clipped+old+kl/cpu/float32"
+    logits = "logits/forward+epilogue:clipped+old+kl+bias_correct_kl/cpu/float32"
     assert named == [f"grpo_kernels: the Triton kernel {FORWARD}",
                      f"grpo_kernels: the Triton kernel {logits}"]
     assert fallback.fallback_counts() == {FORWARD: 1, logits: 1}
@@ -215,7 +216,7 @@ def test_a_failed_variant_leaves_the_others_on_triton(monkeypatch):
         sequence = linear_loss(head, grpo, loss_type="cispo", importance_sampling_level="sequence")
         gk.selective_logprobs(hidden, weight, ids, bias)
     assert kernel.failures == 1 and kernel.launches == launches + 3
-    cispo = "linear-head/forward+epilogue:cispo+old+kl/cpu/float32/bias"
+    cispo = "linear-head/forward+epilogue:cispo+old+kl+bias_correct_kl/cpu/float32/bias"
     assert fallback.fallback_counts() == {cispo: 3}  # its backward: on Triton
     (warning,) = fallback_warnings(record)
     assert f"kernel {cispo} failed" in str(warning.message)
@@ -340,7 +341,7 @@ def test_classification_of_driver_errors():
         assert fallback.fallback_cause(_raise_inside_triton(error), on_gpu=True) is None
 
 
-THREE_PASS = "linear-head/three-pass+epilogue:clipped+old+kl/cpu/float32/bias"
+THREE_PASS = "linear-head/three-pass+epilogue:clipped+old+kl+bias_correct_kl/cpu/float32/bias"
 
 
 def test_the_three_pass_route_falls_back_to_its_chunked_twin(monkeypatch):
