@@ -21,6 +21,11 @@ from .value_checks import check_finite_advantages, check_token_id_values  # noqa
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def is_id_dtype(dtype: torch.dtype) -> bool:
+    """An integer dtype that can hold token ids (not float, complex or bool)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _tensor(name: str, x, *, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -57,7 +62,7 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, shape, device
     range check to the caller (the custom ops run it in their eager implementation, so that
     torch.compile never reads a tensor's value)."""
     _tensor(name, ids)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not is_id_dtype(ids.dtype):
         raise TypeError(f"{name} must be an integer tensor (token ids, of any integer dtype), "
                         f"got {ids.dtype}")
     if tuple(ids.shape) != tuple(shape):

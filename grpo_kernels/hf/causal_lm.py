@@ -50,7 +50,7 @@ from .. import value_checks
 from ..functional import selective_logprobs
 from ..modules import FusedLinearGRPOLoss
 from ..params import FIELD_NAMES
-from ..validation import FLOAT_DTYPES
+from ..validation import FLOAT_DTYPES, is_id_dtype
 from .head_check import (
     check_head_input,
     check_output_head,
@@ -73,8 +73,7 @@ def _check_batch(input_ids, attention_mask, logits_to_keep, prompt_end: bool = T
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(f"input_ids must be a [B, L] tensor, got {shape}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
-            or input_ids.dtype == torch.bool:  # the embedding would fail inside the model
+    if not is_id_dtype(input_ids.dtype):  # the embedding would fail inside the model
         raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
     if isinstance(logits_to_keep, torch.Tensor):
         check_packed_positions(input_ids, attention_mask, logits_to_keep)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..validation import is_id_dtype
 from .row_layout import RowLayout
 from .row_width import choose_row_width, first_fit, takes_boundaries
 from .unwrap import text_vocab_size
@@ -126,8 +127,7 @@ def check_prompt_and_completion(input_ids, attention_mask, logits_to_keep, compl
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [S, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
-            or input_ids.dtype == torch.bool:  # the rows would be filled with them as they are
+    if not is_id_dtype(input_ids.dtype):  # the rows would be filled with them as they are
         raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
     S, L = input_ids.shape
     if S == 0:  # no sequence: no row width (it failed as "max() arg is an empty sequence")
